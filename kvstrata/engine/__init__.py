@@ -1,0 +1,1 @@
+"""Models, weight loading, attention backends, scheduler, sampler, drift monitor."""

@@ -1,0 +1,1 @@
+"""The accuracy lab: perplexity drift, KL, sensitivity, precision plans."""
