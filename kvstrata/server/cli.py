@@ -1,17 +1,50 @@
-"""`kvstrata serve`: not built yet (issue: OpenAI-compatible server)."""
+"""`kvstrata serve`: the OpenAI-compatible server over the built-in engine (FastAPI + uvicorn)."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
-HELP = "Start the OpenAI-compatible server (not built yet)."
+from kvstrata.server.config import ServerConfig, add_flags
+
+HELP = "Start the OpenAI-compatible server (flags also from KVSTRATA_<FLAG> environment variables)."
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None)
+    add_flags(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    print("kvstrata serve: the server is not built yet; nothing is started.", file=sys.stderr)
-    return 2
+    config = ServerConfig.from_namespace(args)
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    log = logging.getLogger("kvstrata.server")
+    import uvicorn
+
+    from kvstrata import Engine
+    from kvstrata.server.app import create_app
+
+    try:
+        engine = Engine(**config.engine_kwargs())
+    except (ValueError, KeyError, FileNotFoundError) as exc:
+        print(f"kvstrata serve: cannot start the engine: {exc}", file=sys.stderr)
+        return 2
+    try:
+        app = create_app(engine, config)
+        info = engine.get_server_info()
+        log.info(
+            "serving %s on http://%s:%d (kv %s, window %s, %s tokens of KV, auth %s)",
+            app.state.kvstrata.client.model_name,
+            config.host,
+            config.port,
+            info["kv_cache_dtype"],
+            info["recent_window"],
+            info["max_total_tokens"],
+            "on" if config.api_key else "off",
+        )
+        uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level, access_log=False)
+    finally:
+        engine.shutdown()
+    return 0

@@ -1,0 +1,52 @@
+"""Attention backends: what the model calls for each layer, bound to one step's batch.
+
+The model computes q/k/v (after RoPE) and calls ``attn(layer, q, k, v)``; a backend decides where
+K/V live and how attention is computed. The reference backend delegates to the stratified cache,
+which reads cold pages (dequantized inside its loop) and the BF16 ring, and stores the new K/V.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def bind(self, batch: Any) -> AttnFn:
+        """The per-layer callback for one forward step over ``batch`` (from ``cache.begin_step``)."""
+        ...
+
+
+class TorchCacheAttention:
+    """PyTorch reference backend over cold pages + ring (CPU and GPU): ``cache.attention``."""
+
+    name = "torch"
+
+    def __init__(self, cache: Any, scale: float) -> None:
+        self.cache = cache
+        self.scale = scale
+
+    def bind(self, batch: Any) -> AttnFn:
+        attention, scale = self.cache.attention, self.scale
+
+        def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return attention(layer, batch, q, k, v, scale)
+
+        return attn
+
+
+BACKENDS: dict[str, type[TorchCacheAttention]] = {"torch": TorchCacheAttention}
+
+
+def get_backend(name: str, cache: Any, scale: float) -> AttentionBackend:
+    try:
+        cls = BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"unknown attention backend {name!r}; known: {sorted(BACKENDS)}") from None
+    return cls(cache, scale)

@@ -1,0 +1,242 @@
+"""Online accuracy monitor: re-score sampled requests without quantization; fall back when drift grows.
+
+For a sampled finished request, the engine hands over the generated ids and the served log-softmax
+of each generated step (recorded while decoding, at most ``max_tokens`` steps). A worker thread runs
+one ``dense_forward`` (no cache, no quantization) over prompt + output and compares:
+
+- perplexity ratio = ppl(served) / ppl(reference) over the generated tokens, and
+  drift = ratio - 1 (relative perplexity increase), smoothed by an EWMA;
+- mean KL(reference || served) over the recorded steps.
+
+Fallback: when the EWMA passes ``threshold`` the level goes up by one (at most one step per sample
+seen at the current level); level k asks for a BF16 window of ``base * 2**k`` tokens. It comes back
+down one level after ``cooldown`` consecutive samples with EWMA < ``threshold / 2`` (hysteresis).
+Level changes are logged and reported through ``on_level(level, window)``, which the engine applies
+between steps via ``cache.set_recent_window``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger("kvstrata.drift")
+HISTORY = 256
+
+
+@dataclass
+class DriftSample:
+    rid: str
+    ppl_ratio: float
+    kl: float
+    tokens: int
+    ewma: float
+    level: int
+
+
+@dataclass
+class DriftStats:
+    """Plain snapshot for metrics: no Prometheus in the engine."""
+
+    enabled: bool
+    level: int
+    window: int
+    ewma: float
+    samples: int
+    dropped: int
+    level_changes: int
+    ppl_ratios: list[float] = field(default_factory=list)  # recent, oldest first
+    kls: list[float] = field(default_factory=list)
+
+
+@dataclass
+class DriftJob:
+    rid: str
+    token_ids: list[int]  # prompt + output
+    prompt_len: int
+    served: torch.Tensor  # [n, V] log-softmax of generated steps 0..n-1
+
+
+def score(dense_forward: Callable[[torch.Tensor], torch.Tensor], job: DriftJob) -> tuple[float, float]:
+    """(ppl_ratio, mean KL(reference || served)) of one job."""
+    n = job.served.shape[0]
+    ids = torch.tensor([job.token_ids[: job.prompt_len + n - 1]], dtype=torch.long)
+    with torch.inference_mode():
+        logits = dense_forward(ids.to(_device_of(dense_forward)))
+    logits = logits.reshape(-1, logits.shape[-1])[job.prompt_len - 1 : job.prompt_len - 1 + n]
+    ref = torch.log_softmax(logits.float().cpu(), dim=-1)
+    served = job.served.float()
+    chosen = torch.tensor(job.token_ids[job.prompt_len : job.prompt_len + n]).unsqueeze(1)
+    nll_ref = -ref.gather(1, chosen).mean()
+    nll_served = -served.gather(1, chosen).mean()
+    ratio = float(torch.exp(nll_served - nll_ref))
+    kl = float((ref.exp() * (ref - served)).sum(dim=-1).mean())
+    return ratio, max(kl, 0.0)
+
+
+def _device_of(fn: Callable[..., torch.Tensor]) -> torch.device:
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, torch.nn.Module):
+        for p in owner.parameters():
+            return p.device
+    return torch.device("cpu")
+
+
+class FallbackPolicy:
+    """EWMA of drift and the level it calls for; pure state, testable without a model."""
+
+    def __init__(self, threshold: float, max_level: int, alpha: float = 0.3, cooldown: int = 4) -> None:
+        self.threshold = threshold
+        self.max_level = max_level
+        self.alpha = alpha
+        self.cooldown = cooldown
+        self.ewma: float | None = None
+        self.level = 0
+        self.low_streak = 0
+        self.seen_at_level = 2  # samples seen since the last change
+        self.changes = 0
+
+    def update(self, drift: float) -> int:
+        """Feed one drift value; returns the level change (-1, 0 or +1)."""
+        self.ewma = drift if self.ewma is None else self.alpha * drift + (1 - self.alpha) * self.ewma
+        self.seen_at_level += 1
+        self.low_streak = self.low_streak + 1 if self.ewma < self.threshold * 0.5 else 0
+        step = 0
+        # After a change, wait for a second sample: the first may predate the new window.
+        if self.ewma > self.threshold and self.level < self.max_level and self.seen_at_level >= 2:
+            step = 1
+        elif self.low_streak >= self.cooldown and self.level > 0:
+            step = -1
+        if step:
+            self.level += step
+            self.changes += 1
+            self.seen_at_level = 0
+            self.low_streak = 0
+        return step
+
+
+class DriftMonitor:
+    def __init__(
+        self,
+        dense_forward: Callable[[torch.Tensor], torch.Tensor],
+        sample_rate: float,
+        threshold: float,
+        base_window: int,
+        max_level: int,
+        max_tokens: int = 128,
+        alpha: float = 0.3,
+        cooldown: int = 4,
+        on_level: Callable[[int, int], None] | None = None,
+        on_sample: Callable[[DriftSample], None] | None = None,
+        max_pending: int = 4,
+        seed: int | None = None,
+    ) -> None:
+        self.dense_forward = dense_forward
+        self.sample_rate = sample_rate
+        self.base_window = base_window
+        self.max_tokens = max_tokens
+        self.policy = FallbackPolicy(threshold, max_level, alpha, cooldown)
+        self.on_level = on_level
+        self.on_sample = on_sample
+        self.rng = random.Random(seed)
+        self.jobs: queue.Queue[DriftJob | None] = queue.Queue(maxsize=max_pending)
+        self.samples = 0
+        self.dropped = 0
+        self.ratios: deque[float] = deque(maxlen=HISTORY)
+        self.kls: deque[float] = deque(maxlen=HISTORY)
+        self.lock = threading.Lock()
+        self.idle = threading.Event()
+        self.idle.set()
+        self.thread = threading.Thread(target=self._run, name="kvstrata-drift", daemon=True)
+        self.thread.start()
+
+    @property
+    def max_window(self) -> int:
+        return self.base_window * 2**self.policy.max_level
+
+    def window(self, level: int | None = None) -> int:
+        return self.base_window * 2 ** (self.policy.level if level is None else level)
+
+    def should_sample(self) -> bool:
+        return self.sample_rate > 0 and self.rng.random() < self.sample_rate
+
+    def submit(self, job: DriftJob) -> bool:
+        """Queue a finished request for re-scoring; dropped (False) when the worker is behind."""
+        if job.served.shape[0] == 0:
+            return False
+        try:
+            self.idle.clear()
+            self.jobs.put_nowait(job)
+            return True
+        except queue.Full:
+            with self.lock:
+                self.dropped += 1
+            if self.jobs.empty():
+                self.idle.set()
+            return False
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until every queued job is scored (tests, shutdown)."""
+        return self.idle.wait(timeout)
+
+    def _run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            try:
+                ratio, kl = score(self.dense_forward, job)
+                self._record(job, ratio, kl)
+            except Exception:  # a broken re-score must not take the engine down
+                log.exception("drift re-score of %s failed", job.rid)
+            finally:
+                if self.jobs.empty():
+                    self.idle.set()
+
+    def _record(self, job: DriftJob, ratio: float, kl: float) -> None:
+        with self.lock:
+            old = self.policy.level
+            step = self.policy.update(ratio - 1.0)
+            self.samples += 1
+            self.ratios.append(ratio)
+            self.kls.append(kl)
+            sample = DriftSample(job.rid, ratio, kl, job.served.shape[0], self.policy.ewma or 0.0, old + step)
+        if step:
+            new = old + step
+            log.warning(
+                "kv precision fallback level %d -> %d (drift ewma %.4f, threshold %.4f): recent window %d",
+                old,
+                new,
+                sample.ewma,
+                self.policy.threshold,
+                self.window(new),
+            )
+            if self.on_level is not None:
+                self.on_level(new, self.window(new))
+        if self.on_sample is not None:
+            self.on_sample(sample)
+
+    def stats(self) -> DriftStats:
+        with self.lock:
+            return DriftStats(
+                enabled=self.sample_rate > 0,
+                level=self.policy.level,
+                window=self.window(),
+                ewma=self.policy.ewma or 0.0,
+                samples=self.samples,
+                dropped=self.dropped,
+                level_changes=self.policy.changes,
+                ppl_ratios=list(self.ratios),
+                kls=list(self.kls),
+            )
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.thread.join(timeout=10)

@@ -1,0 +1,186 @@
+"""One Llama-family transformer: Llama 2/3, Mistral, Qwen2/2.5 (q/k/v bias), Qwen3 (q/k RMSNorm), SmolLM2.
+
+The model never sees a KV cache. Each layer hands its queries, keys and values (after q/k-norm and RoPE)
+to an attention callback ``attn(layer_idx, q[T, Hq, D], k[T, Hkv, D], v[T, Hkv, D]) -> [T, Hq, D]``;
+the stratified cache supplies that callback, stores k/v and attends over each sequence's history.
+Inputs are a flattened varlen batch: ``input_ids[T]`` and ``positions[T]`` of all sequences concatenated.
+
+``dense_forward`` is the reference path (plain causal SDPA, no cache) and ``dense_attn_for`` runs
+sequences through the callback interface with plain causal attention.
+
+Numerics follow transformers' modeling_llama/qwen2/qwen3 step for step (RMSNorm in float32, cos/sin in
+float32 cast to the compute dtype), so float32 logits agree with it to rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kvstrata.engine.config import ModelConfig
+from kvstrata.engine.rope import rope_inv_freq
+
+AttnFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [T, H, D]; cos/sin [T, 1, D]. Half-split ("rotate_half", NeoX) layout, as in transformers."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.q_heads, self.kv_heads, self.head_dim = cfg.q_heads, cfg.kv_heads, cfg.head_dim
+        q_dim, kv_dim = cfg.q_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        self.splits = [q_dim, kv_dim, kv_dim]
+        self.wqkv = nn.Linear(cfg.hidden_size, q_dim + 2 * kv_dim, bias=cfg.attention_bias)
+        self.wo = nn.Linear(q_dim, cfg.hidden_size, bias=cfg.attention_out_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer_idx: int, attn: AttnFn) -> Tensor:
+        T = x.shape[0]
+        q, k, v = self.wqkv(x).split(self.splits, dim=-1)
+        q = q.view(T, self.q_heads, self.head_dim)
+        k = k.view(T, self.kv_heads, self.head_dim)
+        v = v.view(T, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attn(layer_idx, q, k, v)
+        return self.wo(out.reshape(T, self.q_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.w13 = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)  # gate, up
+        self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)  # down
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer_idx: int, attn: AttnFn) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, layer_idx, attn)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        inv_freq, self.rope_factor = rope_inv_freq(config)
+        self.register_buffer("inv_freq", inv_freq.to(device="cpu"), persistent=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos, sin [T, 1, head_dim] in the compute dtype, computed in float32 as transformers does."""
+        inv_freq = self.inv_freq
+        scaling = self.config.rope_scaling or {}
+        if scaling.get("rope_type") == "dynamic":
+            seq_len = int(positions.max()) + 1
+            if seq_len > self.config.max_position_embeddings:
+                inv_freq = rope_inv_freq(self.config, seq_len)[0].to(positions.device)
+        freqs = positions.float()[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        cos, sin = emb.cos() * self.rope_factor, emb.sin() * self.rope_factor
+        return cos.to(self.dtype), sin.to(self.dtype)
+
+    def forward(
+        self, input_ids: Tensor, positions: Tensor, attn: AttnFn, logits_at: Tensor | None = None
+    ) -> Tensor:
+        """input_ids, positions [T] (flattened varlen batch) -> float32 logits [len(logits_at) or T, vocab]."""
+        x = self.embed(input_ids)
+        cos, sin = self.rope(positions)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, i, attn)
+        if logits_at is not None:
+            x = x[logits_at]
+        return self.lm_head(self.norm(x)).float()
+
+    # ------------------------------------------------------------------ reference paths, no cache
+    @staticmethod
+    def dense_attn_for(seq_lens: Sequence[int]) -> AttnFn:
+        """Callback with plain causal attention over each of the concatenated sequences of ``seq_lens``.
+
+        Each sequence attends to its own tokens only, as if it were prefilled from position 0.
+        """
+        lens = [int(n) for n in seq_lens]
+
+        def attn(layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            if sum(lens) != q.shape[0]:
+                raise ValueError(f"dense_attn_for({lens}) got {q.shape[0]} tokens")
+            outs = [
+                causal_attention(qi, ki, vi)
+                for qi, ki, vi in zip(q.split(lens), k.split(lens), v.split(lens), strict=True)
+            ]
+            return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+        return attn
+
+    def dense_forward(self, input_ids: Tensor) -> Tensor:
+        """input_ids [B, T] -> float32 logits [B, T, vocab]; positions 0..T-1, causal SDPA, no cache."""
+        B, T = input_ids.shape
+        positions = torch.arange(T, device=input_ids.device).repeat(B)
+
+        def attn(layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            def heads_first(t: Tensor) -> Tensor:
+                return t.view(B, T, *t.shape[1:]).transpose(1, 2)
+
+            out = F.scaled_dot_product_attention(
+                heads_first(q), heads_first(k), heads_first(v), is_causal=True, enable_gqa=True
+            )
+            return out.transpose(1, 2).reshape(B * T, *q.shape[1:])
+
+        return self(input_ids.reshape(-1), positions, attn).view(B, T, -1)
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Plain causal attention of one sequence: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
+    )
+    return out.transpose(0, 1)

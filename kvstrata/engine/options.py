@@ -1,0 +1,150 @@
+"""Engine configuration: the knobs of `kvstrata.Engine`, validated, and what they resolve to."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_CPU_TOTAL_TOKENS = 32768
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # HF directory, GGUF file, or None for the embedded default
+    dtype: str = "auto"  # compute dtype: auto = float32 on CPU, bfloat16 on CUDA
+    kv_cache_dtype: str = "auto"  # auto = stored in the compute dtype, no quantization; or a codec name
+    recent_window: int = 128  # BF16 ring tokens per sequence (multiple of page_size)
+    page_size: int = 16
+    layer_plan: list[str] | str | None = None  # per-layer codec names, or a plan JSON file
+    rotation: bool = False
+    sinks: bool = False
+    kv_scales: str | None = None  # calibration scales file (static clip values)
+    ring_dtype: str = "auto"  # auto = compute dtype when unquantized, else bfloat16
+    max_total_tokens: int | None = None  # cold pool size in tokens (wins over mem_fraction_static)
+    mem_fraction_static: float | None = None  # share of free memory for the cold pool
+    max_running_requests: int = 32
+    chunked_prefill_size: int = 1024
+    device: str = "auto"
+    drift_sample_rate: float = 0.0  # share of finished requests re-scored without quantization
+    drift_threshold: float = 1.05  # smoothed perplexity ratio that triggers fallback
+    drift_max_level: int = 2  # fallback level k: window = recent_window * 2**k
+    drift_max_tokens: int = 128  # generated steps recorded per sampled request
+    drift_ewma_alpha: float = 0.3
+    drift_cooldown: int = 4  # consecutive low samples before stepping down
+    seed: int | None = None  # seeds the unseeded sampling rows (torch default generator)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if self.dtype not in ("auto", *DTYPES):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.ring_dtype not in ("auto", *DTYPES):
+            raise ValueError(f"ring_dtype must be auto or a dtype name, got {self.ring_dtype!r}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.recent_window < 0 or self.recent_window % self.page_size:
+            raise ValueError(
+                f"recent_window must be a non-negative multiple of page_size ({self.page_size}), "
+                f"got {self.recent_window}"
+            )
+        if self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.chunked_prefill_size < 1:
+            raise ValueError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise ValueError(f"max_total_tokens must be >= page_size, got {self.max_total_tokens}")
+        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        if not 0.0 <= self.drift_sample_rate <= 1.0:
+            raise ValueError(f"drift_sample_rate must be in [0, 1], got {self.drift_sample_rate}")
+        if self.drift_threshold <= 0:
+            raise ValueError(f"drift_threshold must be > 0, got {self.drift_threshold}")
+        if self.drift_max_level < 0:
+            raise ValueError(f"drift_max_level must be >= 0, got {self.drift_max_level}")
+
+    # --- resolution ---------------------------------------------------------------------------
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return DTYPES[self.dtype]
+
+    def resolve_ring_dtype(self, compute: torch.dtype) -> torch.dtype:
+        if self.ring_dtype != "auto":
+            return DTYPES[self.ring_dtype]
+        unquantized = self.kv_cache_dtype in ("auto", "fp32", "bf16") and self.layer_plan is None
+        return compute if unquantized else torch.bfloat16
+
+    def resolve_layer_codecs(self, num_layers: int, compute: torch.dtype) -> list[str]:
+        from kvstrata.quant import get_codec
+
+        if self.layer_plan is not None:
+            codecs = load_plan(self.layer_plan)
+            if len(codecs) != num_layers:
+                raise ValueError(f"layer plan has {len(codecs)} layers, the model has {num_layers}")
+        elif self.kv_cache_dtype == "auto":
+            codecs = ["fp32" if compute == torch.float32 else "bf16"] * num_layers
+        else:
+            codecs = [self.kv_cache_dtype] * num_layers
+        for name in set(codecs):
+            get_codec(name)  # raises listing the known codecs
+        return codecs
+
+
+def load_plan(plan: list[str] | str | os.PathLike[str]) -> list[str]:
+    """A per-layer plan: a list of codec names, or a JSON file holding one.
+
+    Accepted files: a JSON list of names; ``{"layer_codecs": [...]}`` / ``{"layers": [...]}`` where each
+    item is a name or an object with a ``"codec"`` key.
+    """
+    if isinstance(plan, list):
+        return [str(x) for x in plan]
+    path = Path(plan)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read layer plan {path}: {exc}") from exc
+    if isinstance(data, dict):
+        data = data.get("layer_codecs", data.get("layers"))
+    if not isinstance(data, list) or not data:
+        raise ValueError(f"layer plan {path} holds no list of layer codecs")
+    out = []
+    for item in data:
+        name = item.get("codec") if isinstance(item, dict) else item
+        if not isinstance(name, str):
+            raise ValueError(f"layer plan {path}: bad entry {item!r}")
+        out.append(name)
+    return out
+
+
+def available_memory(device: torch.device) -> int:
+    """Free bytes on the device (CUDA: driver's free memory; CPU: MemAvailable)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+def pool_pages(args: EngineArgs, device: torch.device, bytes_per_page: int) -> int:
+    """Cold pool size in pages: max_total_tokens, else mem_fraction_static of free memory."""
+    if args.max_total_tokens is not None:
+        return -(-args.max_total_tokens // args.page_size)
+    if args.mem_fraction_static is None and device.type == "cpu":
+        return DEFAULT_CPU_TOTAL_TOKENS // args.page_size
+    fraction = args.mem_fraction_static if args.mem_fraction_static is not None else 0.8
+    return max(1, int(available_memory(device) * fraction) // max(1, bytes_per_page))

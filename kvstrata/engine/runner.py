@@ -1,0 +1,61 @@
+"""One forward step: build the varlen batch, run the model over the cache, sample.
+
+Python work per step is kept flat: one list build for ids and positions, one ``logits_at`` index,
+one attention closure bound to the batch (the model calls it per layer), one ``tolist`` of sampled
+ids. Logits are computed only for the last token of sequences that reached their end this step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvstrata.engine.attention import AttentionBackend
+from kvstrata.engine.request import Request
+from kvstrata.engine.sampler import SampleOutput, Sampler
+from kvstrata.engine.scheduler import StepPlan
+
+
+class StepRunner:
+    def __init__(self, net: Any, cache: Any, backend: AttentionBackend, device: torch.device) -> None:
+        self.net = net
+        self.cache = cache
+        self.backend = backend
+        self.device = device
+        self.sampler = Sampler()
+
+    def run(self, plan: StepPlan) -> tuple[list[Request], SampleOutput | None, torch.Tensor | None]:
+        """Forward the plan; returns the requests that got a new token, the samples, and the logits."""
+        ids: list[int] = []
+        positions: list[int] = []
+        logits_at: list[int] = []
+        sampled: list[Request] = []
+        for req, n in zip(plan.reqs, plan.n_new, strict=True):
+            start = req.computed
+            end = start + n
+            p = len(req.prompt_ids)
+            if end <= p:
+                ids.extend(req.prompt_ids[start:end])
+            elif start >= p:
+                ids.extend(req.output_ids[start - p : end - p])
+            else:
+                ids.extend(req.prompt_ids[start:])
+                ids.extend(req.output_ids[: end - p])
+            positions.extend(range(start, end))
+            if end == req.tokens_len:
+                logits_at.append(len(ids) - 1)
+                sampled.append(req)
+        dev = self.device
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        at = torch.tensor(logits_at, dtype=torch.long, device=dev)
+        try:
+            logits = self.net(input_ids, pos, attn=self.backend.bind(plan.batch), logits_at=at)
+        except BaseException:
+            self.cache.cancel_step(plan.batch)  # pages back, lengths unchanged
+            raise
+        self.cache.end_step(plan.batch)
+        if not sampled:
+            return [], None, None
+        return sampled, self.sampler(logits, [r.row for r in sampled]), logits

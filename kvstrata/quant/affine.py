@@ -1,0 +1,41 @@
+"""Integer grids shared by the `int8` and `int4` codecs: symmetric and asymmetric (min/max) affine maps.
+
+Decoding is ``codes * scale`` (symmetric) or ``codes * scale + offset`` (asymmetric), with
+``scale``/``offset`` stored as float32 in the scale shape so decoding is a broadcast multiply-add.
+A scale of 0 (an all-zero or constant group) decodes every element to exactly ``offset``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvstrata.quant.stats import Prepared, amax, amin, reduce_dim
+
+
+def safe_divisor(scale: torch.Tensor) -> torch.Tensor:
+    """``scale`` with zeros replaced by 1, for dividing data whose group is all zero (or constant)."""
+    return torch.where(scale > 0, scale, torch.ones((), dtype=scale.dtype, device=scale.device))
+
+
+def symmetric_encode(p: Prepared, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes in ``[-qmax, qmax]`` (float, rounded half to even) and the scale ``absmax / qmax``."""
+    scale = p.absmax / qmax
+    codes = torch.round(p.x / safe_divisor(scale)).clamp_(-qmax, qmax)
+    return codes, scale
+
+
+def asymmetric_encode(
+    p: Prepared, granularity: str, levels: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes in ``[0, levels]``, scale ``(hi - lo) / levels`` and offset ``lo``.
+
+    Dynamic scales take ``lo``/``hi`` from the data; static ones use ``[-absmax, absmax]``.
+    """
+    if p.static:
+        lo, hi = -p.absmax, p.absmax
+    else:
+        dim = reduce_dim(granularity)
+        lo, hi = amin(p.x, dim), amax(p.x, dim)
+    scale = (hi - lo) / levels
+    codes = torch.round((p.x - lo) / safe_divisor(scale)).clamp_(0, levels)
+    return codes, scale, lo

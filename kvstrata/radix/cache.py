@@ -1,0 +1,398 @@
+"""`StratifiedKVCache`: admission, steps, prefix sharing and accounting over pool, ring and tree.
+
+Ownership: every allocated cold page is held either by exactly one tree node or privately by
+exactly one running sequence. A sequence's ``page_ids`` start with tree pages (locked through its
+handle) followed by private pages; inserting into the tree hands private pages over, and frees
+the ones the tree already had (the sequence then reads the tree's copy). Pages are written once,
+in the step that completes them, before they can reach the tree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence as Seq
+
+import torch
+
+from kvstrata.radix import attention
+from kvstrata.radix.config import CacheConfig
+from kvstrata.radix.errors import OutOfPages, OutOfSlots, PinBudgetExceeded
+from kvstrata.radix.plan import StepBatch, build_step
+from kvstrata.radix.pool import ColdPool, cold_page_bytes
+from kvstrata.radix.ring import HotRing
+from kvstrata.radix.sequence import PrefixMatch, Sequence
+from kvstrata.radix.sinks import SinkStore
+from kvstrata.radix.stats import CacheStats, TierStats
+from kvstrata.radix.tree import RadixTree, TreeNode
+
+
+class StratifiedKVCache:
+    def __init__(self, cfg: CacheConfig) -> None:
+        self.cfg = cfg
+        P, H, D = cfg.page_size, cfg.kv_heads, cfg.head_dim
+        num_pages = cfg.num_pages
+        if num_pages is None:
+            assert cfg.cold_budget_bytes is not None
+            num_pages = cfg.cold_budget_bytes // cold_page_bytes(cfg.layer_codecs, P, H, D)
+        self.device = torch.device(cfg.device)
+        self.pool = ColdPool(cfg.layer_codecs, num_pages, P, H, D, self.device)
+        self.ring = HotRing(cfg.num_layers, cfg.max_running, cfg.ring_tokens, H, D, cfg.ring_dtype, self.device)
+        self.sinks = (
+            SinkStore(cfg.num_layers, cfg.sink_pages or 0, P, H, D, cfg.ring_dtype, self.device)
+            if cfg.sinks
+            else None
+        )
+        self.tree = RadixTree(P)
+        self.recent_window = cfg.recent_window
+        self.pin_budget_bytes = (
+            cfg.pin_budget_bytes if cfg.pin_budget_bytes is not None else num_pages * self.pool.page_bytes // 4
+        )
+        self._clips = self._load_clips(cfg)
+        self._rotate = None
+        if cfg.rotation:
+            from kvstrata.quant.rotation import hadamard_rotate
+
+            self._rotate = hadamard_rotate
+        self.running: dict[int, Sequence] = {}
+        self._next_id = 0
+        self.written = bytearray(num_pages)
+        self.quantized_pages = self.evicted_pages = self.matched_tokens = self.missed_tokens = 0
+        L = cfg.num_layers
+        self.overflow = {"k": [0] * L, "v": [0] * L}
+        self.nonfinite = {"k": [0] * L, "v": [0] * L}
+
+    @staticmethod
+    def _load_clips(cfg: CacheConfig) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+        if cfg.scales is None:
+            return [(None, None)] * cfg.num_layers
+        cfg.scales.check_geometry(cfg.num_layers, cfg.kv_heads, cfg.head_dim)
+        return [
+            (cfg.scales.clip(layer, "k").to(cfg.device), cfg.scales.clip(layer, "v").to(cfg.device))
+            for layer in range(cfg.num_layers)
+        ]
+
+    # ---- capacity -------------------------------------------------------------------------------
+    @property
+    def page_size(self) -> int:
+        return self.cfg.page_size
+
+    @property
+    def num_pages(self) -> int:
+        return self.pool.allocator.total
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.pool.allocator.num_free
+
+    @property
+    def num_evictable_pages(self) -> int:
+        return self.tree.evictable_pages
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.ring.slots.num_free
+
+    def pages_for_step(self, seq: Sequence, n_new: int) -> int:
+        """Cold pages `begin_step` would take for ``n_new`` more tokens of ``seq``."""
+        return (seq.length + n_new) // self.page_size - len(seq.page_ids)
+
+    # ---- prefix lookups and pins ----------------------------------------------------------------
+    def match_prefix(self, token_ids: Seq[int], extra_key: Hashable = None) -> PrefixMatch:
+        """Longest cached page-aligned prefix of ``token_ids`` (all of them may match)."""
+        m = self.tree.match_prefix(token_ids, extra_key)
+        return PrefixMatch(m.pages, m.node, len(m.pages) * self.page_size)
+
+    def pin(self, handle: TreeNode | None) -> None:
+        """Pin the prefix ending at ``handle``: it is never evicted until `unpin`.
+
+        Raises `PinBudgetExceeded` (nothing changes) when its not yet pinned pages would take the
+        pinned bytes past ``pin_budget_bytes``.
+        """
+        if handle is None:
+            raise ValueError("pin: empty handle (the prefix matched no page)")
+        if handle.evicted:
+            raise ValueError("pin: the handle's prefix was evicted")
+        extra = self.tree.unpinned_pages_on_path(handle) * self.pool.page_bytes
+        pinned = self.tree.pinned_pages * self.pool.page_bytes
+        if pinned + extra > self.pin_budget_bytes:
+            raise PinBudgetExceeded(
+                f"pinning {extra} more bytes would make {pinned + extra} pinned bytes, over the pin "
+                f"budget of {self.pin_budget_bytes} bytes ({pinned} pinned now)"
+            )
+        self.tree.pin(handle)
+
+    def unpin(self, handle: TreeNode | None) -> None:
+        if handle is None:
+            raise ValueError("unpin: empty handle")
+        self.tree.unpin(handle)
+
+    # ---- request lifecycle ----------------------------------------------------------------------
+    def admit(self, token_ids: list[int], extra_key: Hashable = None) -> Sequence:
+        """Match the longest cached prefix (page aligned, never the last token), lock it and take a
+        ring slot. Raises `OutOfSlots` with nothing changed when every slot is taken."""
+        if not token_ids:
+            raise ValueError("admit: empty token_ids")
+        if self.ring.slots.num_free == 0:
+            raise OutOfSlots(f"all {self.ring.slots.total} ring slots are held by running sequences")
+        P = self.page_size
+        match = self.tree.match_prefix(token_ids[: (len(token_ids) - 1) // P * P], extra_key)
+        slot = self.ring.slots.alloc(1)[0]
+        self.tree.lock(match.node)
+        cached = len(match.pages) * P
+        seq = Sequence(
+            seq_id=self._next_id,
+            token_ids=token_ids,
+            extra_key=extra_key,
+            slot=slot,
+            cached_tokens=cached,
+            length=cached,
+            ring_start=cached,
+            page_ids=list(match.pages),
+            tree_pages=len(match.pages),
+            handle=match.node,
+        )
+        self._next_id += 1
+        self.running[seq.seq_id] = seq
+        self.matched_tokens += cached
+        self.missed_tokens += len(token_ids) - cached
+        return seq
+
+    def begin_step(self, seqs: list[Sequence], n_new: list[int]) -> StepBatch:
+        """Reserve cold pages (and sink pages) for the pages these tokens complete, evicting
+        unlocked tree leaves if needed, and plan the step. `OutOfPages` changes nothing."""
+        self._check_step_args(seqs, n_new)
+        P = self.page_size
+        need = [self.pages_for_step(s, n) for s, n in zip(seqs, n_new, strict=True)]
+        need_sinks = 0
+        if self.sinks is not None:
+            need_sinks = sum(1 for s, k in zip(seqs, need, strict=True) if k > 0 and not s.page_ids)
+        self._make_room(sum(need), need_sinks)
+        new_pages = []
+        for seq, k in zip(seqs, need, strict=True):
+            pages = self.pool.allocator.alloc(k)
+            if self.sinks is not None and pages and not seq.page_ids:
+                self.sinks.bind(pages[:1])
+            seq.page_ids.extend(pages)
+            seq.in_step = True
+            new_pages.append(pages)
+        return build_step(
+            seqs,
+            n_new,
+            new_pages,
+            page_size=P,
+            ring_capacity=self.ring.capacity,
+            window=self.recent_window,
+            sink_of=self.sinks.of_page if self.sinks is not None else None,
+            device=self.device,
+        )
+
+    def _check_step_args(self, seqs: list[Sequence], n_new: list[int]) -> None:
+        if len(seqs) != len(n_new) or not seqs:
+            raise ValueError(f"begin_step: {len(seqs)} sequences, {len(n_new)} token counts")
+        if len({s.seq_id for s in seqs}) != len(seqs):
+            raise ValueError("begin_step: a sequence appears twice")
+        for seq, n in zip(seqs, n_new, strict=True):
+            if seq.finished or self.running.get(seq.seq_id) is not seq:
+                raise ValueError(f"begin_step: sequence {seq.seq_id} is not running")
+            if seq.in_step:
+                raise ValueError(f"begin_step: sequence {seq.seq_id} is already in an open step")
+            if n < 1 or seq.length + n > len(seq.token_ids):
+                raise ValueError(
+                    f"begin_step: sequence {seq.seq_id} has {len(seq.token_ids)} token ids, "
+                    f"{seq.length} cached, asked for {n} new"
+                )
+
+    def _make_room(self, pages: int, sink_pages: int) -> None:
+        free = self.pool.allocator.num_free
+        if pages > free + self.tree.evictable_pages:
+            raise OutOfPages(
+                f"need {pages} cold pages: {free} free, {self.tree.evictable_pages} evictable, "
+                f"{self.tree.total_pages - self.tree.evictable_pages} locked or pinned in the tree, "
+                f"{self.pool.allocator.num_used - self.tree.total_pages} held by running sequences"
+            )
+        if self.sinks is not None:
+            sink_free = self.sinks.allocator.num_free
+            evictable = sum(self._sink_weight(n) for n in self.tree.nodes() if not n.protected)
+            if sink_pages > sink_free + evictable:
+                raise OutOfPages(
+                    f"need {sink_pages} sink pages: {sink_free} free, {evictable} evictable "
+                    f"of {self.sinks.allocator.total}"
+                )
+        if pages > free:
+            self._free_pages(self.tree.evict(pages - free), evicted=True)
+        if self.sinks is not None and sink_pages > self.sinks.allocator.num_free:
+            short = sink_pages - self.sinks.allocator.num_free
+            self._free_pages(self.tree.evict(short, self._sink_weight), evicted=True)
+
+    def _sink_weight(self, node: TreeNode) -> int:
+        assert self.sinks is not None
+        return int(node.parent is not None and node.parent.is_root and node.pages[0] in self.sinks.of_page)
+
+    def attention(
+        self, layer: int, batch: StepBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Causal attention of the new tokens over cold pages + sinks + ring + themselves; then
+        stores k/v (ring, and completed pages quantized once). Returns ``[T, Hq, D]``."""
+        if batch.closed:
+            raise ValueError("attention: the step has ended")
+        if layer in batch.layers_done:
+            raise ValueError(f"attention: layer {layer} was already run in this step")
+        if not 0 <= layer < self.cfg.num_layers:
+            raise ValueError(f"attention: layer {layer} out of range 0..{self.cfg.num_layers - 1}")
+        T, H, D = batch.num_tokens, self.cfg.kv_heads, self.cfg.head_dim
+        if k.shape != (T, H, D) or v.shape != (T, H, D) or q.shape[0] != T or q.shape[1] % H:
+            raise ValueError(
+                f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit "
+                f"{T} tokens, {H} kv heads, head_dim {D}"
+            )
+        if self._rotate is not None:
+            q, k, v = self._rotate(q), self._rotate(k), self._rotate(v)
+        out = attention.attend(layer, batch, q, k, v, scale, self.pool, self.ring, self.sinks, self.cfg.block_pages)
+        counts = attention.store(layer, batch, k, v, self.pool, self.ring, self.sinks, self._clips[layer])
+        for kind, over, nonfinite in (("k", counts[0], counts[2]), ("v", counts[1], counts[3])):
+            self.overflow[kind][layer] += over
+            self.nonfinite[kind][layer] += nonfinite
+        batch.layers_done.add(layer)
+        if self._rotate is not None:
+            out = self._rotate(out)  # V was rotated; the normalised transform is its own inverse
+        return out.to(q.dtype)
+
+    def end_step(self, batch: StepBatch) -> None:
+        """Commit the step: lengths += n_new; the ring keeps [ring_start, length)."""
+        if batch.closed:
+            raise ValueError("end_step: the step has already ended")
+        missing = set(range(self.cfg.num_layers)) - batch.layers_done
+        if missing:
+            raise ValueError(f"end_step: attention was not run for layers {sorted(missing)}")
+        for seq, n, start, pages in zip(batch.seqs, batch.n_new, batch.new_ring_start, batch.new_pages, strict=True):
+            seq.length += n
+            seq.ring_start = start
+            seq.in_step = False
+            for p in pages:
+                self.written[p] = 1
+            self.quantized_pages += len(pages)
+        batch.closed = True
+
+    def cancel_step(self, batch: StepBatch) -> None:
+        """Abandon a step (e.g. the forward pass failed): give back its pages, lengths unchanged."""
+        if batch.closed:
+            raise ValueError("cancel_step: the step has already ended")
+        for seq, pages in zip(batch.seqs, batch.new_pages, strict=True):
+            if pages:
+                del seq.page_ids[-len(pages) :]
+            self._free_pages(pages)
+            seq.in_step = False
+        batch.closed = True
+
+    def cache_prefix(self, seq: Sequence) -> None:
+        """Insert the sequence's full pages into the tree now (it keeps running)."""
+        self._check_idle(seq, "cache_prefix")
+        n_full = seq.length // self.page_size
+        if n_full <= seq.tree_pages:
+            return
+        P = self.page_size
+        res = self.tree.insert(seq.token_ids[: n_full * P], seq.page_ids[:n_full], seq.extra_key)
+        self._free_pages(seq.page_ids[seq.tree_pages : res.present])
+        seq.page_ids[:n_full] = res.pages
+        self.tree.lock(res.node)
+        self.tree.unlock(seq.handle)
+        seq.handle, seq.tree_pages = res.node, n_full
+
+    def finish(self, seq: Sequence, insert: bool = True) -> None:
+        """Insert full pages into the tree (optional), unlock, free private pages, release slot."""
+        self._check_idle(seq, "finish")
+        if insert:
+            self.cache_prefix(seq)
+        self.tree.unlock(seq.handle)
+        self._free_pages(seq.private_pages)
+        self.ring.slots.free([seq.slot])
+        seq.page_ids, seq.tree_pages, seq.handle = [], 0, None
+        seq.finished = True
+        del self.running[seq.seq_id]
+
+    def _check_idle(self, seq: Sequence, what: str) -> None:
+        if seq.finished or self.running.get(seq.seq_id) is not seq:
+            raise ValueError(f"{what}: sequence {seq.seq_id} is not running")
+        if seq.in_step:
+            raise ValueError(f"{what}: sequence {seq.seq_id} is in an open step; end it first")
+
+    def _free_pages(self, pages: list[int], evicted: bool = False) -> None:
+        if not pages:
+            return
+        self.pool.allocator.free(pages)
+        if self.sinks is not None:
+            self.sinks.release(pages)
+        for p in pages:
+            self.written[p] = 0
+        if evicted:
+            self.evicted_pages += len(pages)
+
+    # ---- maintenance ----------------------------------------------------------------------------
+    def evict(self, num_pages: int) -> int:
+        """Evict at least ``num_pages`` pages of unlocked, unpinned leaves (LRU) if there are;
+        returns how many pages were freed."""
+        freed = self.tree.evict(num_pages)
+        self._free_pages(freed, evicted=True)
+        return len(freed)
+
+    def reset(self) -> None:
+        """Empty the tree (pins included). Only when no sequence is running."""
+        if self.running:
+            raise RuntimeError(f"reset: {len(self.running)} sequences are still running")
+        self._free_pages(self.tree.reset())
+
+    def set_recent_window(self, window: int) -> None:
+        """Precision fallback hook: the BF16 window for the steps that follow (no allocation)."""
+        P, top = self.page_size, self.cfg.max_recent_window
+        assert top is not None
+        if window < 0 or window % P or window > top:
+            raise ValueError(f"recent window {window} must be a multiple of {P} in [0, {top}]")
+        self.recent_window = window
+
+    def check_invariants(self) -> None:
+        from kvstrata.radix.invariants import check_invariants
+
+        check_invariants(self)
+
+    def stats(self) -> CacheStats:
+        cfg, P = self.cfg, self.page_size
+        alloc = self.pool.allocator
+        cold = TierStats(
+            "cold",
+            self.pool.page_bytes,
+            alloc.total,
+            alloc.num_free,
+            alloc.num_used,
+            self.tree.total_pages,
+            self.tree.pinned_pages,
+            self.pool.page_bytes / P,
+        )
+        slot_pages = self.ring.capacity // P
+        ring = TierStats(
+            "ring",
+            self.ring.slot_bytes // slot_pages,
+            self.ring.slots.total * slot_pages,
+            self.ring.slots.num_free * slot_pages,
+            self.ring.slots.num_used * slot_pages,
+            bytes_per_token=float(self.ring.bytes_per_token),
+        )
+        tiers = {"cold": cold, "ring": ring}
+        if self.sinks is not None:
+            s = self.sinks.allocator
+            cached = sum(1 for n in self.tree.nodes() if self._sink_weight(n))
+            tiers["sink"] = TierStats(
+                "sink", self.sinks.page_bytes, s.total, s.num_free, s.num_used, cached, 0, self.sinks.page_bytes / P
+            )
+        return CacheStats(
+            tiers=tiers,
+            running=len(self.running),
+            quantized_pages=self.quantized_pages,
+            evicted_pages=self.evicted_pages,
+            pinned_pages=self.tree.pinned_pages,
+            matched_tokens=self.matched_tokens,
+            missed_tokens=self.missed_tokens,
+            quantized_elements=self.quantized_pages * P * cfg.kv_heads * cfg.head_dim,
+            overflow_k=list(self.overflow["k"]),
+            overflow_v=list(self.overflow["v"]),
+            nonfinite_k=list(self.nonfinite["k"]),
+            nonfinite_v=list(self.nonfinite["v"]),
+        )

@@ -1,0 +1,98 @@
+"""`ColdPool`: quantized history pages, one buffer per layer, K/V and codec part, page-major.
+
+Page ids are shared by all layers: page ``p`` is row ``p`` of every buffer. Keys are stored with
+per-channel scales over the page's tokens (KIVI), values with per-token scales. Only the codec
+(`kvstrata.quant`) knows what the parts mean; the pool only allocates ``page_parts`` and copies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvstrata.quant import get_codec
+from kvstrata.quant.codec import Codec
+from kvstrata.radix.allocator import IdAllocator
+
+KEY_GRANULARITY = "channel"
+VALUE_GRANULARITY = "token"
+
+
+def cold_page_bytes(codecs: list[str], page_size: int, heads: int, head_dim: int) -> int:
+    """Exact bytes of one cold page summed over layers, K and V, scales included."""
+    total = 0
+    for name in codecs:
+        codec = get_codec(name)
+        total += codec.page_bytes(page_size, heads, head_dim, KEY_GRANULARITY)
+        total += codec.page_bytes(page_size, heads, head_dim, VALUE_GRANULARITY)
+    return total
+
+
+@dataclass
+class WriteCounts:
+    overflow_k: int
+    overflow_v: int
+    nonfinite_k: int
+    nonfinite_v: int
+
+
+class ColdPool:
+    def __init__(
+        self,
+        codecs: list[str],
+        num_pages: int,
+        page_size: int,
+        heads: int,
+        head_dim: int,
+        device: str | torch.device,
+    ) -> None:
+        self.page_size, self.head_dim = page_size, head_dim
+        self.codec_names = list(codecs)
+        self.codecs: list[Codec] = [get_codec(name) for name in codecs]
+        self.allocator = IdAllocator(num_pages, "cold pages")
+        self.k: list[dict[str, torch.Tensor]] = []
+        self.v: list[dict[str, torch.Tensor]] = []
+        for codec in self.codecs:
+            for bufs, gran in ((self.k, KEY_GRANULARITY), (self.v, VALUE_GRANULARITY)):
+                spec = codec.page_parts(page_size, heads, head_dim, gran)
+                # Zeroed: padded page-table entries read page 0 and must decode to finite values.
+                bufs.append(
+                    {
+                        name: torch.zeros((num_pages, *shape), dtype=dtype, device=device)
+                        for name, (shape, dtype) in spec.items()
+                    }
+                )
+        self.page_bytes = cold_page_bytes(codecs, page_size, heads, head_dim)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of every buffer actually allocated."""
+        return sum(t.nbytes for bufs in (*self.k, *self.v) for t in bufs.values())
+
+    def write(
+        self,
+        layer: int,
+        page_ids: torch.Tensor,
+        k_pages: torch.Tensor,
+        v_pages: torch.Tensor,
+        k_clip: torch.Tensor | None = None,
+        v_clip: torch.Tensor | None = None,
+    ) -> WriteCounts:
+        """Quantize ``[n, page_size, H, D]`` pages of K and V into ``page_ids`` of ``layer``."""
+        codec = self.codecs[layer]
+        qk = codec.quantize(k_pages, granularity=KEY_GRANULARITY, static_absmax=k_clip)
+        qv = codec.quantize(v_pages, granularity=VALUE_GRANULARITY, static_absmax=v_clip)
+        for bufs, q in ((self.k[layer], qk), (self.v[layer], qv)):
+            for name, part in q.parts.items():
+                bufs[name].index_copy_(0, page_ids, part.to(bufs[name].dtype))
+        return WriteCounts(int(qk.overflow), int(qv.overflow), int(qk.nonfinite), int(qv.nonfinite))
+
+    def read(self, layer: int, page_table: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized K and V of ``page_table`` (any shape ``S``): ``[*S, page_size, H, D]`` each."""
+        codec = self.codecs[layer]
+        k_parts = {name: buf[page_table] for name, buf in self.k[layer].items()}
+        v_parts = {name: buf[page_table] for name, buf in self.v[layer].items()}
+        k = codec.dequantize_parts(k_parts, KEY_GRANULARITY, self.head_dim, dtype)
+        v = codec.dequantize_parts(v_parts, VALUE_GRANULARITY, self.head_dim, dtype)
+        return k, v

@@ -1,0 +1,43 @@
+"""`HotRing`: the recent window of every running sequence, in ``ring_dtype``, circular by position.
+
+Slot ``s`` of layer ``l`` is ``capacity`` consecutive rows of ``k[l]``/``v[l]``; position ``p`` of
+the sequence in slot ``s`` lives at row ``s * capacity + p % capacity``. A sequence's ring holds
+positions ``[ring_start, length)``, never more than ``capacity - 1`` of them, so the positions it
+keeps never collide.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvstrata.radix.allocator import IdAllocator
+
+
+class HotRing:
+    def __init__(
+        self,
+        num_layers: int,
+        slots: int,
+        capacity: int,
+        heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str | torch.device,
+    ) -> None:
+        self.capacity = capacity
+        self.slots = IdAllocator(slots, "ring slots")
+        shape = (num_layers, slots * capacity, heads, head_dim)
+        # Zeroed so that padded reads of never-written rows stay finite (they are masked anyway).
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.slot_bytes = 2 * num_layers * capacity * heads * head_dim * self.k.element_size()
+        self.bytes_per_token = 2 * num_layers * heads * head_dim * self.k.element_size()
+
+    @property
+    def total_bytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def rows(self, slot: int, start: int, stop: int) -> list[int]:
+        """Flat rows of positions ``[start, stop)`` of ``slot``."""
+        base, cap = slot * self.capacity, self.capacity
+        return [base + p % cap for p in range(start, stop)]

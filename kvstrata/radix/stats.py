@@ -1,0 +1,57 @@
+"""`CacheStats`: a plain snapshot of the cache's tiers and counters (the server exports it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """One tier counted in pages of ``page_size`` tokens; ``unit_bytes`` is one page's bytes.
+
+    ``used`` = ``cached`` (held by the tree) + pages held only by running sequences; ``pinned`` is
+    the part of ``cached`` under a pin. The ring counts a slot as ``ring_tokens / page_size`` pages.
+    """
+
+    name: str
+    unit_bytes: int
+    total: int
+    free: int
+    used: int
+    cached: int = 0
+    pinned: int = 0
+    bytes_per_token: float = 0.0
+
+    def pages(self, state: str) -> int:
+        return int(getattr(self, state))
+
+    def bytes(self, state: str) -> int:
+        return self.pages(state) * self.unit_bytes
+
+    @property
+    def usage(self) -> float:
+        return self.used / self.total if self.total else 0.0
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    tiers: dict[str, TierStats]
+    running: int
+    quantized_pages: int
+    evicted_pages: int
+    pinned_pages: int
+    matched_tokens: int
+    missed_tokens: int
+    quantized_elements: int  # per layer and kind: the denominator of the overflow ratio
+    overflow_k: list[int] = field(default_factory=list)
+    overflow_v: list[int] = field(default_factory=list)
+    nonfinite_k: list[int] = field(default_factory=list)
+    nonfinite_v: list[int] = field(default_factory=list)
+
+    @property
+    def cache_hit_rate(self) -> float:
+        seen = self.matched_tokens + self.missed_tokens
+        return self.matched_tokens / seen if seen else 0.0
+
+    def bytes_per_token(self) -> dict[str, float]:
+        return {name: tier.bytes_per_token for name, tier in self.tiers.items()}

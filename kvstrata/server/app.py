@@ -1,0 +1,62 @@
+"""The FastAPI application over one ``kvstrata.Engine``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from kvstrata import __version__
+from kvstrata.server.config import ServerConfig
+from kvstrata.server.engine_client import EngineClient
+from kvstrata.server.errors import install_handlers
+from kvstrata.server.metrics import ServerMetrics
+from kvstrata.server.middleware import AuthMiddleware, BodyLimitMiddleware
+from kvstrata.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvstrata.server.routes import ServerState, router
+
+
+def create_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
+    """An app serving ``engine``; the caller owns the engine (and shuts it down)."""
+    config = config or ServerConfig()
+    client = EngineClient(engine, config.served_model_name, config.context_length)
+    metrics = ServerMetrics(client.snapshot)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        unsubscribe = client.subscribe(metrics.on_event)
+        try:
+            yield
+        finally:
+            unsubscribe()
+
+    app = FastAPI(title="kvstrata", version=__version__, lifespan=lifespan)
+    app.state.kvstrata = ServerState(client=client, metrics=metrics, config=config, started=time.time())
+    install_handlers(app)
+    app.include_router(router)
+    # outermost first: auth rejects before the body is read, then the size limit applies
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
+    app.add_middleware(AuthMiddleware, api_key=config.api_key, protect_metrics=config.protect_metrics)
+    _install_openapi(app)
+    return app
+
+
+def _install_openapi(app: FastAPI) -> None:
+    """Routes parse their bodies themselves (strict UTF-8/JSON/types); publish the body models here."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in (CompletionRequest, ChatCompletionRequest):
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

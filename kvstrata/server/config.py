@@ -1,0 +1,168 @@
+"""`kvstrata serve` options: one table drives the argparse flags, the KVSTRATA_* variables and the docs.
+
+Precedence: command-line flag > ``KVSTRATA_<FLAG>`` environment variable > default. Engine options left
+unset (``None``) are not passed to ``kvstrata.Engine``, so the engine's own defaults apply.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 30000
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0: {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0: {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1]: {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0.0:
+        raise argparse.ArgumentTypeError(f"must be > 0: {text}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"not a TCP port: {text}")
+    return value
+
+
+def _log_level(text: str) -> str:
+    value = text.strip().lower()
+    if value not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"one of {', '.join(LOG_LEVELS)}: {text!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str  # the attribute name; flag is --name-with-dashes, env is KVSTRATA_NAME
+    type: Callable[[str], Any]
+    default: Any
+    help: str
+    engine: bool = False  # passed to kvstrata.Engine as a keyword argument
+
+    @property
+    def option(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return "KVSTRATA_" + self.name.upper()
+
+
+FLAGS: tuple[Flag, ...] = (
+    Flag("model", str, None, "model path: HF safetensors dir or GGUF file; default: embedded SmolLM2", True),
+    Flag("served_model_name", str, None, "model id in the API (default: the model's name)"),
+    Flag("dtype", str, None, "compute dtype: auto, float32, bfloat16", True),
+    Flag("kv_cache_dtype", str, None, "history codec: auto, fp8_e4m3, fp8_e5m2, int8, int4, fp4_e2m1", True),
+    Flag("recent_window", _non_negative_int, None, "BF16 recent window in tokens (multiple of page)", True),
+    Flag("page_size", _positive_int, None, "tokens per KV page", True),
+    Flag("max_total_tokens", _positive_int, None, "KV capacity in tokens (cold pool size)", True),
+    Flag("mem_fraction_static", _fraction, None, "share of free memory for weights + KV pool", True),
+    Flag("max_running_requests", _positive_int, None, "cap on concurrently running requests", True),
+    Flag("kv_scales", str, None, "static KV scales file from `kvstrata calibrate`", True),
+    Flag("host", str, DEFAULT_HOST, "address to bind"),
+    Flag("port", _port, DEFAULT_PORT, "TCP port (0: pick a free one)"),
+    Flag("api_key", str, None, "require `Authorization: Bearer <key>` on /v1/*"),
+    Flag("drift_sample_rate", _fraction, None, "share of finished requests re-scored in BF16", True),
+    Flag("drift_threshold", _positive_float, None, "smoothed drift (perplexity ratio - 1) that raises precision", True),
+    Flag("log_level", _log_level, "info", "critical, error, warning, info, debug"),
+    Flag("context_length", _positive_int, None, "cap on prompt + output tokens (default: the model's)"),
+    Flag("max_request_bytes", _positive_int, DEFAULT_MAX_REQUEST_BYTES, "largest accepted request body"),
+    Flag("protect_metrics", _bool, False, "require the API key on /metrics too"),
+)
+
+
+@dataclass
+class ServerConfig:
+    model: str | None = None
+    served_model_name: str | None = None
+    dtype: str | None = None
+    kv_cache_dtype: str | None = None
+    recent_window: int | None = None
+    page_size: int | None = None
+    max_total_tokens: int | None = None
+    mem_fraction_static: float | None = None
+    max_running_requests: int | None = None
+    kv_scales: str | None = None
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    api_key: str | None = None
+    drift_sample_rate: float | None = None
+    drift_threshold: float | None = None
+    log_level: str = "info"
+    context_length: int | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    protect_metrics: bool = False
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``kvstrata.Engine``: only the options that were set."""
+        names = {flag.name for flag in FLAGS if flag.engine}
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+    @classmethod
+    def from_namespace(cls, args: argparse.Namespace) -> ServerConfig:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+def add_flags(parser: argparse.ArgumentParser, environ: dict[str, str] | None = None) -> None:
+    """Add every flag; a set ``KVSTRATA_<FLAG>`` variable becomes that flag's default."""
+    env = os.environ if environ is None else environ
+    for flag in FLAGS:
+        raw = env.get(flag.env)
+        default = flag.default
+        if raw is not None:
+            try:
+                default = flag.type(raw)
+            except (ValueError, argparse.ArgumentTypeError) as exc:
+                parser.error(f"{flag.env}={raw!r}: {exc}")
+        shown = "unset" if flag.default is None else flag.default
+        help_text = f"{flag.help} [env {flag.env}; default {shown}]"
+        if flag.type is _bool:
+            parser.add_argument(
+                flag.option,
+                dest=flag.name,
+                type=_bool,
+                nargs="?",
+                const=True,
+                default=default,
+                help=help_text,
+            )
+        else:
+            parser.add_argument(flag.option, dest=flag.name, type=flag.type, default=default, help=help_text)

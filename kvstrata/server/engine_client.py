@@ -1,0 +1,211 @@
+"""The server's one door into ``kvstrata.Engine``: tokenizing, streaming a request, aborting it,
+and turning the engine's stats objects into an ``EngineSnapshot``.
+
+Every engine call the server makes lives here, so an engine API change is a change in this file.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from kvstrata.server.errors import APIError
+from kvstrata.server.snapshot import PAGE_STATES, DriftSnapshot, EngineSnapshot, TierSnapshot
+
+log = logging.getLogger("kvstrata.server")
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class Delta:
+    """What one engine chunk adds to one choice."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    error: str | None = None
+
+
+def _finish_reason(raw: Any) -> tuple[str | None, str | None]:
+    """Engine finish reason (SGLang style dict or str) -> (OpenAI finish_reason, error message)."""
+    if raw is None:
+        return None, None
+    kind = raw.get("type") if isinstance(raw, dict) else str(raw)
+    if kind == "abort":
+        message = raw.get("message") if isinstance(raw, dict) else None
+        return "abort", message or "request aborted"
+    return ("length" if kind == "length" else "stop"), None
+
+
+def _logprobs(meta: dict[str, Any]) -> list[TokenLogprob]:
+    chosen = meta.get("output_token_logprobs") or []
+    tops = meta.get("output_top_logprobs") or []
+    out = []
+    for i, item in enumerate(chosen):
+        top = tops[i] if i < len(tops) else []
+        out.append(
+            TokenLogprob(
+                token_id=int(item[1]),
+                logprob=float(item[0]),
+                top=[(int(t[1]), float(t[0])) for t in top],
+            )
+        )
+    return out
+
+
+def to_delta(chunk: dict[str, Any]) -> Delta:
+    meta = chunk.get("meta_info", {})
+    finish, error = _finish_reason(meta.get("finish_reason"))
+    return Delta(
+        text=chunk.get("text", ""),
+        token_ids=list(chunk.get("output_ids", [])),
+        logprobs=_logprobs(meta),
+        finish_reason=finish,
+        prompt_tokens=int(meta.get("prompt_tokens", 0)),
+        completion_tokens=int(meta.get("completion_tokens", 0)),
+        cached_tokens=int(meta.get("cached_tokens", 0)),
+        error=error,
+    )
+
+
+class EngineClient:
+    def __init__(self, engine: Any, served_model_name: str | None = None, context_length: int | None = None):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        info = engine.get_server_info()
+        self.model_name = served_model_name or str(info["model"])
+        # the engine takes prompt + output up to its context and its KV pool, whichever is smaller
+        model_len = min(int(info["context_length"]), int(info["max_total_tokens"]))
+        self.context_length = min(model_len, context_length) if context_length else model_len
+        self.threshold = float(info.get("drift_threshold") or 0.0)
+        self.vocab_size = len(self.tokenizer)
+        self.recent_window = int(info["recent_window"])
+        self._token_text = lru_cache(maxsize=65536)(self._decode_one)
+
+    # --- tokens -----------------------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        try:
+            ids = self.engine.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # a template may reject a role order (e.g. two system messages)
+            raise APIError(
+                400, f"messages: the chat template rejected them: {exc}", param="messages"
+            ) from exc
+        return self.encode(ids, add_special_tokens=False)  # the template holds the special tokens
+
+    def _decode_one(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def token_text(self, token_id: int) -> str:
+        return self._token_text(token_id)
+
+    # --- generation -------------------------------------------------------------------------------
+    async def stream(
+        self, prompts: list[list[int]], params: dict[str, Any]
+    ) -> AsyncIterator[tuple[int, Delta]]:
+        """All choices of one API request as one engine batch: ``len(prompts) * n`` requests, choice
+        index = prompt * n + sample (the engine's order). Leaving early (client gone, task cancelled)
+        aborts every unfinished one in the engine, which returns their pages and ring slots."""
+        rid = uuid.uuid4().hex
+        rids = [f"{rid}-p{i}" for i in range(len(prompts))]
+        gen = self.engine.async_generate(input_ids=prompts, sampling_params=params, stream=True, rid=rids)
+        total = len(prompts) * int(params.get("n", 1))
+        done = 0
+        try:
+            async for chunk in gen:
+                delta = to_delta(chunk)
+                if chunk.get("finished"):
+                    done += 1
+                    delta.finish_reason = delta.finish_reason or "stop"
+                yield int(chunk.get("index", 0)), delta
+                if done == total:
+                    return
+        finally:
+            if done < total:
+                log.info("aborting request %s: %d of %d choices unfinished", rid, total - done, total)
+                for r in rids:
+                    self.engine.abort(r)
+            await gen.aclose()
+
+    def flush_cache(self) -> bool:
+        return bool(self.engine.flush_cache())
+
+    def subscribe(self, fn: Callable[[object], None]) -> Callable[[], None]:
+        return self.engine.subscribe(fn)
+
+    # --- stats ------------------------------------------------------------------------------------
+    def snapshot(self) -> EngineSnapshot:
+        stats = self.engine.get_stats()
+        snap = EngineSnapshot(
+            num_running=stats.num_running_reqs,
+            num_queued=stats.num_queue_reqs,
+            requests_received=stats.requests_received_total,
+            requests_finished=dict(stats.requests_finished_total),
+            prompt_tokens=stats.prompt_tokens_total,
+            generation_tokens=stats.generation_tokens_total,
+            cached_tokens=stats.cached_tokens_total,
+            cache_hit_rate=stats.cache.cache_hit_rate if stats.cache is not None else stats.cache_hit_rate,
+            gen_throughput=stats.gen_throughput,
+        )
+        if stats.drift is not None:
+            d = stats.drift
+            snap.drift = DriftSnapshot(
+                ewma=d.ewma,
+                level=d.level,
+                threshold=self.threshold,
+                window=d.window,
+                samples=d.samples,
+                level_changes=d.level_changes,
+            )
+        fill_cache_stats(snap, stats.cache)
+        snap.recent_window = int(stats.drift.window) if stats.drift is not None else self.recent_window
+        return snap
+
+
+def fill_cache_stats(snap: EngineSnapshot, cache: Any) -> None:
+    """Copy a ``kvstrata.radix`` ``CacheStats`` into ``snap`` (tiers, pages, bytes, quantization)."""
+    if cache is None:
+        return
+    for name, tier in cache.tiers.items():
+        snap.tiers[name] = TierSnapshot(
+            pages={state: tier.pages(state) for state in PAGE_STATES},
+            bytes={state: tier.bytes(state) for state in PAGE_STATES},
+            total_pages=tier.total,
+            total_bytes=tier.total * tier.unit_bytes,
+            bytes_per_token=float(tier.bytes_per_token),
+            usage=float(tier.usage),
+        )
+    cold = cache.tiers.get("cold")
+    snap.quantized_pages = cache.quantized_pages
+    snap.evicted_pages = cache.evicted_pages
+    snap.pinned_pages = cache.pinned_pages
+    snap.tree_pages = cold.cached if cold is not None else 0
+    snap.in_use_pages = cold.used if cold is not None else 0
+    denominator = cache.quantized_elements
+    for kind, overflow, nonfinite in (
+        ("k", cache.overflow_k, cache.nonfinite_k),
+        ("v", cache.overflow_v, cache.nonfinite_v),
+    ):
+        for layer, count in enumerate(overflow):
+            snap.overflow_ratio[(layer, kind)] = count / denominator if denominator else 0.0
+        for layer, count in enumerate(nonfinite):
+            snap.nonfinite[(layer, kind)] = count
+        # running absmax / calibration clip: only a cache with static scales reports it
+        for layer, ratio in enumerate(getattr(cache, f"absmax_ratio_{kind}", None) or []):
+            snap.absmax_ratio[(layer, kind)] = float(ratio)

@@ -1,0 +1,74 @@
+"""Plain-data snapshot of the engine's state, the one shape that /metrics and /v1/cache read.
+
+``EngineSnapshot`` is filled by ``kvstrata.server.engine_client.EngineClient.snapshot()`` from the
+engine's stats objects at scrape time; nothing here imports the engine or Prometheus.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+TIERS = ("cold", "ring")
+PAGE_STATES = ("free", "used", "cached", "pinned")
+
+
+@dataclass
+class TierSnapshot:
+    pages: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PAGE_STATES, 0))
+    bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PAGE_STATES, 0))
+    total_pages: int = 0
+    total_bytes: int = 0
+    bytes_per_token: float = 0.0
+    usage: float = 0.0  # 0..1: share of the tier not free
+
+
+@dataclass
+class DriftSnapshot:
+    ewma: float = 0.0
+    level: int = 0
+    threshold: float = 0.0
+    window: int = 0  # BF16 window the level asks for
+    samples: int = 0  # requests re-scored so far
+    level_changes: int = 0
+
+
+@dataclass
+class EngineSnapshot:
+    num_running: int = 0
+    num_queued: int = 0
+    requests_received: int = 0
+    requests_finished: dict[str, int] = field(default_factory=dict)
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    cached_tokens: int = 0
+    tiers: dict[str, TierSnapshot] = field(default_factory=lambda: {t: TierSnapshot() for t in TIERS})
+    cache_hit_rate: float = 0.0
+    gen_throughput: float = 0.0
+    quantized_pages: int = 0
+    evicted_pages: int = 0
+    pinned_pages: int = 0
+    tree_pages: int = 0  # pages held by the radix tree
+    in_use_pages: int = 0  # pages not free
+    overflow_ratio: dict[tuple[int, str], float] = field(default_factory=dict)
+    nonfinite: dict[tuple[int, str], int] = field(default_factory=dict)
+    absmax_ratio: dict[tuple[int, str], float] = field(default_factory=dict)
+    drift: DriftSnapshot = field(default_factory=DriftSnapshot)
+    recent_window: int = 0
+
+    def cache_json(self) -> dict[str, Any]:
+        """The body of GET /v1/cache."""
+        return {
+            "tiers": {name: asdict(tier) for name, tier in self.tiers.items()},
+            "pages_in_use": self.in_use_pages,
+            "pages_in_tree": self.tree_pages,
+            "pinned_pages": self.pinned_pages,
+            "quantized_pages": self.quantized_pages,
+            "evicted_pages": self.evicted_pages,
+            "hit_rate": self.cache_hit_rate,
+            "num_running_reqs": self.num_running,
+            "num_queue_reqs": self.num_queued,
+            "recent_window": self.recent_window,
+            "fallback_level": self.drift.level,
+            "ppl_drift_ewma": self.drift.ewma,
+        }

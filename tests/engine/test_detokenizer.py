@@ -1,0 +1,65 @@
+"""Incremental detokenization never splits a character; stop strings are found once and held back."""
+
+import pytest
+
+from kvstrata.engine.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from kvstrata.engine.loader import converted_dir, load_tokenizer
+    from kvstrata.resources import default_model_path
+
+    return load_tokenizer(converted_dir(default_model_path()))
+
+
+TEXTS = [
+    "Hello, world! Ünïcödé façade",
+    "emoji 😀👍🏽 and family 👨‍👩‍👧 done",
+    "中文字符测试，日本語のテキスト、한국어",
+    "mixed: naïve café — 東京 🚀 end",
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_by_token_never_emits_replacement(tokenizer, text):
+    ids = tokenizer.encode(text)
+    detok = IncrementalDetokenizer(tokenizer)
+    deltas = [detok.add([t]) for t in ids]
+    deltas.append(detok.flush())
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == text
+    assert detok.text == text
+    # multi-byte characters spanning tokens produced empty deltas while incomplete
+    if any(ord(c) > 0xFFFF for c in text):
+        assert "" in deltas[:-1]
+
+
+def test_prompt_context_keeps_leading_space(tokenizer):
+    prompt = tokenizer.encode("The capital")
+    out = tokenizer.encode(" of France is Paris")
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    text = "".join(detok.add([t]) for t in out) + detok.flush()
+    assert text == " of France is Paris"
+
+
+def test_flush_emits_incomplete_tail(tokenizer):
+    ids = tokenizer.encode("ok 😀")
+    detok = IncrementalDetokenizer(tokenizer)
+    text = "".join(detok.add([t]) for t in ids[:-1])
+    assert "\ufffd" not in text
+    assert detok.flush().endswith("\ufffd")
+
+
+def test_find_stop_earliest_and_only_new_text():
+    assert find_stop("abc STOP def END", ["END", "STOP"], 0) == (4, "STOP")
+    assert find_stop("abc STOP def", ["STOP"], 9) is None  # ended before the new text
+    assert find_stop("abc STO", ["STOP"], 5) is None
+    assert find_stop("abc STOP", ["STOP"], 7) == (4, "STOP")  # completed by the new text
+
+
+def test_stop_holdback():
+    assert stop_holdback("hello wor", ["world"]) == 3
+    assert stop_holdback("hello", ["world"]) == 0
+    assert stop_holdback("abc\n", ["\n\n", "xyz"]) == 1
+    assert stop_holdback("a", ["abc", "a"]) == 1

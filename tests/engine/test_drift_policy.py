@@ -1,0 +1,73 @@
+"""Drift monitor: exact scores on known distributions, EWMA, fallback levels with hysteresis."""
+
+import math
+
+import pytest
+import torch
+
+from kvstrata.engine.drift import DriftJob, DriftMonitor, FallbackPolicy, score
+
+
+def test_score_exact_on_known_logits():
+    vocab = 4
+    ref_logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]] * 3)  # positions 1..3 predict tokens 2..4
+    served = torch.log_softmax(torch.tensor([[0.0, 0.0, 0.0, 0.0]] * 2), dim=-1)
+
+    def dense_forward(ids):
+        assert ids.tolist() == [[1, 2, 3]]  # prompt (2) + first generated token
+        return ref_logits.unsqueeze(0)
+
+    job = DriftJob("r", [1, 2, 3, 0], prompt_len=2, served=served)
+    ratio, kl = score(dense_forward, job)
+    ref = torch.log_softmax(ref_logits[0], dim=-1)
+    nll_ref = -(ref[3] + ref[0]) / 2
+    nll_served = math.log(vocab)
+    assert ratio == pytest.approx(math.exp(nll_served - nll_ref), rel=1e-6)
+    expected_kl = float((ref.exp() * (ref - math.log(1 / vocab))).sum())
+    assert kl == pytest.approx(expected_kl, rel=1e-6)
+
+
+def test_identical_distributions_give_ratio_one_kl_zero():
+    logits = torch.randn(1, 6, 10)
+    served = torch.log_softmax(logits[0, 2:5], dim=-1)
+    ratio, kl = score(lambda ids: logits[:, : ids.shape[1]], DriftJob("r", [1, 2, 3, 4, 5, 6], 3, served))
+    assert ratio == pytest.approx(1.0, abs=1e-6)
+    assert kl == pytest.approx(0.0, abs=1e-6)
+
+
+def test_policy_up_hold_and_hysteresis():
+    p = FallbackPolicy(threshold=0.1, max_level=2, alpha=0.5, cooldown=3)
+    assert p.update(0.0) == 0 and p.ewma == 0.0
+    assert p.update(0.4) == 1 and p.ewma == pytest.approx(0.2)  # over threshold: up
+    assert p.update(0.4) == 0  # first sample at a new level may predate it: hold
+    assert p.update(0.4) == 1 and p.level == 2
+    assert p.update(0.4) == 0 and p.update(0.4) == 0 and p.level == 2  # capped at max_level
+    # ewma 0.39 -> 0.19, 0.097, 0.048 (< threshold / 2: streak 1), ... third low sample steps down
+    assert [p.update(0.0) for _ in range(8)] == [0, 0, 0, 0, -1, 0, 0, -1]
+    assert p.level == 0 and p.update(0.0) == 0
+    assert p.changes == 4
+
+
+def test_monitor_worker_changes_level_and_reports():
+    levels = []
+    samples = []
+
+    def dense_forward(ids):  # reference says token 0 is certain; served said uniform
+        logits = torch.full((1, ids.shape[1], 4), -20.0)
+        logits[..., 0] = 20.0
+        return logits
+
+    mon = DriftMonitor(
+        dense_forward, 1.0, threshold=0.05, base_window=32, max_level=2, alpha=1.0, cooldown=2,
+        on_level=lambda lvl, w: levels.append((lvl, w)), on_sample=samples.append,
+    )  # fmt: skip
+    served = torch.log_softmax(torch.zeros(3, 4), dim=-1)
+    for i in range(3):
+        assert mon.submit(DriftJob(f"r{i}", [1, 2, 0, 0, 0], 2, served))
+        assert mon.wait_idle(10)
+    stats = mon.stats()
+    mon.close()
+    assert levels == [(1, 64), (2, 128)]
+    assert stats.level == 2 and stats.window == 128 and stats.samples == 3
+    assert stats.ppl_ratios[0] == pytest.approx(4.0, rel=1e-3)  # uniform over 4 vs certain
+    assert [s.level for s in samples] == [1, 1, 2]
