@@ -20,7 +20,7 @@ def health_url(env: dict[str, str]) -> str:
 
 def probe(url: str, timeout: float = 4.0) -> tuple[bool, str]:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 (fixed scheme)
+        with urllib.request.urlopen(url, timeout=timeout) as response:
             return response.status == 200, f"{url}: HTTP {response.status}"
     except urllib.error.HTTPError as exc:
         return False, f"{url}: HTTP {exc.code}"

@@ -35,6 +35,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the 95%% CI")
     parser.add_argument("--no-dense-check", action="store_true", help="skip the dense_forward comparison")
     parser.add_argument("--markdown", default=None, help="also write the table as Markdown here")
+    parser.add_argument(
+        "--rows-per-step",
+        type=int,
+        default=None,
+        help="tokens per forward pass (default: 1024 CPU, 16384 GPU)",
+    )
 
 
 def options_from_args(args: argparse.Namespace) -> Any:
@@ -86,6 +92,7 @@ def options_from_args(args: argparse.Namespace) -> Any:
         device=args.device,
         bootstrap=args.bootstrap,
         dense_check=not args.no_dense_check,
+        rows_per_step=args.rows_per_step or (1024 if args.device == "cpu" else 16384),
     )
 
 
@@ -146,7 +153,10 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"[red]kvstrata eval: {exc}[/red]")
         return 2
     write_json(doc, args.out)
-    Console().print(render_table(doc, doc["bf16_bytes_per_token"]))
+    out = Console()
+    if not out.is_terminal:
+        out = Console(width=140)
+    out.print(render_table(doc, doc["bf16_bytes_per_token"]))
     if args.markdown:
         with open(args.markdown, "w") as fh:
             fh.write(markdown_table(doc, doc["bf16_bytes_per_token"]) + "\n")

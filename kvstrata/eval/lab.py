@@ -40,6 +40,7 @@ class LabOptions:
     device: str = "cpu"
     bootstrap: int = 2000
     dense_check: bool = True
+    rows_per_step: int = 1024
 
 
 class Reporter:
@@ -74,7 +75,9 @@ def run_sensitivity(
     configs = [EvalConfig(REFERENCE, None, 0, False, False), *probes]
     chunks = -(-opts.context // opts.page_size)
     reporter.start(f"sensitivity ({len(probes)} layers, {n} windows)", n * chunks * len(configs))
-    scores, _ = evaluate(model, windows[:n], configs, opts.page_size, reporter.advance, dense_check=False)
+    scores, _ = evaluate(
+        model, windows[:n], configs, opts.page_size, reporter.advance, False, opts.rows_per_step
+    )
     reporter.stop()
     ranking = rank_layers([scores[p] for p in probes])
     bf16 = bf16_bytes(model, opts.page_size)
@@ -123,7 +126,9 @@ def run_lab(opts: LabOptions, reporter: Reporter) -> tuple[dict[str, Any], dict[
     grid = build_grid(names, opts.recent_windows, opts.rotations, opts.sinks, list_codecs())
     chunks = -(-opts.context // opts.page_size)
     reporter.start(f"{len(grid)} configurations", len(windows) * chunks * len(grid))
-    scores, check = evaluate(model, windows, grid, opts.page_size, reporter.advance, opts.dense_check)
+    scores, check = evaluate(
+        model, windows, grid, opts.page_size, reporter.advance, opts.dense_check, opts.rows_per_step
+    )
     reporter.stop()
     results = _summaries(model, scores, opts.page_size, opts.bootstrap)
     extra: dict[str, Any] = {

@@ -153,7 +153,9 @@ class EngineClient:
     def snapshot(self) -> EngineSnapshot:
         stats = self.engine.get_stats()
         snap = EngineSnapshot(
-            num_running=stats.num_running_reqs,
+            # the cache's count is taken on the engine thread now; the engine's gauge is only
+            # refreshed by a step, so it stays stale when an abort leaves the engine idle
+            num_running=stats.cache.running if stats.cache is not None else stats.num_running_reqs,
             num_queued=stats.num_queue_reqs,
             requests_received=stats.requests_received_total,
             requests_finished=dict(stats.requests_finished_total),

@@ -23,6 +23,10 @@ _TYPES = {
 }
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "bytes"})
+_TAG_PREFIXES = ("function-", "constrained-", "lax-", "strict-")
+
+
 class APIError(Exception):
     """An error reported to the client; raise it anywhere below a route."""
 
@@ -58,11 +62,8 @@ def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
             parts.append(f"[{item}]")
         elif item in ("body",) and not parts:
             continue
-        elif isinstance(item, str) and (
-            item.startswith(("list[", "str", "int", "function-", "constrained-")) or "[" in item
-        ):
-            # pydantic names union members in the location; they say nothing to a client
-            continue
+        elif isinstance(item, str) and (item in _TYPE_TAGS or "[" in item or item.startswith(_TAG_PREFIXES)):
+            continue  # pydantic names union members in the location; they say nothing to a client
         else:
             parts.append(("." if parts else "") + str(item))
     return "".join(parts) or None

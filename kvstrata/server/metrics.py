@@ -117,7 +117,11 @@ class EngineCollector(Collector):
             "quant_nonfinite", "NaN/Inf elements met while quantizing.", dict(s.nonfinite), counter=True
         )
         yield _layer_kind("kv_absmax_ratio", "Running absmax / calibration clip.", s.absmax_ratio)
-        yield gauge("ppl_drift_ewma", "Smoothed perplexity drift: EWMA of (quantized / reference ratio - 1).", s.drift.ewma)
+        yield gauge(
+            "ppl_drift_ewma",
+            "Smoothed perplexity drift: EWMA of (quantized / reference ratio - 1).",
+            s.drift.ewma,
+        )
         yield gauge("fallback_level", "Precision fallback level (0 = configured precision).", s.drift.level)
 
 

@@ -112,7 +112,7 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: floa
 
 @pytest.fixture(scope="session")
 def kvstrata_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """A real `kvstrata serve` on 127.0.0.1 with the default model; every finished request re-scored."""
+    """A real `kvstrata serve` on 127.0.0.1: default model, INT8 history, every finished request re-scored."""
     port = free_port()
     log = tmp_path_factory.mktemp("kvstrata") / "serve.log"
     cmd = [
@@ -122,6 +122,8 @@ def kvstrata_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server
         "127.0.0.1",
         "--port",
         str(port),
+        "--kv-cache-dtype",
+        "int8",
         "--drift-sample-rate",
         "1.0",
         "--log-level",

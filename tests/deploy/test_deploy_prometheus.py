@@ -99,6 +99,10 @@ def scalar(prom: Prometheus, expr: str) -> float:
 def traffic(kvstrata_server: Server, prometheus: Prometheus) -> Prometheus:
     """Six completions (max_tokens 8; four share a long prefix so that the radix cache hits), then wait
     until Prometheus has scraped them all and the drift monitor has re-scored them."""
+    wait_for(
+        "a first scrape of the server (so that rate() sees the traffic as increases)",
+        lambda: bool(query(prometheus, 'up{job="kvstrata"} == 1')),
+    )
     with httpx.Client(base_url=kvstrata_server.url, timeout=TRAFFIC_TIMEOUT_S) as client:
         (model,) = [m["id"] for m in client.get("/v1/models").json()["data"]]
         prompts = [
@@ -213,7 +217,9 @@ def test_prometheus_evaluates_the_loaded_rules_without_error(traffic: Prometheus
     def evaluated() -> bool:
         groups = httpx.get(f"{traffic.url}/api/v1/rules", timeout=10).json()["data"]["groups"]
         rules = [r for g in groups for r in g["rules"]]
-        return {r["name"] for r in rules} == expected and all(r.get("evaluationTime", 0) > 0 for r in rules)
+        return {r["name"] for r in rules} == expected and all(
+            not r.get("lastEvaluation", "0001").startswith("0001") for r in rules
+        )
 
     wait_for("every alert rule evaluated once", evaluated)
     groups = httpx.get(f"{traffic.url}/api/v1/rules", timeout=10).json()["data"]["groups"]

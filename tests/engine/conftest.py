@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -9,6 +10,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # tiny_models.py
+# The test machine's 2 cores are shared by several test runs: with 2 threads each, OpenMP barriers
+# make small matmuls ~20x slower than with 1 (measured: [8, 576] x [576, 3072] 50 ms vs 2.5 ms).
+torch.set_num_threads(int(os.environ.get("KVSTRATA_TEST_THREADS", "1")))
 
 
 def hf_reference_from_gguf(path: Path) -> torch.nn.Module:

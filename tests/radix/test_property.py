@@ -14,7 +14,7 @@ import math
 from collections.abc import Hashable
 
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from radix_helpers import TokenKV, dense_attention
@@ -26,7 +26,11 @@ HKV, HQ, D = 1, 2, 4
 SCALE = 1 / math.sqrt(D)
 Key = tuple[Hashable, tuple[int, ...]]
 
-tokens_st = st.lists(st.integers(0, 2), min_size=1, max_size=11)
+# Prompts start with one of a few shared prefixes so that matches, splits and sharing are common.
+PREFIXES = [(), (0, 0, 1, 1), (0, 0, 1, 1, 1, 0), (1, 1)]
+tokens_st = st.tuples(st.sampled_from(PREFIXES), st.lists(st.integers(0, 1), max_size=5)).map(
+    lambda t: [*t[0], *t[1]] or [0]
+)
 ns_st = st.sampled_from([None, "img"])
 
 
@@ -142,6 +146,8 @@ class CacheMachine(RuleBasedStateMachine):
         after = set(self.tree_keys())
         evicted = set(before) - after
         assert not evicted & protected, f"evicted protected prefixes {evicted & protected}"
+        if evicted:
+            event("evicted")
         assert len(evicted) >= freed_need, f"evicted {len(evicted)} pages, needed {freed_need}"
         for k in evicted:
             del self.cached[k]
@@ -153,22 +159,28 @@ class CacheMachine(RuleBasedStateMachine):
             assert newest_evicted <= oldest_left, f"LRU broken: evicted {newest_evicted}, kept {oldest_left}"
 
     # ---- rules ----------------------------------------------------------------------------------
-    @rule(tokens=tokens_st, ns=ns_st)
-    def admit(self, tokens: list[int], ns: Hashable) -> None:
+    @rule(tokens=tokens_st, ns=ns_st, prefill=st.booleans())
+    def admit(self, tokens: list[int], ns: Hashable, prefill: bool) -> None:
+        """Admit a prompt; with ``prefill``, also run the whole prompt as one step."""
         if self.cache.num_free_slots == 0:
             before = self.snapshot()
             try:
                 self.cache.admit(tokens, ns)
             except OutOfSlots:
                 assert self.snapshot() == before
+                event("out of slots")
                 return
             raise AssertionError("admit with no free slot did not raise OutOfSlots")
         limit = (len(tokens) - 1) // P * P
         n = self.longest(ns, tokens[:limit])
         seq = self.cache.admit(list(tokens), ns)
         assert seq.cached_tokens == n * P, (seq.cached_tokens, n * P)
+        event(f"admit matched pages: {min(n, 2)}+")
         self.touch(page_keys(ns, tokens, n))
-        self.seqs.append(RefSeq(seq, n))
+        r = RefSeq(seq, n)
+        self.seqs.append(r)
+        if prefill:
+            self._step([r], [len(tokens) - seq.length])
 
     @rule(tokens=tokens_st, ns=ns_st)
     def match(self, tokens: list[int], ns: Hashable) -> None:
@@ -181,10 +193,16 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def step(self, data: st.DataObject) -> None:
         chosen = data.draw(st.lists(st.sampled_from(self.seqs), min_size=1, max_size=3, unique_by=id))
-        n_new = [data.draw(st.integers(1, 4)) for _ in chosen]
-        for r, n in zip(chosen, n_new, strict=True):
+        n_new = []
+        for r in chosen:
+            prompt_left = len(r.seq.token_ids) - r.seq.length
+            n = data.draw(st.integers(1, min(prompt_left, 6)) if prompt_left else st.integers(1, 3))
             missing = max(r.seq.length + n - len(r.seq.token_ids), 0)
-            r.seq.token_ids.extend(data.draw(st.lists(st.integers(0, 2), min_size=missing, max_size=missing)))
+            r.seq.token_ids.extend(data.draw(st.lists(st.integers(0, 1), min_size=missing, max_size=missing)))
+            n_new.append(n)
+        self._step(chosen, n_new)
+
+    def _step(self, chosen: list[RefSeq], n_new: list[int]) -> None:
         seqs = [r.seq for r in chosen]
         need = sum(self.cache.pages_for_step(s, n) for s, n in zip(seqs, n_new, strict=True))
         free = self.cache.num_free_pages
@@ -203,8 +221,10 @@ class CacheMachine(RuleBasedStateMachine):
                 self.cache.begin_step(seqs, n_new)
             except OutOfPages:
                 assert self.snapshot() == snap
+                event("out of pages")
                 return
             raise AssertionError("begin_step without room did not raise OutOfPages")
+        starts = [s.ring_start for s in seqs]
         batch = self.cache.begin_step(seqs, n_new)
         self.check_evictions(before, protected, max(need - free, 0))
         parts = [self.data.span(s.extra_key, s.token_ids, s.length, s.length + n) for s, n in zip(seqs, n_new)]
@@ -217,9 +237,9 @@ class CacheMachine(RuleBasedStateMachine):
             assert torch.allclose(out[row : row + n].double(), ref, rtol=1e-5, atol=1e-5), (s.length, n)
             row += n
         self.cache.end_step(batch)
-        for s in seqs:
-            window = self.cache.recent_window
-            assert s.length - s.ring_start >= min(window, s.length - s.cached_tokens)
+        window = self.cache.recent_window
+        for s, start in zip(seqs, starts, strict=True):
+            assert s.ring_start == max(start, s.cached_tokens, (s.length - window) // P * P)
 
     def _insert(self, r: RefSeq) -> None:
         s = r.seq
@@ -266,10 +286,12 @@ class CacheMachine(RuleBasedStateMachine):
                 self.cache.pin(m.handle)
             except PinBudgetExceeded:
                 assert self.snapshot() == snap
+                event("pin over budget")
                 return
             raise AssertionError("pin over budget did not raise")
         self.cache.pin(m.handle)
         self.pins.append((ns, toks))
+        event("pinned")
 
     @precondition(lambda self: self.pins)
     @rule(i=st.integers(0, 10))
@@ -321,7 +343,7 @@ class SinkCacheMachine(CacheMachine):
 
 SETTINGS = settings(
     max_examples=1000,
-    stateful_step_count=12,
+    stateful_step_count=16,
     deadline=None,
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

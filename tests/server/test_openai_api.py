@@ -119,7 +119,7 @@ def test_n_seed_and_temperature(server: LiveServer) -> None:
     assert len({c.text for c in a.choices}) >= 2  # each sample has its own seed
     single = client.completions.create(model=MODEL, prompt="My favourite animal is", max_tokens=1)
     assert a.usage.prompt_tokens == single.usage.prompt_tokens  # the prompt counts once, not n times
-    assert a.usage.completion_tokens == sum(1 for _ in a.choices) * 8 or a.usage.completion_tokens <= 24
+    assert 3 <= a.usage.completion_tokens <= 3 * 8
 
 
 def test_stop_strings_and_penalties(server: LiveServer) -> None:

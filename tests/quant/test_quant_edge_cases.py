@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import gaussian_kv
+from quant_helpers import gaussian_kv
 
 from kvstrata.quant import get_codec, list_codecs, relative_rmse
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import as_pages
+from quant_helpers import as_pages
 
 from kvstrata.quant import get_codec, list_codecs, relative_rmse
 
