@@ -95,17 +95,20 @@ def observe(net: Any, ids: list[int], context: int, batch: int, stats: Any):
     for start in range(0, len(windows), batch):
         group = windows[start : start + batch]
         lens = [len(w) for w in group]
-        dense = net.dense_attn_for(lens)
-
-        def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            stats.observe(layer, "k", k)
-            stats.observe(layer, "v", v)
-            return dense(layer, q, k, v)
-
+        attn = _observing(net.dense_attn_for(lens), stats)
         positions = torch.cat([torch.arange(n, device=tokens.device) for n in lens])
         with torch.inference_mode():
             net(torch.cat(group), positions, attn, logits_at=torch.tensor([0], device=tokens.device))
         yield min(len(ids), (start + len(group)) * context)
+
+
+def _observing(dense: Any, stats: Any) -> Any:
+    def attn(layer: int, q: Any, k: Any, v: Any) -> Any:
+        stats.observe(layer, "k", k)
+        stats.observe(layer, "v", v)
+        return dense(layer, q, k, v)
+
+    return attn
 
 
 def load_scales_for(path: str | Path, config: Any) -> Any:

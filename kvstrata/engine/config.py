@@ -180,7 +180,7 @@ class ModelConfig:
             return meta.get(f"{arch}.{name}", default)
 
         if "rope_freqs.weight" in tensor_names:
-            raise ValueError("GGUF files with a rope_freqs tensor (llama3 RoPE factors) are not supported yet")
+            raise ValueError("GGUF files with a rope_freqs tensor (llama3 RoPE factors) are not supported")
         hidden = key("embedding_length")
         q_heads = key("attention.head_count")
         head_dim = key("attention.key_length") or hidden // q_heads

@@ -129,7 +129,9 @@ def read_config(model_dir: Path) -> ModelConfig:
     if gen_file.is_file():
         eos = json.loads(gen_file.read_text()).get("eos_token_id")
         extra = eos if isinstance(eos, list) else [] if eos is None else [eos]
-        config = dataclasses.replace(config, eos_token_ids=tuple(dict.fromkeys([*config.eos_token_ids, *extra])))
+        config = dataclasses.replace(
+            config, eos_token_ids=tuple(dict.fromkeys([*config.eos_token_ids, *extra]))
+        )
     if config.sliding_window is not None and config.sliding_window < config.max_position_embeddings:
         log.warning("sliding_window=%d is ignored: attention is full causal", config.sliding_window)
     return config

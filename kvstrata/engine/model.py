@@ -132,7 +132,7 @@ class Transformer(nn.Module):
     def forward(
         self, input_ids: Tensor, positions: Tensor, attn: AttnFn, logits_at: Tensor | None = None
     ) -> Tensor:
-        """input_ids, positions [T] (flattened varlen batch) -> float32 logits [len(logits_at) or T, vocab]."""
+        """input_ids, positions [T] (a flattened varlen batch) -> float32 logits [len(logits_at) or T, V]."""
         x = self.embed(input_ids)
         cos, sin = self.rope(positions)
         for i, layer in enumerate(self.layers):

@@ -71,7 +71,8 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[st
     permute = meta["general.architecture"] in PERMUTED_ARCHS
     state: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # copy: F32 data is a read-only mmap
+        # np.array copies: the data of F32 tensors is a read-only view of the memory-mapped file
+        w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)
         if permute and t.name.endswith(("attn_q.weight", "attn_q.bias")):
             w = unpermute(w, config.q_heads)
         elif permute and t.name.endswith(("attn_k.weight", "attn_k.bias")):

@@ -30,7 +30,7 @@ Progress = Callable[[int], None]  # called with the number of (config, window) c
 
 
 def cache_config_for(model: Any, cfg: EvalConfig, page_size: int, context: int, width: int = 1) -> Any:
-    from kvstrata.radix.config import CacheConfig
+    from kvstrata.radix import CacheConfig
 
     mc = model.config
     unquantized = cfg.kv_cache_dtype in (REFERENCE, "fp32")
@@ -54,7 +54,7 @@ class CacheRunner:
     """One configuration's cache, fed ``width`` windows side by side (one ring slot each)."""
 
     def __init__(self, model: Any, cfg: EvalConfig, page_size: int, context: int, width: int) -> None:
-        from kvstrata.radix.cache import StratifiedKVCache
+        from kvstrata.radix import StratifiedKVCache
 
         self.config = cfg
         self.scale = model.config.head_dim**-0.5

@@ -29,6 +29,17 @@ def cold_page_bytes(codecs: list[str], page_size: int, heads: int, head_dim: int
     return total
 
 
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """``t`` seen as same-width integers: CPU ``index_copy_``/indexing lack the float8 dtypes."""
+    if t.dtype.is_floating_point and t.element_size() == 1:
+        return t.view(torch.uint8)
+    return t
+
+
+def _gather(buf: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return _raw(buf)[index].view(buf.dtype)
+
+
 @dataclass
 class WriteCounts:
     overflow_k: int
@@ -85,14 +96,15 @@ class ColdPool:
         qv = codec.quantize(v_pages, granularity=VALUE_GRANULARITY, static_absmax=v_clip)
         for bufs, q in ((self.k[layer], qk), (self.v[layer], qv)):
             for name, part in q.parts.items():
-                bufs[name].index_copy_(0, page_ids, part.to(bufs[name].dtype))
+                buf = bufs[name]
+                _raw(buf).index_copy_(0, page_ids, _raw(part.to(buf.dtype)))
         return WriteCounts(int(qk.overflow), int(qv.overflow), int(qk.nonfinite), int(qv.nonfinite))
 
     def read(self, layer: int, page_table: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K and V of ``page_table`` (any shape ``S``): ``[*S, page_size, H, D]`` each."""
         codec = self.codecs[layer]
-        k_parts = {name: buf[page_table] for name, buf in self.k[layer].items()}
-        v_parts = {name: buf[page_table] for name, buf in self.v[layer].items()}
+        k_parts = {name: _gather(buf, page_table) for name, buf in self.k[layer].items()}
+        v_parts = {name: _gather(buf, page_table) for name, buf in self.v[layer].items()}
         k = codec.dequantize_parts(k_parts, KEY_GRANULARITY, self.head_dim, dtype)
         v = codec.dequantize_parts(v_parts, VALUE_GRANULARITY, self.head_dim, dtype)
         return k, v

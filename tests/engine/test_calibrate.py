@@ -73,7 +73,10 @@ def test_calibrate_percentile_and_per_channel(setup, monkeypatch):
     tmp, _ = setup
     monkeypatch.setenv("KVSTRATA_CACHE_DIR", str(tmp / "cache"))
     out = tmp / "p.json"
-    assert calibrate(tmp, "--method", "percentile", "--percentile", "90", "--per-channel", "--out", str(out)) == 0
+    assert (
+        calibrate(tmp, "--method", "percentile", "--percentile", "90", "--per-channel", "--out", str(out))
+        == 0
+    )
     scales = load_scales_for(out, load_model(tmp / "tiny.gguf").config)
     assert scales.per_channel and scales.percentile == 90
     for kind in ("k", "v"):

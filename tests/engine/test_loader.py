@@ -71,7 +71,9 @@ def test_gguf_tokenizer_and_chat_template(tmp_path, cache_dir, tiny_llama):
     ids = tok.encode("the tiny the")
     assert tok.convert_ids_to_tokens(ids) == ["t", "he", "Ġt", "i", "n", "y", "Ġt", "he"]
     assert tok.decode(ids) == "the tiny the"
-    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert tok.encode("<|im_end|>") == [259]
 
@@ -166,7 +168,9 @@ def test_clear_errors(tmp_path):
         load_model(tmp_path / "missing")
     with pytest.raises(ValueError, match="no config.json and 0 .gguf files"):
         load_model(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+    )
     with pytest.raises(ValueError, match="unsupported model.*GPT2LMHeadModel.*supported: LlamaForCausalLM"):
         load_model(tmp_path)
     with pytest.raises(ValueError, match="unknown dtype 'int8'"):

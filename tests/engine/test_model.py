@@ -8,8 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 import tiny_models
+import torch
 
 from kvstrata.engine.config import ModelConfig
 from kvstrata.engine.loader import load_model
@@ -19,7 +19,7 @@ from kvstrata.engine.rope import rope_inv_freq
 TOL = 1e-4
 PROMPTS = [
     "The capital of France is Paris. The capital of Germany is Berlin, and the largest city of Japan is",
-    "def fibonacci(n: int) -> int:\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n"
+    'def fibonacci(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n    if n < 2:\n'
     "        return n\n    a, b = 0, 1\n    for _ in range(n - 1):\n        a, b = b, a + b\n    return",
 ]
 
@@ -47,7 +47,9 @@ class ListCache:
 
     def attn(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         outs = []
-        for seq, qi, ki, vi in zip(self.seqs, q.split(self.lens), k.split(self.lens), v.split(self.lens)):
+        for seq, qi, ki, vi in zip(
+            self.seqs, q.split(self.lens), k.split(self.lens), v.split(self.lens), strict=True
+        ):
             old_k, old_v = self.kv.get((seq, layer), (ki[:0], vi[:0]))
             kk, vv = torch.cat([old_k, ki]), torch.cat([old_v, vi])
             self.kv[(seq, layer)] = (kk, vv)
@@ -110,14 +112,16 @@ def test_default_decode_through_callback_matches_dense(default_model, prompt_ids
     seqs[1] = seqs[1][:17]
     full = [ids[:40] for ids in prompt_ids]
     full[1] = full[1][:27]
-    logits = net(torch.cat(seqs), torch.cat([torch.arange(len(s)) for s in seqs]), cache.step([0, 1], [30, 17]))
+    logits = net(
+        torch.cat(seqs), torch.cat([torch.arange(len(s)) for s in seqs]), cache.step([0, 1], [30, 17])
+    )
     got = [[logits[29]], [logits[46]]]
     for step in range(10):
         ids = torch.stack([full[0][30 + step], full[1][17 + step]])
         logits = net(ids, torch.tensor([30 + step, 17 + step]), cache.step([0, 1], [1, 1]))
         got[0].append(logits[0])
         got[1].append(logits[1])
-    for i, (f, start) in enumerate(zip(full, [29, 16])):
+    for i, (f, start) in enumerate(zip(full, [29, 16], strict=True)):
         dense = net.dense_forward(f[None])[0][start : start + 11]
         assert rel_err(torch.stack(got[i]), dense) < TOL
 
@@ -159,7 +163,9 @@ def test_tiny_checkpoint_matches_transformers(tiny):
     ref_a, ref_b = hf_logits(hf, a), hf_logits(hf, b)
     assert rel_err(model.net.dense_forward(a[None])[0], ref_a) < TOL
     varlen = model.net(
-        torch.cat([a, b]), torch.cat([torch.arange(150), torch.arange(61)]), model.net.dense_attn_for([150, 61])
+        torch.cat([a, b]),
+        torch.cat([torch.arange(150), torch.arange(61)]),
+        model.net.dense_attn_for([150, 61]),
     )
     assert rel_err(varlen, torch.cat([ref_a, ref_b])) < TOL
 

@@ -24,9 +24,10 @@ def test_cuda_matches_cpu(name: str, granularity: str):
         gpu = codec.quantize(x.cuda(), granularity, static_absmax=None if static is None else static.cuda())
         assert (gpu.overflow, gpu.nonfinite) == (cpu.overflow, cpu.nonfinite)
         assert gpu.nbytes() == cpu.nbytes()
-        y_cpu, y_gpu = codec.dequantize(cpu), codec.dequantize(gpu).cpu()
-        # one code step apart at most where CPU and GPU division round differently
-        assert torch.allclose(y_gpu, y_cpu, rtol=1e-5, atol=1e-6) or (y_gpu != y_cpu).float().mean() < 1e-3
+        for part, tensor in cpu.parts.items():
+            assert torch.equal(gpu.parts[part].cpu().view(torch.uint8), tensor.view(torch.uint8)), part
+        # decoding may differ in the last bit (the GPU fuses code * scale + offset into one FMA)
+        assert torch.allclose(codec.dequantize(gpu).cpu(), codec.dequantize(cpu), rtol=1e-6, atol=1e-5)
         ids = torch.tensor([3, 0], device="cuda")
         gathered = {part: t[ids] for part, t in gpu.parts.items()}
         y = codec.dequantize_parts(gathered, granularity, 64, torch.bfloat16)
