@@ -30,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--plan-high", default="fp8_e4m3", help="codec of the most sensitive layers")
     parser.add_argument("--plan-budget", type=float, default=0.30, help="plan bytes/token as a share of BF16")
+    parser.add_argument("--plan-window", type=int, default=None, help="plan's BF16 window (default: codec's)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the 95%% CI")
@@ -88,6 +89,7 @@ def options_from_args(args: argparse.Namespace) -> Any:
         emit_plan=args.emit_plan,
         plan_high=args.plan_high,
         plan_budget=args.plan_budget,
+        plan_window=args.plan_window,
         dtype=args.dtype,
         device=args.device,
         bootstrap=args.bootstrap,

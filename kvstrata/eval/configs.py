@@ -29,9 +29,9 @@ SHIPPED_DEFAULTS: dict[str, Defaults] = {
     "auto": Defaults(recent_window=0, rotation=False, sinks=False),
     "fp32": Defaults(recent_window=0, rotation=False, sinks=False),
     "bf16": Defaults(recent_window=0, rotation=False, sinks=False),
-    "fp8_e4m3": Defaults(recent_window=64, rotation=False, sinks=False),
+    "fp8_e4m3": Defaults(recent_window=128, rotation=False, sinks=False),
     "fp8_e5m2": Defaults(recent_window=128, rotation=False, sinks=False),
-    "int8": Defaults(recent_window=64, rotation=False, sinks=False),
+    "int8": Defaults(recent_window=128, rotation=False, sinks=False),
     "int4": Defaults(recent_window=128, rotation=False, sinks=True),
     "fp4_e2m1": Defaults(recent_window=128, rotation=False, sinks=True),
 }

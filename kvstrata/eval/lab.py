@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstrata.eval.configs import REFERENCE, SHIPPED_DEFAULTS, EvalConfig, build_grid
+from kvstrata.eval.configs import PLAN_DEFAULTS, REFERENCE, SHIPPED_DEFAULTS, EvalConfig, build_grid
 from kvstrata.eval.corpus import read_corpus, tokenize_windows
 from kvstrata.eval.report import ConfigResult, build_document
 from kvstrata.eval.runner import bytes_per_token, evaluate
@@ -36,6 +36,7 @@ class LabOptions:
     emit_plan: str | None = None
     plan_high: str = "fp8_e4m3"
     plan_budget: float = 0.30
+    plan_window: int | None = None
     dtype: str = "float32"
     device: str = "cpu"
     bootstrap: int = 2000
@@ -85,15 +86,19 @@ def run_sensitivity(
     def plan_bytes(codecs: list[str]) -> float:
         return bytes_per_token(model, EvalConfig("plan", tuple(codecs), 0, False, False), opts.page_size)[0]
 
-    codecs = make_plan(ranking, opts.sensitivity_codec, opts.plan_high, opts.plan_budget * bf16, plan_bytes)
-    d = SHIPPED_DEFAULTS.get(opts.sensitivity_codec)
-    window = d.recent_window if d else 128
+    if opts.emit_plan:
+        codecs = make_plan(
+            ranking, opts.sensitivity_codec, opts.plan_high, opts.plan_budget * bf16, plan_bytes
+        )
+    else:
+        codecs = [opts.sensitivity_codec] * len(ranking)
+    d = SHIPPED_DEFAULTS.get(opts.sensitivity_codec, PLAN_DEFAULTS)
     return plan_document(
         codecs,
         ranking,
-        window=window,
-        rotation=bool(d.rotation) if d else False,
-        sinks=bool(d.sinks) if d else False,
+        window=opts.plan_window if opts.plan_window is not None else d.recent_window,
+        rotation=d.rotation,
+        sinks=d.sinks,
         page_size=opts.page_size,
         bytes_per_token=plan_bytes(codecs),
         bf16_bytes_per_token=bf16,

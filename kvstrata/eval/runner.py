@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from kvstrata.eval.configs import REFERENCE, EvalConfig
-from kvstrata.eval.stats import WindowScore, log_probs, merge, score_logprobs
+from kvstrata.eval.stats import WindowScore, log_probs, merge, score_batch
 
 Progress = Callable[[int], None]  # called with the number of (config, window) chunk-steps just done
 
@@ -119,8 +119,11 @@ class DenseCheck:
 
 
 def group_width(num_configs: int, num_windows: int, page_size: int, rows_per_step: int) -> int:
-    """How many windows each cache runs side by side so that one forward has ~``rows_per_step`` rows."""
-    return max(1, min(num_windows, rows_per_step // (num_configs * page_size)))
+    """Windows each cache runs side by side so one forward has at most ~``rows_per_step`` rows,
+    balanced so that the last group is not a straggler."""
+    widest = max(1, min(num_windows, rows_per_step // (num_configs * page_size)))
+    groups = -(-num_windows // widest)
+    return -(-num_windows // groups)
 
 
 @torch.inference_mode()
@@ -172,11 +175,13 @@ def evaluate(
                 r.end()
             if dense is not None:
                 diffs.append(float((logits[0, 0] - dense[start:end]).abs().max()))
-            for b in range(len(group)):
-                tgt = ids[b, start + 1 : start + 1 + n_scored]
-                ref_lp = log_probs(logits[0, b, :n_scored])
-                for i, cfg in enumerate(configs):
-                    parts[cfg][b].append(score_logprobs(ref_lp, logits[i, b, :n_scored], tgt))
+            tgt = ids[:, start + 1 : start + 1 + n_scored]
+            nll, ref_nll, kl, top1 = (t.tolist() for t in score_batch(logits[:, :, :n_scored], tgt))
+            for i, cfg in enumerate(configs):
+                for b in range(len(group)):
+                    parts[cfg][b].append(
+                        WindowScore(n_scored, nll[i][b], ref_nll[b], kl[i][b], int(top1[i][b]))
+                    )
             if progress is not None:
                 progress(len(runners) * len(group))
         for r in runners:

@@ -67,6 +67,25 @@ def score_logprobs(ref_lp: torch.Tensor, logits: torch.Tensor, targets: torch.Te
     return WindowScore(count=int(targets.shape[0]), nll=nll, ref_nll=ref_nll, kl=kl, top1=top1)
 
 
+def score_batch(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Vectorized scores of ``logits`` [C, B, T, V] against row 0 (the reference) for ``targets`` [B, T].
+
+    Returns float64/int64 tensors ``(nll [C, B], ref_nll [B], kl [C, B], top1 [C, B])`` summed over T.
+    """
+    ref_lp = log_probs(logits[0])  # [B, T, V]
+    ref_p = ref_lp.exp()
+    ref_top = ref_lp.argmax(-1)
+    idx = targets.long().unsqueeze(-1)
+    ref_nll = -ref_lp.gather(-1, idx).squeeze(-1).sum(-1)
+    nll, kl, top1 = [], [], []
+    for c in range(logits.shape[0]):  # one config at a time bounds the float64 temporaries
+        lp = log_probs(logits[c])
+        nll.append(-lp.gather(-1, idx).squeeze(-1).sum(-1))
+        kl.append((ref_p * (ref_lp - lp)).sum(-1).clamp_min(0.0).sum(-1))
+        top1.append((lp.argmax(-1) == ref_top).sum(-1))
+    return torch.stack(nll), ref_nll, torch.stack(kl), torch.stack(top1)
+
+
 def merge(scores: Sequence[WindowScore]) -> WindowScore:
     """Sum of several scores (e.g. the chunks of one window)."""
     return WindowScore(

@@ -9,15 +9,20 @@ from kvstrata.quant import fp4, fp8, int4, int8, raw  # noqa: F401  (importing r
 from kvstrata.quant.codec import GRANULARITIES, Codec, PartSpec, Quantized, ScaledCodec
 from kvstrata.quant.error import relative_rmse
 from kvstrata.quant.registry import UnknownCodecError, get_codec, list_codecs, register
+from kvstrata.quant.rotation import hadamard_rotate
+from kvstrata.quant.scales import ScalesFile, ScaleStats
 
 __all__ = [
     "GRANULARITIES",
     "Codec",
     "PartSpec",
     "Quantized",
+    "ScaleStats",
     "ScaledCodec",
+    "ScalesFile",
     "UnknownCodecError",
     "get_codec",
+    "hadamard_rotate",
     "list_codecs",
     "register",
     "relative_rmse",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kvstrata.quant.stats import Prepared, amax, amin, reduce_dim
+from kvstrata.quant.prepare import Prepared, amax, amin, reduce_dim
 
 
 def safe_divisor(scale: torch.Tensor) -> torch.Tensor:
@@ -17,9 +17,18 @@ def safe_divisor(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(scale > 0, scale, torch.ones((), dtype=scale.dtype, device=scale.device))
 
 
+def div(t: torch.Tensor, c: float) -> torch.Tensor:
+    """``t / c`` correctly rounded on every device.
+
+    CUDA turns a division by a Python scalar into a multiplication by its reciprocal (1 ulp off),
+    so CPU- and GPU-quantized pages would differ; dividing by a same-device tensor keeps them equal.
+    """
+    return t / torch.full((), c, dtype=t.dtype, device=t.device)
+
+
 def symmetric_encode(p: Prepared, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes in ``[-qmax, qmax]`` (float, rounded half to even) and the scale ``absmax / qmax``."""
-    scale = p.absmax / qmax
+    scale = div(p.absmax, qmax)
     codes = torch.round(p.x / safe_divisor(scale)).clamp_(-qmax, qmax)
     return codes, scale
 
@@ -36,6 +45,6 @@ def asymmetric_encode(
     else:
         dim = reduce_dim(granularity)
         lo, hi = amin(p.x, dim), amax(p.x, dim)
-    scale = (hi - lo) / levels
+    scale = div(hi - lo, levels)
     codes = torch.round((p.x - lo) / safe_divisor(scale)).clamp_(0, levels)
     return codes, scale, lo

@@ -2,7 +2,7 @@
 
 A codec turns a float tensor ``[..., tokens, heads, head_dim]`` into named parts (codes, scales, ...)
 that keep the leading dims, and back. Everything about byte layouts lives in the codec subclasses;
-this module holds the shared contract and the input checks.
+this module holds the shared contract (input preparation is in `prepare`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstrata.quant.stats import Prepared, check_input, prepare
+from kvstrata.quant.prepare import Prepared, check_input, prepare
 
 GRANULARITIES = ("token", "channel")
 

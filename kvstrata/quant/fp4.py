@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import torch
 
-from kvstrata.quant.affine import safe_divisor
+from kvstrata.quant.affine import div, safe_divisor
 from kvstrata.quant.codec import PartSpec, ScaledCodec, check_granularity
 from kvstrata.quant.nibbles import check_even, pack, unpack
+from kvstrata.quant.prepare import Prepared
 from kvstrata.quant.registry import register
-from kvstrata.quant.stats import Prepared
 
 BLOCK = 16
 E2M1_MAX = 6.0
@@ -66,14 +66,14 @@ class Fp4E2M1Codec(ScaledCodec):
     def _encode(self, p: Prepared, granularity: str) -> dict[str, torch.Tensor]:
         x = p.x
         if granularity == "token":
-            global_scale = p.absmax / (E2M1_MAX * E4M3_MAX)
+            global_scale = div(p.absmax, E2M1_MAX * E4M3_MAX)
             blocks = x.unflatten(-1, (-1, BLOCK))  # [..., T, H, D/16, 16]
             block_amax = blocks.abs().amax(-1)  # [..., T, H, D/16]
             block_scale = self._block_scale(block_amax, global_scale)
             divisor = safe_divisor(block_scale.to(torch.float32) * global_scale).unsqueeze(-1)
             codes = e2m1_codes((blocks / divisor).clamp_(-E2M1_MAX, E2M1_MAX)).flatten(-2)
         else:
-            global_scale = p.absmax.amax(-1, keepdim=True) / (E2M1_MAX * E4M3_MAX)  # [..., 1, H, 1]
+            global_scale = div(p.absmax.amax(-1, keepdim=True), E2M1_MAX * E4M3_MAX)  # [..., 1, H, 1]
             blocks = x.unflatten(-3, (-1, BLOCK))  # [..., T/16, 16, H, D]
             block_amax = blocks.abs().amax(-3)  # [..., T/16, H, D]
             block_scale = self._block_scale(block_amax, global_scale)
@@ -83,7 +83,7 @@ class Fp4E2M1Codec(ScaledCodec):
 
     @staticmethod
     def _block_scale(block_amax: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
-        ratio = block_amax / (E2M1_MAX * safe_divisor(global_scale))
+        ratio = block_amax / (safe_divisor(global_scale) * E2M1_MAX)
         return ratio.clamp_(0.0, E4M3_MAX).to(torch.float8_e4m3fn)
 
     def dequantize_parts(

@@ -1,19 +1,35 @@
-"""FP8 codecs `fp8_e4m3` (max 448) and `fp8_e5m2` (max 57344) with a float32 scale per group.
+"""FP8 codecs `fp8_e4m3` (max 448) and `fp8_e5m2` (max 57344) with a power-of-two scale per group.
 
-Layout per page (token granularity; channel granularity swaps the scale shape to ``[1, H, D]``):
-``codes`` ``[P, H, D]`` in the torch float8 dtype, ``scale`` ``[P, H, 1]`` float32 with
-``scale = absmax / fp8_max``. Encoding clamps to ``±fp8_max`` before the cast (round to nearest
-even), so no code is ever NaN/Inf whatever the backend's cast does out of range.
+Layout per page: ``codes`` ``[P, H, D]`` in the torch float8 dtype and ``scale_exp``, the scale's
+biased exponent as uint8 (E8M0, as the OCP MX formats store it): ``[P, H, 1]`` per token and head
+(token granularity) or ``[1, H, D]`` per head and channel (channel granularity, per page).
+
+The scale is ``2 ** (scale_exp - 127)``, the smallest power of two with ``absmax / scale <= fp8_max``.
+A power-of-two scale costs a float format no precision (it only shifts the exponent; at most one
+binade of subnormal range moves), and one byte instead of four matters for per-channel key scales:
+1/16 B per element over a 16-token page instead of 1/4. Encoding clamps to ``±fp8_max`` before the
+cast (round to nearest even), so no code is ever NaN/Inf whatever the backend's cast does out of range.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvstrata.quant.affine import safe_divisor
+from kvstrata.quant.affine import div
 from kvstrata.quant.codec import PartSpec, ScaledCodec, scale_shape
+from kvstrata.quant.prepare import Prepared
 from kvstrata.quant.registry import register
-from kvstrata.quant.stats import Prepared
+
+EXP_BIAS = 127
+
+
+def pow2_scale_exponent(absmax: torch.Tensor, fmax: float) -> torch.Tensor:
+    """``ceil(log2(absmax / fmax))`` as int32 in ``[-127, 127]`` (0 for an all-zero group)."""
+    mantissa, exponent = torch.frexp(
+        div(absmax, fmax)
+    )  # ratio = mantissa * 2**exponent, mantissa in [0.5, 1)
+    exponent = torch.where(mantissa == 0.5, exponent - 1, exponent)  # exact powers of two
+    return exponent.clamp(-EXP_BIAS, EXP_BIAS)
 
 
 class Fp8Codec(ScaledCodec):
@@ -23,9 +39,9 @@ class Fp8Codec(ScaledCodec):
         self.fmax = float(torch.finfo(storage_dtype).max)
 
     def _encode(self, p: Prepared, granularity: str) -> dict[str, torch.Tensor]:
-        scale = p.absmax / self.fmax
-        y = (p.x / safe_divisor(scale)).clamp_(-self.fmax, self.fmax)
-        return {"codes": y.to(self.storage_dtype), "scale": scale}
+        exponent = pow2_scale_exponent(p.absmax, self.fmax)
+        y = torch.ldexp(p.x, -exponent).clamp_(-self.fmax, self.fmax)  # exact: a power-of-two scaling
+        return {"codes": y.to(self.storage_dtype), "scale_exp": (exponent + EXP_BIAS).to(torch.uint8)}
 
     def dequantize_parts(
         self,
@@ -34,12 +50,13 @@ class Fp8Codec(ScaledCodec):
         head_dim: int,
         dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
-        return (parts["codes"].to(torch.float32) * parts["scale"]).to(dtype)
+        scale = torch.exp2(parts["scale_exp"].to(torch.float32) - EXP_BIAS)
+        return (parts["codes"].to(torch.float32) * scale).to(dtype)
 
     def page_parts(self, page_size: int, heads: int, head_dim: int, granularity: str) -> PartSpec:
         return {
             "codes": ((page_size, heads, head_dim), self.storage_dtype),
-            "scale": (scale_shape(page_size, heads, head_dim, granularity), torch.float32),
+            "scale_exp": (scale_shape(page_size, heads, head_dim, granularity), torch.uint8),
         }
 
 

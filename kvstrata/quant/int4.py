@@ -12,8 +12,8 @@ import torch
 from kvstrata.quant.affine import asymmetric_encode
 from kvstrata.quant.codec import PartSpec, ScaledCodec, scale_shape
 from kvstrata.quant.nibbles import check_even, pack, unpack
+from kvstrata.quant.prepare import Prepared
 from kvstrata.quant.registry import register
-from kvstrata.quant.stats import Prepared
 
 LEVELS = 15
 

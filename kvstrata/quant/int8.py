@@ -11,8 +11,8 @@ import torch
 
 from kvstrata.quant.affine import asymmetric_encode, symmetric_encode
 from kvstrata.quant.codec import PartSpec, ScaledCodec, scale_shape
+from kvstrata.quant.prepare import Prepared
 from kvstrata.quant.registry import register
-from kvstrata.quant.stats import Prepared
 
 
 class Int8Codec(ScaledCodec):

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from kvstrata.quant.codec import Codec, PartSpec, Quantized, check_granularity
+from kvstrata.quant.prepare import check_input
 from kvstrata.quant.registry import register
-from kvstrata.quant.stats import check_input
 
 
 class RawCodec(Codec):

@@ -89,7 +89,10 @@ class ScaleStats:
             acc.absmax = torch.maximum(acc.absmax, a.amax(dim=reduce_dims).reshape(groups))
         bins = self._bin_index(a)
         flat = (group.unsqueeze(0) * self.num_bins + bins)[finite]
-        acc.counts += torch.bincount(flat, minlength=groups * self.num_bins).view(groups, self.num_bins)
+        # not in place: the accumulator may have been created under torch.inference_mode()
+        acc.counts = acc.counts + torch.bincount(flat, minlength=groups * self.num_bins).view(
+            groups, self.num_bins
+        )
 
     def _bin_index(self, a: torch.Tensor) -> torch.Tensor:
         pos = torch.floor((torch.log2(a) - self.min_exp) * self.bins_per_octave) + 1

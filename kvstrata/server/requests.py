@@ -16,7 +16,7 @@ from starlette.requests import Request
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.server.engine_client import EngineClient
 from kvstrata.server.errors import APIError, validation_error
-from kvstrata.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvstrata.server.protocol import MAX_N, ChatCompletionRequest, CompletionRequest
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -145,6 +145,9 @@ def completion_job(client: EngineClient, req: CompletionRequest) -> Job:
         id_lists = [list(prompt)]  # type: ignore[arg-type]
     else:
         id_lists = [list(p) for p in prompt]  # type: ignore[union-attr]
+    if len(id_lists) * req.n > MAX_N:
+        message = f"n ({req.n}) times the number of prompts ({len(id_lists)}) must be at most {MAX_N}"
+        raise APIError(400, message, param="n", code="invalid_value")
     vocab = client.vocab_size
     max_new = 0
     for ids in id_lists:

@@ -91,3 +91,28 @@ def test_score_window_rejects_mismatched_shapes() -> None:
         score_window(torch.zeros(3, 5), torch.zeros(3, 6), torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match="no windows"):
         bootstrap_drift_ci([])
+
+
+def test_score_batch_matches_score_window() -> None:
+    from kvstrata.eval.stats import score_batch
+
+    torch.manual_seed(4)
+    logits = torch.randn(3, 2, 7, 40) * 3
+    targets = torch.randint(0, 40, (2, 7))
+    nll, ref_nll, kl, top1 = score_batch(logits, targets)
+    for c in range(3):
+        for b in range(2):
+            s = score_window(logits[0, b], logits[c, b], targets[b])
+            assert nll[c, b].item() == pytest.approx(s.nll, rel=1e-12)
+            assert ref_nll[b].item() == pytest.approx(s.ref_nll, rel=1e-12)
+            assert kl[c, b].item() == pytest.approx(s.kl, rel=1e-9, abs=1e-15)
+            assert int(top1[c, b]) == s.top1
+    assert kl[0].abs().max().item() == 0.0 and int(top1[0].min()) == 7
+
+
+def test_group_width_balances_groups() -> None:
+    from kvstrata.eval.runner import group_width
+
+    assert group_width(33, 32, 16, 16384) == 16  # 31 fit; two groups of 16, not 31 + 1
+    assert group_width(4, 8, 16, 1024) == 8
+    assert group_width(100, 5, 16, 1024) == 1

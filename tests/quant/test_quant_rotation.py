@@ -39,16 +39,17 @@ def test_errors():
 
 
 def test_rotation_tames_an_outlier_channel_for_int4_per_token():
-    """Keys with one outlier channel: per-token int4 is poor, after rotation much better."""
+    """Keys with one +40 outlier channel: per-token int4 wastes its 16 levels on the outlier; the
+    rotation spreads it over all 128 channels (40 / sqrt(128) = 3.5 each), so errors drop ~3.5x."""
     g = torch.Generator().manual_seed(2)
     k = torch.randn(64, 2, 128, generator=g)
     k[..., 5] += 40.0
     codec = get_codec("int4")
-    plain = relative_rmse(k, codec.dequantize(codec.quantize(k)))
+    plain = codec.dequantize(codec.quantize(k))
     rotated = hadamard_rotate(codec.dequantize(codec.quantize(hadamard_rotate(k))))
     bulk = torch.ones(128, dtype=torch.bool)
     bulk[5] = False
-    plain_bulk = relative_rmse(k[..., bulk], codec.dequantize(codec.quantize(k))[..., bulk])
-    rotated_bulk = relative_rmse(k[..., bulk], rotated[..., bulk])
-    assert rotated_bulk < plain_bulk / 2
-    assert relative_rmse(k, rotated) < plain * 2
+    assert 0.20 < relative_rmse(k, plain) < 0.23  # measured 0.216
+    assert relative_rmse(k, rotated) < 0.065  # measured 0.061
+    assert 0.75 < relative_rmse(k[..., bulk], plain[..., bulk]) < 0.85  # measured 0.80
+    assert relative_rmse(k[..., bulk], rotated[..., bulk]) < 0.24  # measured 0.225

@@ -41,15 +41,22 @@ def test_clipped_values_decode_to_the_clip(name: str):
     assert torch.allclose(y[7, 1, 2], torch.tensor(-2.0), rtol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["int8", "int8_asym", "int4", "fp8_e4m3"])
+@pytest.mark.parametrize("name", ["int8", "int8_asym", "int4"])
 def test_scale_comes_from_the_clip(name: str):
     x = torch.full((4, 2, 32), 0.01)
     clip = torch.tensor([[1.0], [2.0]])
     q = get_codec(name).quantize(x, "token", static_absmax=clip)
     scale = q.parts["scale"]
     assert scale.shape == (4, 2, 1)
-    qmax = {"int8": 127, "int8_asym": 255 / 2, "int4": 15 / 2, "fp8_e4m3": 448}[name]
+    qmax = {"int8": 127, "int8_asym": 255 / 2, "int4": 15 / 2}[name]
     assert torch.allclose(scale, (clip / qmax).expand(4, 2, 1))
+
+
+def test_fp8_scale_is_the_clip_rounded_up_to_a_power_of_two():
+    x = torch.full((4, 2, 32), 0.01)
+    q = get_codec("fp8_e4m3").quantize(x, "token", static_absmax=torch.tensor([[1.0], [2.0]]))
+    # 1 / 448 -> 2^-8 (1/256), 2 / 448 -> 2^-7; stored as the biased exponent
+    assert torch.equal(q.parts["scale_exp"][0, :, 0], torch.tensor([127 - 8, 127 - 7], dtype=torch.uint8))
 
 
 def test_fp4_global_scale_comes_from_the_clip():

@@ -69,13 +69,16 @@ def mixed_schedule(a: Stream, b: Stream, c: Stream) -> list[list[tuple[Stream, i
     return steps
 
 
-def make(codecs: list[str], ring: torch.dtype = torch.float32, **kw) -> StratifiedKVCache:
+def make(
+    codecs: list[str], ring: torch.dtype = torch.float32, page_size: int = P, window: int = W, **kw
+) -> StratifiedKVCache:
+    """fp4_e2m1 keys need pages of 16 tokens (its channel scales cover 16-token blocks)."""
     return small_cache(
         num_layers=len(codecs),
         kv_heads=HKV,
         head_dim=D,
-        page_size=P,
-        recent_window=W,
+        page_size=page_size,
+        recent_window=window,
         layer_codecs=codecs,
         ring_dtype=ring,
         num_pages=200,
@@ -113,7 +116,7 @@ def test_bf16_storage_equals_attention_over_bf16_rounded_history() -> None:
 def stored_history(cache: StratifiedKVCache, layer: int, s: Stream, n: int) -> torch.Tensor:
     """Dense attention over what the cache holds: cold pages dequantized from the pool (the first
     page from its sink, if any), the ring in ring_dtype, the new tokens at full precision."""
-    seq, L = s.seq, s.seq.length
+    seq, L, P = s.seq, s.seq.length, cache.page_size
     cold = seq.ring_start // P
     parts_k, parts_v = [], []
     if cold:
@@ -132,7 +135,7 @@ def stored_history(cache: StratifiedKVCache, layer: int, s: Stream, n: int) -> t
 
 @pytest.mark.parametrize("plan", [["fp8_e4m3", "fp4_e2m1"], ["int4", "int8"]])
 def test_quantized_history_equals_attention_over_dequantized_sequence(plan: list[str]) -> None:
-    cache = make(plan, ring=torch.bfloat16)
+    cache = make(plan, ring=torch.bfloat16, page_size=16, window=16)
     a, b, c = Stream(cache, 270, 1), Stream(cache, 20, 2), Stream(cache, 60, 3)
 
     def ref(layer: int, s: Stream, n: int) -> torch.Tensor:
@@ -142,11 +145,12 @@ def test_quantized_history_equals_attention_over_dequantized_sequence(plan: list
     assert compared == 54 and worst < 1e-5
     # The pool holds the right tokens: its pages decode close to the original K.
     k, _ = cache.pool.read(1, torch.tensor(a.seq.page_ids), torch.float32)
-    assert rel_err(k.reshape(-1, HKV, D), a.k[1, : len(a.seq.page_ids) * P]) < 0.2
+    assert rel_err(k.reshape(-1, HKV, D), a.k[1, : len(a.seq.page_ids) * 16]) < 0.2
 
 
 def test_sinks_keep_the_first_page_in_bf16_for_matching_sequences_too() -> None:
-    cache = make(["fp4_e2m1"], ring=torch.bfloat16, sinks=True)
+    P = 16
+    cache = make(["fp4_e2m1"], ring=torch.bfloat16, sinks=True, page_size=P, window=16)
     tokens = list(range(100, 164))
     a = Stream(cache, 64, 1, tokens=tokens)
 
@@ -159,7 +163,7 @@ def test_sinks_keep_the_first_page_in_bf16_for_matching_sequences_too() -> None:
     assert torch.equal(cache.sinks.k[0, sink], a.k[0, :P].bfloat16())
     cache.finish(a.seq)
     b = Stream(cache, 64, 1, tokens=tokens[:60] + [7, 7, 7, 7])
-    assert b.seq.cached_tokens == 56 and b.seq.page_ids[0] == cache.tree.match_prefix(tokens[:P]).pages[0]
+    assert b.seq.cached_tokens == 48 and b.seq.page_ids[0] == cache.tree.match_prefix(tokens[:P]).pages[0]
     worst, _ = run_steps(cache, [[(b, 8)]], ref)
     assert worst < 1e-5
     with_sink = stored_history(cache, 0, b, 1)

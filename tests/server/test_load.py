@@ -57,6 +57,9 @@ def test_disconnect_mid_stream_aborts_and_frees_pages(server: LiveServer, engine
     freed_in = time.monotonic() - t0
     assert after["tiers"]["ring"]["pages"]["used"] == 0
     assert after["pages_in_use"] == after["pages_in_tree"]
+    deadline = time.monotonic() + 10  # the finish event lands just after the pages are released
+    while _finished(server)["aborted"] < aborted_before + 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert _finished(server)["aborted"] == aborted_before + 1
     assert freed_in < 10.0
     engine.check_invariants()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -22,6 +23,17 @@ def scrape(server: LiveServer) -> dict[str, Any]:
     return {f.name: f for f in text_string_to_metric_families(r.text)}
 
 
+def scrape_until(server: LiveServer, name: str, at_least: float, suffix: str = "") -> dict[str, Any]:
+    """Scrape until ``name`` reaches ``at_least``: the engine records a request's finish event just
+    after it delivers the last chunk, so a scrape right after the response may precede it."""
+    deadline = time.monotonic() + 10
+    while True:
+        families = scrape(server)
+        if value(families, name, suffix) >= at_least or time.monotonic() > deadline:
+            return families
+        time.sleep(0.05)
+
+
 def value(families: dict[str, Any], name: str, suffix: str = "", **labels: str) -> float:
     family = families[name.removesuffix("_total")]
     for s in family.samples:
@@ -32,6 +44,7 @@ def value(families: dict[str, Any], name: str, suffix: str = "", **labels: str) 
 
 def test_every_metric_in_the_table_is_exported_with_live_values(server: LiveServer) -> None:
     client = server.openai()
+    done = value(scrape(server), "kvstrata:e2e_request_latency_seconds", "_count")
     for question in ("What is 2+2?", "What is 3+3?"):
         client.chat.completions.create(
             model=MODEL,
@@ -39,7 +52,7 @@ def test_every_metric_in_the_table_is_exported_with_live_values(server: LiveServ
             max_tokens=6,
             temperature=0,
         )
-    m = scrape(server)
+    m = scrape_until(server, "kvstrata:e2e_request_latency_seconds", done + 2, "_count")
     names = {name.removesuffix("_total") for name in METRIC_NAMES}
     missing = sorted(n for n in names if "kvstrata:" + n not in m)
     assert not missing, missing
@@ -102,7 +115,12 @@ def test_every_metric_in_the_table_is_exported_with_live_values(server: LiveServ
 def test_metrics_refresh_on_scrape(server: LiveServer) -> None:
     before = scrape(server)
     server.openai().completions.create(model=MODEL, prompt="Count: 1 2 3", max_tokens=3, temperature=0)
-    after = scrape(server)
+    after = scrape_until(
+        server,
+        "kvstrata:e2e_request_latency_seconds",
+        value(before, "kvstrata:e2e_request_latency_seconds", "_count") + 1,
+        "_count",
+    )
     assert (
         value(after, "kvstrata:generation_tokens_total")
         == value(before, "kvstrata:generation_tokens_total") + 3

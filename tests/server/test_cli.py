@@ -1,0 +1,68 @@
+"""`kvstrata serve` as a user runs it: a real process, configured through flags and KVSTRATA_* variables."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_kvstrata_serve_process() -> None:
+    port = _free_port()
+    env = dict(os.environ, KVSTRATA_PORT=str(port), KVSTRATA_API_KEY="cli-key", KVSTRATA_LOG_LEVEL="warning")
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvstrata",
+        "serve",
+        "--served-model-name",
+        "smol",
+        "--kv-cache-dtype",
+        "int8",
+    ]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "kvstrata serve did not come up"
+            time.sleep(0.25)
+        auth = {"Authorization": "Bearer cli-key"}
+        assert httpx.get(url + "/v1/models").status_code == 401
+        models = httpx.get(url + "/v1/models", headers=auth).json()
+        assert [m["id"] for m in models["data"]] == ["smol"]
+        body = {"model": "smol", "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+        out = httpx.post(url + "/v1/completions", json=body, headers=auth, timeout=60).json()
+        assert out["usage"]["completion_tokens"] == 2
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            code = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert code == 0
+
+
+def test_bad_engine_option_is_a_clean_error() -> None:
+    cmd = [sys.executable, "-m", "kvstrata", "serve", "--kv-cache-dtype", "int3", "--port", str(_free_port())]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "cannot start the engine" in proc.stderr and "int3" in proc.stderr

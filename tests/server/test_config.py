@@ -1,0 +1,90 @@
+"""`kvstrata serve` flags: every flag has a KVSTRATA_* variable; flag > variable > default."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from kvstrata.cli import build_parser
+from kvstrata.server.config import FLAGS, ServerConfig, add_flags
+
+ISSUE_FLAGS = [
+    "--model",
+    "--served-model-name",
+    "--dtype",
+    "--kv-cache-dtype",
+    "--recent-window",
+    "--page-size",
+    "--max-total-tokens",
+    "--mem-fraction-static",
+    "--max-running-requests",
+    "--kv-scales",
+    "--host",
+    "--port",
+    "--api-key",
+    "--drift-sample-rate",
+    "--drift-threshold",
+    "--log-level",
+    "--max-request-bytes",
+    "--protect-metrics",
+]
+
+
+def parse(argv: list[str], env: dict[str, str] | None = None) -> ServerConfig:
+    parser = argparse.ArgumentParser()
+    add_flags(parser, env or {})
+    return ServerConfig.from_namespace(parser.parse_args(argv))
+
+
+def test_every_flag_and_its_variable() -> None:
+    options = {f.option for f in FLAGS}
+    assert set(ISSUE_FLAGS) <= options
+    assert {f.env for f in FLAGS} == {"KVSTRATA_" + o[2:].replace("-", "_").upper() for o in options}
+    sub = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    assert set(ISSUE_FLAGS) <= {s for a in sub._actions for s in a.option_strings}
+
+
+def test_defaults() -> None:
+    cfg = parse([])
+    assert cfg == ServerConfig()
+    assert (cfg.host, cfg.port, cfg.log_level, cfg.protect_metrics) == ("127.0.0.1", 30000, "info", False)
+    assert cfg.max_request_bytes == 4 * 1024 * 1024
+    assert cfg.engine_kwargs() == {}  # the engine's own defaults apply
+
+
+def test_environment_and_precedence() -> None:
+    env = {
+        "KVSTRATA_PORT": "8123",
+        "KVSTRATA_KV_CACHE_DTYPE": "int4",
+        "KVSTRATA_RECENT_WINDOW": "64",
+        "KVSTRATA_DRIFT_SAMPLE_RATE": "0.25",
+        "KVSTRATA_API_KEY": "from-env",
+        "KVSTRATA_PROTECT_METRICS": "true",
+        "KVSTRATA_LOG_LEVEL": "DEBUG",
+    }
+    cfg = parse(["--port", "9000", "--recent-window", "32"], env)
+    assert cfg.port == 9000 and cfg.recent_window == 32  # flags win
+    assert cfg.kv_cache_dtype == "int4" and cfg.drift_sample_rate == 0.25 and cfg.api_key == "from-env"
+    assert cfg.protect_metrics is True and cfg.log_level == "debug"
+    assert cfg.engine_kwargs() == {"kv_cache_dtype": "int4", "recent_window": 32, "drift_sample_rate": 0.25}
+    assert parse(["--protect-metrics"]).protect_metrics is True
+    assert parse(["--protect-metrics", "false"], {"KVSTRATA_PROTECT_METRICS": "1"}).protect_metrics is False
+
+
+@pytest.mark.parametrize(
+    ("argv", "env"),
+    [
+        (["--port", "70000"], {}),
+        (["--drift-sample-rate", "1.5"], {}),
+        (["--page-size", "0"], {}),
+        (["--log-level", "loud"], {}),
+        ([], {"KVSTRATA_PORT": "eighty"}),
+        ([], {"KVSTRATA_PROTECT_METRICS": "maybe"}),
+        ([], {"KVSTRATA_MAX_REQUEST_BYTES": "-1"}),
+    ],
+)
+def test_bad_values_exit_with_usage_error(argv: list[str], env: dict[str, str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse(argv, env)
+    assert exc.value.code == 2

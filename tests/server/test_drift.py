@@ -1,0 +1,105 @@
+"""Forced drift: FP4 history with no BF16 window, every request re-scored, a low threshold.
+
+Long prompts read most of their history from FP4 pages, so the smoothed drift passes the threshold
+and the fallback level goes up. Then the traffic turns to requests short enough to live entirely in
+the BF16 ring (prompt + output < one page): their drift is ~0, the EWMA decays below half the
+threshold, and the level steps back down (hysteresis: a few consecutive low samples per step).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from .live import LiveServer, live_server
+
+THRESHOLD = 0.008
+TOPICS = ["rivers", "printing", "bees", "volcanoes", "chess", "glaciers", "lighthouses", "comets", "deserts"]
+
+
+@pytest.fixture(scope="module")
+def drift_server() -> Iterator[LiveServer]:
+    from kvstrata import Engine
+
+    engine = Engine(
+        kv_cache_dtype="fp4_e2m1", recent_window=0, drift_sample_rate=1.0, drift_threshold=THRESHOLD, seed=0
+    )
+    try:
+        with live_server(engine) as srv:
+            yield srv
+    finally:
+        engine.shutdown()
+
+
+def gauges(server: LiveServer) -> dict[str, float]:
+    with server.client() as c:
+        text = c.get("/metrics").text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if not s.labels:
+                out[s.name] = s.value
+    return out
+
+
+def complete(server: LiveServer, prompt: str, max_tokens: int) -> dict[str, float]:
+    """One request; returns the metrics once its re-score has been recorded."""
+    before = gauges(server)["kvstrata:ppl_drift_ratio_count"]
+    with server.client() as c:
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 60
+    while True:
+        m = gauges(server)
+        if m["kvstrata:ppl_drift_ratio_count"] > before:
+            return m
+        assert time.monotonic() < deadline, "the drift monitor did not re-score the request"
+        time.sleep(0.1)
+
+
+def test_drift_raises_fallback_and_recovers(drift_server: LiveServer, caplog: Any) -> None:
+    caplog.set_level(logging.WARNING, logger="kvstrata.drift")
+    m = gauges(drift_server)
+    assert m["kvstrata:fallback_level"] == 0 and m["kvstrata:ppl_drift_ewma"] == 0
+
+    ewmas: list[float] = []
+    levels: list[float] = []
+    for topic in TOPICS[:6]:  # long prompts: FP4 history
+        prompt = (
+            f"Here is a long and detailed essay about {topic}, written for a school magazine by a "
+            "curious student who loves to read. It begins like this: The"
+        )
+        m = complete(drift_server, prompt, 16)
+        ewmas.append(m["kvstrata:ppl_drift_ewma"])
+        levels.append(m["kvstrata:fallback_level"])
+        if levels[-1] >= 1:
+            break
+    print(f"\nforced drift: ewma {[round(e, 4) for e in ewmas]}, levels {levels}")
+    assert max(ewmas) > THRESHOLD
+    assert levels[-1] >= 1
+    peak = max(levels)
+
+    low: list[float] = []
+    for i in range(30):  # short requests: all of it in the BF16 ring
+        m = complete(drift_server, f"Item {i}: yes", 8)
+        low.append(m["kvstrata:ppl_drift_ewma"])
+        if m["kvstrata:fallback_level"] == 0:
+            break
+    print(f"recovery: ewma {[round(e, 4) for e in low]}, final level {m['kvstrata:fallback_level']}")
+    assert m["kvstrata:fallback_level"] == 0
+    assert low[-1] < THRESHOLD / 2
+    assert m["kvstrata:ppl_drift_ratio_count"] == len(ewmas) + len(low)
+    assert m["kvstrata:kl_divergence_count"] == len(ewmas) + len(low)
+    assert m["kvstrata:kl_divergence_sum"] > 0
+    changes = [r.getMessage() for r in caplog.records if "fallback level" in r.getMessage()]
+    assert any("level 0 -> 1" in c for c in changes), changes
+    assert any(f"level {int(peak)} -> {int(peak) - 1}" in c for c in changes) or peak == 0, changes
+    with drift_server.client() as c:
+        cache = c.get("/v1/cache").json()
+    assert cache["fallback_level"] == 0
