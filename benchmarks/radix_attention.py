@@ -70,12 +70,12 @@ def cache_step(cache: StratifiedKVCache, seqs: list, n: int) -> float:
 
 def sdpa_step(batch: int, history: int, n: int) -> float:
     q = torch.randn(batch, HQ, n, D)
-    k = torch.randn(batch, HKV, history + n, D).repeat_interleave(HQ // HKV, dim=1)
-    v = torch.randn(batch, HKV, history + n, D).repeat_interleave(HQ // HKV, dim=1)
+    k = torch.randn(batch, HKV, history + n, D)
+    v = torch.randn(batch, HKV, history + n, D)
     mask = torch.ones(n, history + n, dtype=torch.bool).tril(history)
     start = time.perf_counter()
     for _ in range(LAYERS):
-        F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     return (time.perf_counter() - start) * 1e3
 
 
@@ -87,11 +87,15 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=1, help="new tokens per sequence (1 = decode)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--codecs", default="bf16,fp8_e4m3,int4,fp4_e2m1")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: stable on a shared CPU)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     base = min(sdpa_step(args.batch, args.history, args.new) for _ in range(args.repeats))
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}; batch {args.batch} x history "
-          f"{args.history} + {args.new} new, {LAYERS} layers, {HQ}/{HKV} heads x {D}")
+    print(
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}; batch {args.batch} x history "
+        f"{args.history} + {args.new} new, {LAYERS} layers, {HQ}/{HKV} heads x {D}"
+    )
     print(f"{'baseline sdpa (dense fp32)':28s} {base:8.1f} ms/step")
     for codec in args.codecs.split(","):
         cache, seqs = build(codec, args.batch, args.history, args.window)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from kvstrata.engine.attention import get_backend
-from kvstrata.engine.drift import DriftJob, DriftMonitor
+from kvstrata.engine.drift import DriftJob, DriftMonitor, fallback_window
 from kvstrata.engine.inputs import normalize_inputs
 from kvstrata.engine.loader import LoadedModel, load_model
 from kvstrata.engine.options import EngineArgs, pool_pages
@@ -66,7 +66,8 @@ class Engine:
             scales = ScalesFile.load(args.kv_scales)
             scales.check_geometry(cfg.num_layers, cfg.kv_heads, cfg.head_dim)
         drift_on = args.drift_sample_rate > 0
-        max_window = args.recent_window * 2**args.drift_max_level if drift_on else args.recent_window
+        top_level = args.drift_max_level if drift_on else 0
+        max_window = fallback_window(args.recent_window, args.page_size, top_level)
         self.cache_config = CacheConfig(
             num_layers=cfg.num_layers,
             kv_heads=cfg.kv_heads,
@@ -78,7 +79,7 @@ class Engine:
             ring_dtype=args.resolve_ring_dtype(self.dtype),
             num_pages=pool_pages(args, self.device, _page_bytes(codecs, cfg, args.page_size)),
             max_running=args.max_running_requests,
-            sinks=args.sinks,
+            sinks=args.resolve_sinks(codecs),
             rotation=args.rotation,
             scales=scales,
             device=self.device,
@@ -107,6 +108,8 @@ class Engine:
                 args.drift_threshold,
                 args.recent_window,
                 args.drift_max_level,
+                page_size=args.page_size,
+                metric=args.drift_metric,
                 max_tokens=args.drift_max_tokens,
                 alpha=args.drift_ewma_alpha,
                 cooldown=args.drift_cooldown,
@@ -210,6 +213,7 @@ class Engine:
             "dtype": str(self.dtype).removeprefix("torch."),
             "kv_cache_dtype": self.args.kv_cache_dtype,
             "layer_codecs": list(c.layer_codecs),
+            "sinks": c.sinks,
             "page_size": c.page_size,
             "recent_window": self.args.recent_window,
             "max_recent_window": c.max_recent_window,
@@ -376,6 +380,7 @@ class Engine:
         with torch.inference_mode():
             while True:
                 self._drain_inbox()
+                self.stats.queue_sizes(len(self.scheduler.running), len(self.scheduler.waiting))
                 if self._stopping:
                     self._abort_all("engine shut down")
                     return
@@ -469,14 +474,14 @@ class Engine:
         self.scheduler.release(req, insert=not aborted)
         now = time.perf_counter()
         req.finish(reason, now)
+        if self.drift is not None and req.drift_logprobs and not aborted:
+            job = DriftJob(req.rid, req.all_ids(), len(req.prompt_ids), torch.stack(req.drift_logprobs))
+            self.drift.submit(job)  # before the result goes out, so wait_drift_idle() sees it
+        req.drift_logprobs = None
         if req.sink is not None:
             chunk = req.delta() if req.stream else req.result()
             if chunk is not None:
                 _deliver(req.sink, chunk)
-        if self.drift is not None and req.drift_logprobs and not aborted:
-            job = DriftJob(req.rid, req.all_ids(), len(req.prompt_ids), torch.stack(req.drift_logprobs))
-            self.drift.submit(job)
-        req.drift_logprobs = None
         times = req.token_times
         self.stats.finished(
             RequestFinished(

@@ -118,7 +118,7 @@ class Transformer(nn.Module):
 
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos, sin [T, 1, head_dim] in the compute dtype, computed in float32 as transformers does."""
-        inv_freq = self.inv_freq
+        inv_freq = self.inv_freq.float()  # stays float32 even after a careless net.to(bfloat16)
         scaling = self.config.rope_scaling or {}
         if scaling.get("rope_type") == "dynamic":
             seq_len = int(positions.max()) + 1

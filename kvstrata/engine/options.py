@@ -12,6 +12,7 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_TOTAL_TOKENS = 32768
+RAW_CODECS = ("fp32", "bf16")
 
 
 @dataclass
@@ -23,7 +24,7 @@ class EngineArgs:
     page_size: int = 16
     layer_plan: list[str] | str | None = None  # per-layer codec names, or a plan JSON file
     rotation: bool = False
-    sinks: bool = False
+    sinks: bool | None = None  # first page also kept in the ring dtype; None = on when history is quantized
     kv_scales: str | None = None  # calibration scales file (static clip values)
     ring_dtype: str = "auto"  # auto = compute dtype when unquantized, else bfloat16
     max_total_tokens: int | None = None  # cold pool size in tokens (wins over mem_fraction_static)
@@ -32,7 +33,8 @@ class EngineArgs:
     chunked_prefill_size: int = 1024
     device: str = "auto"
     drift_sample_rate: float = 0.0  # share of finished requests re-scored without quantization
-    drift_threshold: float = 1.05  # smoothed perplexity ratio that triggers fallback
+    drift_threshold: float = 0.05  # smoothed drift (|ppl ratio - 1| or KL) that triggers fallback
+    drift_metric: str = "ppl"  # "ppl": |quantized/reference perplexity - 1|; "kl": mean KL(ref || served)
     drift_max_level: int = 2  # fallback level k: window = recent_window * 2**k
     drift_max_tokens: int = 128  # generated steps recorded per sampled request
     drift_ewma_alpha: float = 0.3
@@ -64,6 +66,8 @@ class EngineArgs:
             raise ValueError(f"drift_sample_rate must be in [0, 1], got {self.drift_sample_rate}")
         if self.drift_threshold <= 0:
             raise ValueError(f"drift_threshold must be > 0, got {self.drift_threshold}")
+        if self.drift_metric not in ("ppl", "kl"):
+            raise ValueError(f"drift_metric must be 'ppl' or 'kl', got {self.drift_metric!r}")
         if self.drift_max_level < 0:
             raise ValueError(f"drift_max_level must be >= 0, got {self.drift_max_level}")
 
@@ -81,8 +85,16 @@ class EngineArgs:
     def resolve_ring_dtype(self, compute: torch.dtype) -> torch.dtype:
         if self.ring_dtype != "auto":
             return DTYPES[self.ring_dtype]
-        unquantized = self.kv_cache_dtype in ("auto", "fp32", "bf16") and self.layer_plan is None
+        unquantized = self.kv_cache_dtype in ("auto", *RAW_CODECS) and self.layer_plan is None
         return compute if unquantized else torch.bfloat16
+
+    def resolve_sinks(self, codecs: list[str]) -> bool:
+        """Attention sinks default on when any layer's history is quantized: measured on the default
+        model (8 prompts of 160 tokens, fp8_e4m3, window 128), greedy output kept >= 16 tokens equal to
+        the unquantized run on 5 of 8 prompts without sinks and on 8 of 8 with them."""
+        if self.sinks is not None:
+            return self.sinks
+        return any(c not in RAW_CODECS for c in codecs)
 
     def resolve_layer_codecs(self, num_layers: int, compute: torch.dtype) -> list[str]:
         from kvstrata.quant import get_codec

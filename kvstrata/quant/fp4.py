@@ -19,6 +19,8 @@ With static scales the clip sets the global scale; block scales stay dynamic, as
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kvstrata.quant.affine import div, safe_divisor
@@ -35,8 +37,9 @@ _MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
+@functools.lru_cache(maxsize=16)
 def _table(device: torch.device) -> torch.Tensor:
-    """Decode table of the 16 codes (code 8, "-0", decodes to +0)."""
+    """Decode table of the 16 codes (code 8, "-0", decodes to +0); cached: decoding runs per block."""
     return torch.tensor(_MAGNITUDES + (0.0,) + tuple(-m for m in _MAGNITUDES[1:]), device=device)
 
 

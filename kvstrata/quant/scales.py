@@ -100,7 +100,8 @@ class ScaleStats:
         return pos.clamp(0, self.num_bins - 1).to(torch.int64)
 
     def _bin_upper_edge(self, index: torch.Tensor) -> torch.Tensor:
-        return torch.pow(2.0, self.min_exp + index.to(torch.float64) / self.bins_per_octave)
+        edge = torch.pow(2.0, self.min_exp + index.to(torch.float64) / self.bins_per_octave)
+        return torch.where(index == self.num_bins - 1, torch.inf, edge)  # the overflow bin: absmax caps it
 
     def layers(self) -> int:
         """Number of layers observed (highest layer index + 1)."""

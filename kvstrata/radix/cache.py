@@ -9,7 +9,8 @@ in the step that completes them, before they can reach the tree.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence as Seq
+from collections.abc import Hashable
+from collections.abc import Sequence as Seq
 
 import torch
 
@@ -35,7 +36,9 @@ class StratifiedKVCache:
             num_pages = cfg.cold_budget_bytes // cold_page_bytes(cfg.layer_codecs, P, H, D)
         self.device = torch.device(cfg.device)
         self.pool = ColdPool(cfg.layer_codecs, num_pages, P, H, D, self.device)
-        self.ring = HotRing(cfg.num_layers, cfg.max_running, cfg.ring_tokens, H, D, cfg.ring_dtype, self.device)
+        self.ring = HotRing(
+            cfg.num_layers, cfg.max_running, cfg.ring_tokens, H, D, cfg.ring_dtype, self.device
+        )
         self.sinks = (
             SinkStore(cfg.num_layers, cfg.sink_pages or 0, P, H, D, cfg.ring_dtype, self.device)
             if cfg.sinks
@@ -44,7 +47,9 @@ class StratifiedKVCache:
         self.tree = RadixTree(P)
         self.recent_window = cfg.recent_window
         self.pin_budget_bytes = (
-            cfg.pin_budget_bytes if cfg.pin_budget_bytes is not None else num_pages * self.pool.page_bytes // 4
+            cfg.pin_budget_bytes
+            if cfg.pin_budget_bytes is not None
+            else num_pages * self.pool.page_bytes // 4
         )
         self._clips = self._load_clips(cfg)
         self._rotate = None
@@ -246,7 +251,9 @@ class StratifiedKVCache:
             )
         if self._rotate is not None:
             q, k, v = self._rotate(q), self._rotate(k), self._rotate(v)
-        out = attention.attend(layer, batch, q, k, v, scale, self.pool, self.ring, self.sinks, self.cfg.block_pages)
+        out = attention.attend(
+            layer, batch, q, k, v, scale, self.pool, self.ring, self.sinks, self.cfg.block_pages
+        )
         counts = attention.store(layer, batch, k, v, self.pool, self.ring, self.sinks, self._clips[layer])
         for kind, over, nonfinite in (("k", counts[0], counts[2]), ("v", counts[1], counts[3])):
             self.overflow[kind][layer] += over
@@ -263,7 +270,9 @@ class StratifiedKVCache:
         missing = set(range(self.cfg.num_layers)) - batch.layers_done
         if missing:
             raise ValueError(f"end_step: attention was not run for layers {sorted(missing)}")
-        for seq, n, start, pages in zip(batch.seqs, batch.n_new, batch.new_ring_start, batch.new_pages, strict=True):
+        for seq, n, start, pages in zip(
+            batch.seqs, batch.n_new, batch.new_ring_start, batch.new_pages, strict=True
+        ):
             seq.length += n
             seq.ring_start = start
             seq.in_step = False
@@ -380,7 +389,14 @@ class StratifiedKVCache:
             s = self.sinks.allocator
             cached = sum(1 for n in self.tree.nodes() if self._sink_weight(n))
             tiers["sink"] = TierStats(
-                "sink", self.sinks.page_bytes, s.total, s.num_free, s.num_used, cached, 0, self.sinks.page_bytes / P
+                "sink",
+                self.sinks.page_bytes,
+                s.total,
+                s.num_free,
+                s.num_used,
+                cached,
+                0,
+                self.sinks.page_bytes / P,
             )
         return CacheStats(
             tiers=tiers,

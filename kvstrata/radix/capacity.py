@@ -181,7 +181,9 @@ def run(args: argparse.Namespace) -> int:
     if args.table:
         print(_table(geo, args, budget))
         return 0
-    plan = plan_capacity(geo, args.kv_cache_dtype, budget, args.page_size, args.recent_window, args.max_running)
+    plan = plan_capacity(
+        geo, args.kv_cache_dtype, budget, args.page_size, args.recent_window, args.max_running
+    )
     if args.json:
         print(json.dumps({**asdict(plan), **asdict(geo)}))
     else:

@@ -63,7 +63,8 @@ class CacheConfig:
             value = getattr(self, name)
             if value < 0 or value % self.page_size:
                 raise ValueError(
-                    f"CacheConfig.{name}={value} must be a non-negative multiple of page_size={self.page_size}"
+                    f"CacheConfig.{name}={value} must be a non-negative multiple of "
+                    f"page_size={self.page_size}"
                 )
         if self.recent_window > self.max_recent_window:
             raise ValueError(

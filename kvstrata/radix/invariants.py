@@ -59,7 +59,9 @@ def _refs(node: TreeNode, root_ok: bool) -> list[str]:
     errors = []
     for kind in ("lock", "pin"):
         ref = getattr(node, f"{kind}_ref")
-        expect = getattr(node, f"own_{kind}s") + sum(getattr(c, f"{kind}_ref") for c in node.children.values())
+        expect = getattr(node, f"own_{kind}s") + sum(
+            getattr(c, f"{kind}_ref") for c in node.children.values()
+        )
         if ref != expect and not root_ok:
             errors.append(f"node {node.pages[:3]}: {kind}_ref {ref} != own {kind}s + children's = {expect}")
         if ref < 0:
@@ -83,7 +85,9 @@ def _ownership(cache: StratifiedKVCache) -> list[str]:
     if freed_held:
         errors.append(f"cold pages {freed_held[:8]} are free but still held")
     if len(holders) != alloc.num_used:
-        errors.append(f"{alloc.num_used} cold pages allocated but {len(holders)} held: leaked or double-counted")
+        errors.append(
+            f"{alloc.num_used} cold pages allocated but {len(holders)} held: leaked or double-counted"
+        )
     if cache.tree.total_pages != len(tree_pages):
         errors.append(f"tree counts {cache.tree.total_pages} pages, its nodes hold {len(tree_pages)}")
     unwritten = sorted(p for p in tree_pages if not cache.written[p])
@@ -151,10 +155,9 @@ def _sequences(cache: StratifiedKVCache) -> list[str]:
         if unwritten and not seq.in_step:
             errors.append(f"{name}: full pages {unwritten[:8]} were never written")
     for node in cache.tree.nodes():
-        if node.own_locks != own_locks.get(id(node), 0):
-            errors.append(
-                f"node {node.pages[:3]}: {node.own_locks} locks, {own_locks.get(id(node), 0)} sequences hold it"
-            )
+        holding = own_locks.get(id(node), 0)
+        if node.own_locks != holding:
+            errors.append(f"node {node.pages[:3]}: {node.own_locks} locks, {holding} sequences hold it")
     return errors
 
 
@@ -171,7 +174,12 @@ def _pins_and_eviction(cache: StratifiedKVCache) -> list[str]:
     if pinned_bytes > cache.pin_budget_bytes:
         errors.append(f"{pinned_bytes} pinned bytes exceed the pin budget of {cache.pin_budget_bytes}")
     for node in nodes:
-        if node.protected and node.parent is not None and not node.parent.is_root and not node.parent.protected:
+        if (
+            node.protected
+            and node.parent is not None
+            and not node.parent.is_root
+            and not node.parent.protected
+        ):
             errors.append(f"node {node.pages[:3]} is locked/pinned but its parent is evictable")
     return errors
 
@@ -188,5 +196,7 @@ def _bytes(cache: StratifiedKVCache) -> list[str]:
         if tier.bytes("total") != actual[name]:
             errors.append(f"tier {name}: reports {tier.bytes('total')} bytes, buffers hold {actual[name]}")
         if tier.cached > tier.used or tier.pinned > tier.cached:
-            errors.append(f"tier {name}: pinned {tier.pinned} <= cached {tier.cached} <= used {tier.used} broken")
+            errors.append(
+                f"tier {name}: pinned {tier.pinned} <= cached {tier.cached} <= used {tier.used} broken"
+            )
     return errors

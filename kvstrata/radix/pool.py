@@ -100,7 +100,9 @@ class ColdPool:
                 _raw(buf).index_copy_(0, page_ids, _raw(part.to(buf.dtype)))
         return WriteCounts(int(qk.overflow), int(qv.overflow), int(qk.nonfinite), int(qv.nonfinite))
 
-    def read(self, layer: int, page_table: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(
+        self, layer: int, page_table: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K and V of ``page_table`` (any shape ``S``): ``[*S, page_size, H, D]`` each."""
         codec = self.codecs[layer]
         k_parts = {name: _gather(buf, page_table) for name, buf in self.k[layer].items()}

@@ -82,6 +82,54 @@ def to_delta(chunk: dict[str, Any]) -> Delta:
     )
 
 
+class EngineRequest:
+    """All choices of one API request as one engine batch: ``len(prompts) * n`` requests, choice
+    index = prompt * n + sample (the engine's order). ``abort()`` (or leaving ``deltas()`` early:
+    client gone, task cancelled) aborts every unfinished one; the engine returns their pages and
+    ring slots."""
+
+    def __init__(self, engine: Any, prompts: list[list[int]], params: dict[str, Any]) -> None:
+        self.engine = engine
+        self.id = uuid.uuid4().hex
+        self.rids = [f"{self.id}-p{i}" for i in range(len(prompts))]
+        self.total = len(prompts) * int(params.get("n", 1))
+        self.done = 0
+        self.aborted = False
+        try:
+            self.gen = engine.async_generate(
+                input_ids=prompts, sampling_params=params, stream=True, rid=self.rids
+            )
+        except ValueError as exc:
+            raise APIError(400, str(exc), code="invalid_value") from exc
+
+    async def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
+        try:
+            async for chunk in self.gen:
+                delta = to_delta(chunk)
+                if chunk.get("finished"):
+                    self.done += 1
+                    delta.finish_reason = delta.finish_reason or "stop"
+                yield int(chunk.get("index", 0)), delta
+                if self.done == self.total:
+                    return
+        finally:
+            self.abort()
+            await self.gen.aclose()
+
+    def abort(self) -> None:
+        """Abort whatever has not finished (idempotent; a no-op once every choice is done)."""
+        if self.done < self.total and not self.aborted:
+            self.aborted = True
+            log.info(
+                "aborting request %s: %d of %d choices unfinished",
+                self.id,
+                self.total - self.done,
+                self.total,
+            )
+            for rid in self.rids:
+                self.engine.abort(rid)
+
+
 class EngineClient:
     def __init__(self, engine: Any, served_model_name: str | None = None, context_length: int | None = None):
         self.engine = engine
@@ -116,32 +164,10 @@ class EngineClient:
         return self._token_text(token_id)
 
     # --- generation -------------------------------------------------------------------------------
-    async def stream(
-        self, prompts: list[list[int]], params: dict[str, Any]
-    ) -> AsyncIterator[tuple[int, Delta]]:
-        """All choices of one API request as one engine batch: ``len(prompts) * n`` requests, choice
-        index = prompt * n + sample (the engine's order). Leaving early (client gone, task cancelled)
-        aborts every unfinished one in the engine, which returns their pages and ring slots."""
-        rid = uuid.uuid4().hex
-        rids = [f"{rid}-p{i}" for i in range(len(prompts))]
-        gen = self.engine.async_generate(input_ids=prompts, sampling_params=params, stream=True, rid=rids)
-        total = len(prompts) * int(params.get("n", 1))
-        done = 0
-        try:
-            async for chunk in gen:
-                delta = to_delta(chunk)
-                if chunk.get("finished"):
-                    done += 1
-                    delta.finish_reason = delta.finish_reason or "stop"
-                yield int(chunk.get("index", 0)), delta
-                if done == total:
-                    return
-        finally:
-            if done < total:
-                log.info("aborting request %s: %d of %d choices unfinished", rid, total - done, total)
-                for r in rids:
-                    self.engine.abort(r)
-            await gen.aclose()
+    def submit(self, prompts: list[list[int]], params: dict[str, Any]) -> EngineRequest:
+        """Submit the choices of one API request (call on the event loop). The engine checks inputs
+        at submission, so its ValueError becomes a 400 before any response has started."""
+        return EngineRequest(self.engine, prompts, params)
 
     def flush_cache(self) -> bool:
         return bool(self.engine.flush_cache())

@@ -49,8 +49,13 @@ class Run:
             for j in range(job.n)
         ]
 
+        self.request = client.submit(job.prompts, job.params)  # raises APIError(400) on bad input
+
     def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
-        return self.client.stream(self.job.prompts, self.job.params)
+        return self.request.deltas()
+
+    def abort(self) -> None:
+        self.request.abort()
 
     def apply(self, index: int, delta: Delta) -> Choice:
         c = self.choices[index]

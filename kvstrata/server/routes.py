@@ -58,8 +58,12 @@ def _body_schema(model: type) -> dict[str, Any]:
 
 
 class EventStream(StreamingResponse):
-    """A StreamingResponse that always closes its generator, so a vanished client's request is
-    aborted at once (not when the generator is garbage-collected)."""
+    """A StreamingResponse that always closes its generator and aborts its run, so a vanished
+    client's request is aborted at once (not when the generator is garbage-collected)."""
+
+    def __init__(self, run: Run, body: AsyncIterator[bytes]) -> None:
+        super().__init__(body, media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
+        self.run = run
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -68,6 +72,7 @@ class EventStream(StreamingResponse):
             close = getattr(self.body_iterator, "aclose", None)
             if close is not None:
                 await close()
+            self.run.abort()
 
 
 async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
@@ -122,8 +127,11 @@ async def _generate(request: Request, kind: Kind, job: Job, stream: bool, includ
     s = state(request)
     run = Run(s.client, kind, job, s.client.model_name)
     if stream:
-        return EventStream(_stream(run, include_usage), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
-    return JSONResponse(await _until_disconnect(request, _collect(run)))
+        return EventStream(run, _stream(run, include_usage))
+    try:
+        return JSONResponse(await _until_disconnect(request, _collect(run)))
+    finally:
+        run.abort()  # a no-op when every choice finished
 
 
 # ---- OpenAI API --------------------------------------------------------------------------------------

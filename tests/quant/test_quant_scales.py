@@ -41,6 +41,16 @@ def test_percentile_bounds_the_true_one_within_a_bin(q: float):
         assert true * factor <= estimate[head] <= true * factor * 2 ** (1 / 16)
 
 
+def test_values_beyond_the_histogram_range():
+    stats = ScaleStats(min_exp=-4, max_exp=4)
+    x = torch.tensor([0.0, 1e-3, 3.0, 1e5]).view(4, 1, 1)
+    stats.observe(0, "v", x)
+    assert stats.percentile(0, "v", 25.0).item() == 2**-4  # zeros and tiny values share the first bin
+    assert stats.percentile(0, "v", 50.0).item() == 2**-4
+    assert 3.0 <= stats.percentile(0, "v", 75.0).item() <= 3.0 * 2 ** (1 / 16)
+    assert stats.percentile(0, "v", 100.0).item() == 1e5  # past the last bin edge: the absmax
+
+
 def test_nonfinite_is_counted_and_ignored():
     stats = ScaleStats()
     x = torch.ones(4, 2, 8)

@@ -11,7 +11,9 @@ import torch
 from kvstrata.radix import CacheConfig, StratifiedKVCache
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+def dense_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float
+) -> torch.Tensor:
     """Plain softmax attention in float64: query i (position ``start + i``) sees keys ``0..start+i``.
 
     q ``[T, Hq, D]``, k/v ``[S, Hkv, D]``; GQA maps query head h to KV head ``h // (Hq // Hkv)``.
@@ -84,7 +86,9 @@ def run_step(
 ) -> list[torch.Tensor]:
     """One step through every layer with ``data``'s q/k/v; returns each layer's output."""
     batch = cache.begin_step(seqs, n_new)
-    parts = [data.span(s.extra_key, s.token_ids, s.length, s.length + n) for s, n in zip(seqs, n_new, strict=True)]
+    parts = [
+        data.span(s.extra_key, s.token_ids, s.length, s.length + n) for s, n in zip(seqs, n_new, strict=True)
+    ]
     q, k, v = (torch.cat([p[i] for p in parts]) for i in range(3))
     outs = [cache.attention(layer, batch, q, k, v, scale) for layer in range(cache.cfg.num_layers)]
     cache.end_step(batch)

@@ -17,7 +17,9 @@ SCALE = 1 / math.sqrt(D)
 class Stream:
     """Random K/V/Q of one sequence per layer, and a record of what the cache stored where."""
 
-    def __init__(self, cache: StratifiedKVCache, length: int, seed: int, tokens: list[int] | None = None) -> None:
+    def __init__(
+        self, cache: StratifiedKVCache, length: int, seed: int, tokens: list[int] | None = None
+    ) -> None:
         g = torch.Generator().manual_seed(seed)
         layers = cache.cfg.num_layers
         self.k = torch.randn(layers, length, HKV, D, generator=g)
@@ -42,9 +44,9 @@ def run_steps(
         batch = cache.begin_step([s.seq for s in streams], n_new)
         for layer in range(cache.cfg.num_layers):
             sl = [slice(s.seq.length, s.seq.length + n) for s, n in step]
-            q = torch.cat([s.q[layer, x] for s, x in zip(streams, sl)])
-            k = torch.cat([s.k[layer, x] for s, x in zip(streams, sl)])
-            v = torch.cat([s.v[layer, x] for s, x in zip(streams, sl)])
+            q = torch.cat([s.q[layer, x] for s, x in zip(streams, sl, strict=True)])
+            k = torch.cat([s.k[layer, x] for s, x in zip(streams, sl, strict=True)])
+            v = torch.cat([s.v[layer, x] for s, x in zip(streams, sl, strict=True)])
             out = cache.attention(layer, batch, q, k, v, SCALE)
             row = 0
             for s, n in step:

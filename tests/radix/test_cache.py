@@ -139,7 +139,10 @@ def test_pins_survive_eviction_and_the_budget_is_enforced() -> None:
     assert cache.stats().pinned_pages == 3
     other = cache.match_prefix([99] * 8).handle
     before = snapshot(cache)
-    with pytest.raises(PinBudgetExceeded, match=r"make 5120 pinned bytes, over the pin budget of 3072 bytes \(3072 pinned now\)"):
+    with pytest.raises(
+        PinBudgetExceeded,
+        match=r"make 5120 pinned bytes, over the pin budget of 3072 bytes \(3072 pinned now\)",
+    ):
         cache.pin(other)
     assert snapshot(cache) == before
     assert cache.evict(100) == 2  # only the unpinned prefix goes
@@ -172,7 +175,9 @@ def test_byte_accounting_is_exact_per_tier() -> None:
     )
     cache = StratifiedKVCache(cfg)
     page = cold_page_bytes(codecs, 16, 2, 16)
-    assert page == 2 * (16 * 32 + 32 * 4 + 16 * 32 + 16 * 2 * 4) + (16 * 16 + 2 * 32 * 4 + 16 * 16 + 2 * 16 * 2 * 4)
+    assert page == 2 * (16 * 32 + 32 * 4 + 16 * 32 + 16 * 2 * 4) + (
+        16 * 16 + 2 * 32 * 4 + 16 * 16 + 2 * 16 * 2 * 4
+    )
     assert cache.num_pages == 100_000 // page
     stats = cache.stats()
     cold, ring, sink = stats.tiers["cold"], stats.tiers["ring"], stats.tiers["sink"]

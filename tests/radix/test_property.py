@@ -106,7 +106,9 @@ class CacheMachine(RuleBasedStateMachine):
 
     def is_leaf(self, key: Key) -> bool:
         ns, toks = key
-        return not any(k[0] == ns and len(k[1]) == len(toks) + P and k[1][: len(toks)] == toks for k in self.cached)
+        return not any(
+            k[0] == ns and len(k[1]) == len(toks) + P and k[1][: len(toks)] == toks for k in self.cached
+        )
 
     def evictable(self) -> int:
         return len(set(self.cached) - self.protected())
@@ -211,7 +213,9 @@ class CacheMachine(RuleBasedStateMachine):
         if self.sinks:
             used, give_back = self.sink_state()
             need_sinks = sum(
-                1 for s, n in zip(seqs, n_new, strict=True) if not s.page_ids and self.cache.pages_for_step(s, n)
+                1
+                for s, n in zip(seqs, n_new, strict=True)
+                if not s.page_ids and self.cache.pages_for_step(s, n)
             )
             ok = ok and need_sinks <= 3 - used + give_back
         before, protected = dict(self.cached), self.protected()
@@ -227,7 +231,10 @@ class CacheMachine(RuleBasedStateMachine):
         starts = [s.ring_start for s in seqs]
         batch = self.cache.begin_step(seqs, n_new)
         self.check_evictions(before, protected, max(need - free, 0))
-        parts = [self.data.span(s.extra_key, s.token_ids, s.length, s.length + n) for s, n in zip(seqs, n_new)]
+        parts = [
+            self.data.span(s.extra_key, s.token_ids, s.length, s.length + n)
+            for s, n in zip(seqs, n_new, strict=True)
+        ]
         q, k, v = (torch.cat([p[i] for p in parts]) for i in range(3))
         out = self.cache.attention(0, batch, q, k, v, SCALE)
         row = 0
@@ -318,7 +325,7 @@ class CacheMachine(RuleBasedStateMachine):
     def consistent(self) -> None:
         self.cache.check_invariants()
         tree = self.tree_keys()
-        assert set(tree) == set(self.cached), (sorted(set(tree) ^ set(self.cached), key=repr))
+        assert set(tree) == set(self.cached), sorted(set(tree) ^ set(self.cached), key=repr)
         assert self.pinned() <= set(tree), "a pinned prefix left the tree"
         buf_k = self.cache.pool.k[0]["values"]
         buf_v = self.cache.pool.v[0]["values"]

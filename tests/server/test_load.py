@@ -66,7 +66,7 @@ def test_disconnect_mid_stream_aborts_and_frees_pages(server: LiveServer, engine
 
 
 def _prompt(i: int) -> str:
-    n = (3, 20, 60, 150, 300)[i % 5]  # words; ~1.2 tokens each
+    n = (3, 20, 60, 120, 240)[i % 5]  # words; ~1.2 tokens each
     return f"Request {i}: " + " ".join(WORDS[(i + k) % len(WORDS)] for k in range(n))
 
 
@@ -116,7 +116,7 @@ def test_32_concurrent_streaming_clients(server: LiveServer, engine: Any) -> Non
     wall = time.monotonic() - t0
     assert len(results) == 32
     prompt_lens = sorted({r["usage"]["prompt_tokens"] for r in results})
-    assert prompt_lens[0] < 30 and prompt_lens[-1] > 300  # mixed lengths
+    assert prompt_lens[0] < 30 and prompt_lens[-1] > 250  # mixed lengths
     for r in results:
         assert 1 <= r["usage"]["completion_tokens"] <= r["max_tokens"]
     ttfts = sorted(r["ttft"] for r in results)

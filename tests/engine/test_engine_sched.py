@@ -1,0 +1,167 @@
+"""Scheduler under pressure: preemption never corrupts, abort and exhaustion free everything.
+
+After every scenario, once all requests have ended: pages in use == pages held by the tree, no
+sequence is running, and ``check_invariants()`` passes.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from kvstrata.engine.engine import Engine
+from kvstrata.engine.stats import RequestFinished
+
+N_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def prompts(default_model):
+    tok = default_model.tokenizer
+    texts = [
+        "The French Revolution began in 1789 when",
+        "In mathematics, a prime number is a natural number greater than one that",
+        "Once upon a time in a small village by the sea, there lived an old fisherman who",
+        "The mitochondria is known as the powerhouse of the cell because",
+        "To bake a simple loaf of bread you need flour, water, salt and yeast. First,",
+        "Python is a programming language that",
+    ]
+    return [tok.encode(t) for t in texts]
+
+
+def make(model, total_tokens: int, running: int) -> Engine:
+    return Engine(
+        model=model,
+        kv_cache_dtype="auto",
+        recent_window=16,
+        page_size=16,
+        max_total_tokens=total_tokens,
+        max_running_requests=running,
+        chunked_prefill_size=64,
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(default_model, prompts):
+    eng = make(default_model, 4096, 8)
+    try:
+        params = {"temperature": 0, "max_new_tokens": N_NEW, "ignore_eos": True}
+        return [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)]
+    finally:
+        eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny(default_model):
+    eng = make(default_model, 160, 4)  # 10 pages; 4 running requests need up to 20
+    yield eng
+    eng.shutdown()
+
+
+def assert_clean(engine: Engine) -> None:
+    stats = engine.check_invariants()
+    cold = stats.tiers["cold"]
+    assert cold.used == cold.cached
+    assert stats.running == 0
+    snap = engine.get_stats()
+    assert snap.num_running_reqs == 0 and snap.num_queue_reqs == 0
+
+
+def test_preemption_recomputes_exactly(tiny, prompts, reference):
+    events: list[RequestFinished] = []
+    unsubscribe = tiny.subscribe(lambda e: events.append(e) if isinstance(e, RequestFinished) else None)
+    before = tiny.get_stats().preemptions_total
+    params = {"temperature": 0, "max_new_tokens": N_NEW, "ignore_eos": True}
+    outs = tiny.generate(input_ids=prompts, sampling_params=params)
+    unsubscribe()
+    assert [o["output_ids"] for o in outs] == reference
+    assert tiny.get_stats().preemptions_total > before
+    assert sum(e.preemptions for e in events) > 0
+    assert all(e.status == "success" and e.ttft is not None and e.ttft > 0 for e in events)
+    assert all(len(e.inter_token_latencies) == N_NEW - 1 for e in events)
+    assert_clean(tiny)
+
+
+def test_abort_queued_and_running(tiny, prompts):
+    params = {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True}
+    streams = [
+        tiny.generate(input_ids=p, sampling_params=params, stream=True, rid=f"ab-{i}")
+        for i, p in enumerate(prompts)
+    ]
+    finals: dict[int, dict] = {}
+    started = threading.Event()
+
+    def consume(i: int) -> None:
+        for chunk in streams[i]:
+            started.set()
+            if chunk["finished"]:
+                finals[i] = chunk
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(streams))]
+    for t in threads:
+        t.start()
+    assert started.wait(timeout=120)  # some run, the others (6 requests, 4 slots) are queued
+    for i in range(len(prompts)):
+        tiny.abort(f"ab-{i}")
+    for t in threads:
+        t.join(timeout=120)
+    assert sorted(finals) == list(range(len(prompts)))
+    assert all(f["meta_info"]["finish_reason"]["type"] == "abort" for f in finals.values())
+    assert all(f["meta_info"]["completion_tokens"] < 400 for f in finals.values())
+    assert_clean(tiny)
+
+
+def test_closing_a_stream_aborts(tiny, prompts):
+    it = tiny.generate(input_ids=prompts[1], sampling_params={"max_new_tokens": 300}, stream=True)
+    next(it)
+    it.close()  # the consumer went away
+    tiny.generate(input_ids=prompts[2], sampling_params={"max_new_tokens": 1})  # let the engine run a step
+    assert_clean(tiny)
+
+
+def test_exhaustion(tiny, prompts, default_model):
+    with pytest.raises(ValueError, match="KV pool 160 tokens"):
+        tiny.generate(input_ids=list(range(100, 300)), sampling_params={})
+    # alone and still growing past the pool: ends with "length", pool full; nothing leaks
+    long_prompt = (prompts[2] * 8)[:120]
+    out = tiny.generate(input_ids=long_prompt, sampling_params={"max_new_tokens": 200, "ignore_eos": True})
+    reason = out["meta_info"]["finish_reason"]
+    assert reason["type"] == "length" and reason.get("pool") == "full"
+    # 10 cold pages + 15 ring tokens of the incomplete 11th page have K/V; one more token is sampled
+    assert out["meta_info"]["prompt_tokens"] == 120
+    assert 120 + out["meta_info"]["completion_tokens"] == 160 + 16
+    out0 = tiny.generate(input_ids=prompts[0], sampling_params={"max_new_tokens": 0})
+    assert out0["output_ids"] == [] and out0["meta_info"]["finish_reason"]["type"] == "length"
+    assert_clean(tiny)
+
+
+def test_mixed_then_flush(tiny, prompts):
+    params = [
+        {"temperature": 0.8, "max_new_tokens": 30, "seed": i, "n": 1 + i % 2, "ignore_eos": True}
+        for i in range(len(prompts))
+    ]
+    streams = [
+        tiny.generate(input_ids=p, sampling_params=sp, stream=True, rid=f"mx-{i}")
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+    ]
+    done = []
+
+    def consume(i: int) -> None:
+        for chunk in streams[i]:
+            if chunk["finished"]:
+                done.append(chunk["meta_info"]["finish_reason"]["type"])
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(streams))]
+    for t in threads:
+        t.start()
+    tiny.abort("mx-1")
+    tiny.abort("mx-4")
+    for t in threads:
+        t.join(timeout=300)
+    assert len(done) == sum(sp["n"] for sp in params)
+    assert done.count("abort") >= 1
+    assert_clean(tiny)
+    assert tiny.flush_cache()
+    stats = tiny.cache_stats()
+    assert stats.tiers["cold"].used == 0 and stats.tiers["cold"].free == stats.tiers["cold"].total
