@@ -32,7 +32,7 @@ def build(codec: str, batch: int, history: int, window: int) -> tuple[Stratified
         max_running=batch,
     )
     cache = StratifiedKVCache(cfg)
-    seqs = [cache.admit(list(range(i * 100_000, i * 100_000 + history + 64))) for i in range(batch)]
+    seqs = [cache.admit(list(range(i * 100_000, i * 100_000 + history + 512))) for i in range(batch)]
     g = torch.Generator().manual_seed(0)
     for seq in seqs:  # prefill one sequence at a time, in chunks of 512
         done = 0

@@ -317,6 +317,8 @@ class Engine:
         self._wake.set()
 
     def _call(self, kind: str, payload: Any) -> Any:
+        if self._closed or self._stopping:
+            raise RuntimeError("engine is shut down")
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._post(kind, (payload, fut))
         return fut.result(timeout=60)
@@ -378,24 +380,27 @@ class Engine:
     # ============================================================== engine thread
     def _loop(self) -> None:
         with torch.inference_mode():
-            while True:
-                self._drain_inbox()
-                self.stats.queue_sizes(len(self.scheduler.running), len(self.scheduler.waiting))
-                if self._stopping:
-                    self._abort_all("engine shut down")
-                    return
-                if self._pending_window is not None:
-                    self.cache.set_recent_window(self._pending_window)
-                    self._pending_window = None
-                if not self.scheduler.has_work():
-                    self._wake.wait(timeout=1.0)
-                    self._wake.clear()
-                    continue
+            while not self._stopping:
                 try:
-                    self._step()
-                except Exception as exc:
+                    self._iterate()
+                except Exception as exc:  # a failed step ends the requests in it, never the engine
                     log.exception("engine step failed")
                     self._fail_running(exc)
+            self._abort_all("engine shut down")
+
+    def _iterate(self) -> None:
+        self._drain_inbox()
+        self.stats.queue_sizes(len(self.scheduler.running), len(self.scheduler.waiting))
+        if self._stopping:
+            return
+        if self._pending_window is not None:
+            window, self._pending_window = self._pending_window, None
+            self.cache.set_recent_window(window)
+        if self.scheduler.has_work():
+            self._step()
+        else:
+            self._wake.wait(timeout=1.0)
+            self._wake.clear()
 
     def _drain_inbox(self) -> None:
         while True:
@@ -500,7 +505,10 @@ class Engine:
 
     def _fail_running(self, exc: Exception) -> None:
         for req in list(self.scheduler.running):
-            self._finish(req, {"type": "abort", "message": f"internal error: {exc}"})
+            try:
+                self._finish(req, {"type": "abort", "message": f"internal error: {exc}"})
+            except Exception:
+                log.exception("could not end request %s", req.rid)
 
     def _abort_all(self, message: str) -> None:
         for req in [*self.scheduler.running, *self.scheduler.waiting]:

@@ -30,13 +30,13 @@ class EngineArgs:
     max_total_tokens: int | None = None  # cold pool size in tokens (wins over mem_fraction_static)
     mem_fraction_static: float | None = None  # share of free memory for the cold pool
     max_running_requests: int = 32
-    chunked_prefill_size: int = 1024
+    chunked_prefill_size: int = 512
     device: str = "auto"
     drift_sample_rate: float = 0.0  # share of finished requests re-scored without quantization
     drift_threshold: float = 0.05  # smoothed drift (|ppl ratio - 1| or KL) that triggers fallback
     drift_metric: str = "ppl"  # "ppl": |quantized/reference perplexity - 1|; "kl": mean KL(ref || served)
     drift_max_level: int = 2  # fallback level k: window = recent_window * 2**k
-    drift_max_tokens: int = 128  # generated steps recorded per sampled request
+    drift_max_tokens: int = 64  # generated steps recorded per sampled request (fp32 rows of vocab size)
     drift_ewma_alpha: float = 0.3
     drift_cooldown: int = 4  # consecutive low samples before stepping down
     seed: int | None = None  # seeds the unseeded sampling rows (torch default generator)

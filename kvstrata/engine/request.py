@@ -116,7 +116,7 @@ class Request:
         if self.finish_reason is None or reason.get("type") == "abort":
             self.finish_reason = reason
         if self.finish_reason.get("type") != "stop" or not isinstance(self.finish_reason.get("matched"), str):
-            self.detok.text += self.detok.flush()
+            self.detok.flush()  # a character cut by the length limit comes out as U+FFFD
         self.status = Status.FINISHED
         self.finished_at = now
 

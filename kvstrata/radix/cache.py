@@ -64,6 +64,7 @@ class StratifiedKVCache:
         L = cfg.num_layers
         self.overflow = {"k": [0] * L, "v": [0] * L}
         self.nonfinite = {"k": [0] * L, "v": [0] * L}
+        self.absmax = {"k": [0.0] * L, "v": [0.0] * L}
 
     @staticmethod
     def _load_clips(cfg: CacheConfig) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
@@ -214,7 +215,7 @@ class StratifiedKVCache:
                 f"{self.tree.total_pages - self.tree.evictable_pages} locked or pinned in the tree, "
                 f"{self.pool.allocator.num_used - self.tree.total_pages} held by running sequences"
             )
-        if self.sinks is not None:
+        if self.sinks is not None and sink_pages > self.sinks.allocator.num_free:
             sink_free = self.sinks.allocator.num_free
             evictable = sum(self._sink_weight(n) for n in self.tree.nodes() if not n.protected)
             if sink_pages > sink_free + evictable:
@@ -255,9 +256,10 @@ class StratifiedKVCache:
             layer, batch, q, k, v, scale, self.pool, self.ring, self.sinks, self.cfg.block_pages
         )
         counts = attention.store(layer, batch, k, v, self.pool, self.ring, self.sinks, self._clips[layer])
-        for kind, over, nonfinite in (("k", counts[0], counts[2]), ("v", counts[1], counts[3])):
-            self.overflow[kind][layer] += over
-            self.nonfinite[kind][layer] += nonfinite
+        for kind in ("k", "v"):
+            self.overflow[kind][layer] += getattr(counts, f"overflow_{kind}")
+            self.nonfinite[kind][layer] += getattr(counts, f"nonfinite_{kind}")
+            self.absmax[kind][layer] = max(self.absmax[kind][layer], getattr(counts, f"absmax_{kind}"))
         batch.layers_done.add(layer)
         if self._rotate is not None:
             out = self._rotate(out)  # V was rotated; the normalised transform is its own inverse
@@ -411,4 +413,20 @@ class StratifiedKVCache:
             overflow_v=list(self.overflow["v"]),
             nonfinite_k=list(self.nonfinite["k"]),
             nonfinite_v=list(self.nonfinite["v"]),
+            absmax_k=list(self.absmax["k"]),
+            absmax_v=list(self.absmax["v"]),
+            absmax_ratio_k=self._absmax_ratio("k"),
+            absmax_ratio_v=self._absmax_ratio("v"),
         )
+
+    def _absmax_ratio(self, kind: str) -> list[float]:
+        """Running absmax / the calibration clip (its largest entry), per layer; empty without scales."""
+        if self.cfg.scales is None:
+            return []
+        index = 0 if kind == "k" else 1
+        ratios = []
+        for layer, clips in enumerate(self._clips):
+            clip = clips[index]
+            top = float(clip.max()) if clip is not None else 0.0
+            ratios.append(self.absmax[kind][layer] / top if top > 0 else 0.0)
+        return ratios

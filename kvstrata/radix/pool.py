@@ -36,16 +36,25 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _finite_absmax(x: torch.Tensor) -> float:
+    return float(x.abs().nan_to_num(nan=0.0, posinf=0.0).amax()) if x.numel() else 0.0
+
+
 def _gather(buf: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return _raw(buf)[index].view(buf.dtype)
 
 
 @dataclass
 class WriteCounts:
-    overflow_k: int
-    overflow_v: int
-    nonfinite_k: int
-    nonfinite_v: int
+    """What one write counted: clipped and NaN/Inf elements (from the codec) and the largest
+    finite magnitude written, per K and V."""
+
+    overflow_k: int = 0
+    overflow_v: int = 0
+    nonfinite_k: int = 0
+    nonfinite_v: int = 0
+    absmax_k: float = 0.0
+    absmax_v: float = 0.0
 
 
 class ColdPool:
@@ -98,7 +107,14 @@ class ColdPool:
             for name, part in q.parts.items():
                 buf = bufs[name]
                 _raw(buf).index_copy_(0, page_ids, _raw(part.to(buf.dtype)))
-        return WriteCounts(int(qk.overflow), int(qv.overflow), int(qk.nonfinite), int(qv.nonfinite))
+        return WriteCounts(
+            int(qk.overflow),
+            int(qv.overflow),
+            int(qk.nonfinite),
+            int(qv.nonfinite),
+            _finite_absmax(k_pages),
+            _finite_absmax(v_pages),
+        )
 
     def read(
         self, layer: int, page_table: torch.Tensor, dtype: torch.dtype

@@ -47,6 +47,10 @@ class CacheStats:
     overflow_v: list[int] = field(default_factory=list)
     nonfinite_k: list[int] = field(default_factory=list)
     nonfinite_v: list[int] = field(default_factory=list)
+    absmax_k: list[float] = field(default_factory=list)  # running max |x| written, per layer
+    absmax_v: list[float] = field(default_factory=list)
+    absmax_ratio_k: list[float] = field(default_factory=list)  # absmax / calibration clip (static scales)
+    absmax_ratio_v: list[float] = field(default_factory=list)
 
     @property
     def cache_hit_rate(self) -> float:

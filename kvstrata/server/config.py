@@ -94,7 +94,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("recent_window", _non_negative_int, None, "BF16 recent window in tokens (multiple of page)", True),
     Flag("page_size", _positive_int, None, "tokens per KV page", True),
     Flag("max_total_tokens", _positive_int, None, "KV capacity in tokens (cold pool size)", True),
-    Flag("mem_fraction_static", _fraction, None, "share of free memory for weights + KV pool", True),
+    Flag("mem_fraction_static", _fraction, None, "share of free memory for the KV pool", True),
     Flag("max_running_requests", _positive_int, None, "cap on concurrently running requests", True),
     Flag("kv_scales", str, None, "static KV scales file from `kvstrata calibrate`", True),
     Flag("host", str, DEFAULT_HOST, "address to bind"),

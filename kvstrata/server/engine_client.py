@@ -194,7 +194,7 @@ class EngineClient:
         if stats.drift is not None:
             d = stats.drift
             snap.drift = DriftSnapshot(
-                ewma=d.ewma,
+                drift_ewma=d.ewma,
                 level=d.level,
                 threshold=self.threshold,
                 window=d.window,

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from kvstrata.server.engine_client import Delta, EngineClient, TokenLogprob
-from kvstrata.server.requests import Job
+from kvstrata.server.validation import Job
 
 Kind = Literal["chat", "completion"]
 

@@ -119,8 +119,8 @@ class EngineCollector(Collector):
         yield _layer_kind("kv_absmax_ratio", "Running absmax / calibration clip.", s.absmax_ratio)
         yield gauge(
             "ppl_drift_ewma",
-            "Smoothed perplexity drift: EWMA of (quantized / reference ratio - 1).",
-            s.drift.ewma,
+            "Smoothed perplexity ratio (quantized / reference; 1 = no drift); fallback above 1 + threshold.",
+            s.ppl_drift_ewma,
         )
         yield gauge("fallback_level", "Precision fallback level (0 = configured precision).", s.drift.level)
 

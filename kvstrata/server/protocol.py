@@ -126,18 +126,7 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-# ---- responses (plain dicts are built in routes; these models document them in /openapi.json) ----
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
+# ---- responses documented in /openapi.json (bodies are built as plain dicts in generation.py) ----
 
 
 class ModelCard(BaseModel):

@@ -22,7 +22,7 @@ from kvstrata.server.errors import APIError
 from kvstrata.server.generation import Kind, Run
 from kvstrata.server.metrics import ServerMetrics
 from kvstrata.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelList
-from kvstrata.server.requests import Job, chat_job, check_model, completion_job, parse_body
+from kvstrata.server.validation import Job, chat_job, check_model, completion_job, parse_body
 
 log = logging.getLogger("kvstrata.server")
 router = APIRouter()

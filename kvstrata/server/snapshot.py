@@ -25,7 +25,9 @@ class TierSnapshot:
 
 @dataclass
 class DriftSnapshot:
-    ewma: float = 0.0
+    drift_ewma: float = (
+        0.0  # the engine's EWMA of (perplexity ratio - 1): what the threshold is compared with
+    )
     level: int = 0
     threshold: float = 0.0
     window: int = 0  # BF16 window the level asks for
@@ -56,6 +58,12 @@ class EngineSnapshot:
     drift: DriftSnapshot = field(default_factory=DriftSnapshot)
     recent_window: int = 0
 
+    @property
+    def ppl_drift_ewma(self) -> float:
+        """Smoothed perplexity ratio, 1 + EWMA(ratio - 1) (= EWMA of the ratio): 1.0 means no drift,
+        and fallback starts above 1 + drift_threshold. Exported as ``kvstrata:ppl_drift_ewma``."""
+        return 1.0 + self.drift.drift_ewma
+
     def cache_json(self) -> dict[str, Any]:
         """The body of GET /v1/cache."""
         return {
@@ -70,5 +78,6 @@ class EngineSnapshot:
             "num_queue_reqs": self.num_queued,
             "recent_window": self.recent_window,
             "fallback_level": self.drift.level,
-            "ppl_drift_ewma": self.drift.ewma,
+            "ppl_drift_ewma": self.ppl_drift_ewma,
+            "drift": asdict(self.drift),
         }

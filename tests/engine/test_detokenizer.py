@@ -63,3 +63,30 @@ def test_stop_holdback():
     assert stop_holdback("hello", ["world"]) == 0
     assert stop_holdback("abc\n", ["\n\n", "xyz"]) == 1
     assert stop_holdback("a", ["abc", "a"]) == 1
+
+
+def test_request_text_on_length_cut_and_stop_string(tokenizer):
+    from kvstrata.engine.request import Request
+    from kvstrata.engine.sampling_params import SamplingParams
+
+    ids = tokenizer.encode("ok 😀")
+    req = Request("r", [1], SamplingParams(max_new_tokens=len(ids) - 1), tokenizer, frozenset(), 49152)
+    for t in ids[:-1]:
+        req.append(t, 0.0)
+    assert req.finish_reason == {"type": "length", "length": len(ids) - 1}
+    assert req.visible_text() == "ok"  # " 😀" is still incomplete: held back
+    req.finish(req.finish_reason, 1.0)
+    assert req.visible_text().startswith("ok ") and req.visible_text().count("\ufffd") == 1  # flushed once
+
+    ids = tokenizer.encode("Hello world. The end")
+    req = Request("s", [1], SamplingParams(max_new_tokens=50, stop=["world"]), tokenizer, frozenset(), 49152)
+    shown = []
+    for t in ids:
+        req.append(t, 0.0)
+        shown.append(req.visible_text())
+        if req.finish_reason:
+            break
+    assert "wor" not in "".join(shown[:-1])  # a possible stop string is held back
+    req.finish(req.finish_reason, 1.0)
+    assert req.finish_reason == {"type": "stop", "matched": "world"}
+    assert req.visible_text() == "Hello "

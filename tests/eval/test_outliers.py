@@ -70,22 +70,32 @@ def test_planting_keeps_the_function_and_makes_per_token_key_scales_fail(models)
 
 
 def test_shipped_defaults_bound_4bit_drift_on_planted_outliers(models) -> None:
+    """Context 512 (> every shipped window) so that history really comes from 4-bit cold pages.
+
+    The random model's perplexity is near the vocabulary size, so its drift sign is noise; KL and top-1
+    carry the signal. Measured: int4 KL 2.5e-3, fp4 1.3e-3; window 0 4-19x worse; Hadamard rotation
+    on top of per-channel key scales 30-80x worse (it smears the outlier channels over all channels),
+    which is why rotation is off by default.
+    """
     from kvstrata.engine.loader import load_model
     from kvstrata.quant import list_codecs
 
     model = load_model(models[0])
-    windows = tokenize_windows(read_corpus(None), model.tokenizer, 256, 1024)
-    grid = build_grid(["int4", "fp4_e2m1"], None, None, None, list_codecs())
-    naive = [EvalConfig(c, None, 0, False, False) for c in ("int4", "fp4_e2m1")]
-    scores, _ = evaluate(model, windows, [*grid, *naive], 16)
+    windows = tokenize_windows(read_corpus(None), model.tokenizer, 512, 1024)
+    shipped = build_grid(["int4", "fp4_e2m1"], None, None, None, list_codecs())[1:]
+    bare = [EvalConfig(c.kv_cache_dtype, None, 0, False, False) for c in shipped]
+    rotated = [EvalConfig(c.kv_cache_dtype, None, c.recent_window, True, c.sinks) for c in shipped]
+    reference = EvalConfig("auto", None, 0, False, False)
+    scores, _ = evaluate(model, windows, [reference, *shipped, *bare, *rotated], 16)
     result = {cfg: summarize(scores[cfg], resamples=500) for cfg in scores}
-    for cfg in grid[1:]:
+    for cfg in shipped:
         d = SHIPPED_DEFAULTS[cfg.kv_cache_dtype]
-        assert (cfg.recent_window, cfg.sinks) == (d.recent_window, d.sinks)
+        assert (cfg.recent_window, cfg.rotation, cfg.sinks) == (d.recent_window, d.rotation, d.sinks)
+        assert cfg.recent_window < 512
         s = result[cfg]
         assert abs(s.drift_pct) < 0.5, (cfg.label, s)
-        assert s.kl < 2e-3, (cfg.label, s)
-        assert s.top1_agreement > 0.94, (cfg.label, s)
-    for shipped, bare in zip(grid[1:], naive, strict=True):
-        # the BF16 window and sinks of the shipped defaults cut the KL of bare window-0 storage >= 5x
-        assert result[bare].kl > 5 * result[shipped].kl
+        assert s.kl < 4e-3, (cfg.label, s)
+        assert s.top1_agreement > 0.88, (cfg.label, s)
+    for ship, b, r in zip(shipped, bare, rotated, strict=True):
+        assert result[b].kl > 3 * result[ship].kl  # the BF16 window and sinks matter
+        assert result[r].kl > 10 * result[ship].kl  # rotation breaks per-channel key scales here

@@ -228,4 +228,7 @@ def test_static_scales_count_clipped_and_nonfinite_elements_per_layer_and_kind()
         assert stats.overflow_k[layer] == int((a.k[layer, :8].abs() > 1.5).sum())
         assert stats.overflow_v[layer] == int((a.v[layer, :8].abs() > 1.5).sum())
     assert stats.nonfinite_k == [0, 1] and stats.nonfinite_v == [0, 0]
+    finite_k = a.k[:, :8].nan_to_num(0.0).abs().amax(dim=(1, 2, 3))
+    assert stats.absmax_k == pytest.approx(finite_k.tolist())
+    assert stats.absmax_ratio_k == pytest.approx((finite_k / 1.5).tolist())
     assert stats.quantized_elements == 2 * P * HKV * D

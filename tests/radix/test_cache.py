@@ -8,6 +8,7 @@ import pytest
 import torch
 from radix_helpers import TokenKV, run_step, small_cache
 
+from kvstrata.quant import get_codec
 from kvstrata.radix import (
     CacheConfig,
     OutOfPages,
@@ -175,9 +176,14 @@ def test_byte_accounting_is_exact_per_tier() -> None:
     )
     cache = StratifiedKVCache(cfg)
     page = cold_page_bytes(codecs, 16, 2, 16)
-    assert page == 2 * (16 * 32 + 32 * 4 + 16 * 32 + 16 * 2 * 4) + (
-        16 * 16 + 2 * 32 * 4 + 16 * 16 + 2 * 16 * 2 * 4
+    by_parts = sum(
+        math.prod(shape) * dtype.itemsize
+        for name in codecs
+        for gran in ("channel", "token")
+        for shape, dtype in get_codec(name).page_parts(16, 2, 16, gran).values()
     )
+    codes = 2 * (2 * 16 * 2 * 16) + (2 * 16 * 2 * 16) // 2  # fp8: 1 byte, int4: half a byte
+    assert page == by_parts and codes < page < codes * 1.3
     assert cache.num_pages == 100_000 // page
     stats = cache.stats()
     cold, ring, sink = stats.tiers["cold"], stats.tiers["ring"], stats.tiers["sink"]

@@ -185,6 +185,18 @@ class CacheMachine(RuleBasedStateMachine):
             self._step([r], [len(tokens) - seq.length])
 
     @rule(tokens=tokens_st, ns=ns_st)
+    def serve(self, tokens: list[int], ns: Hashable) -> None:
+        """A whole short request: admit, prefill, finish into the tree (fills the tree quickly)."""
+        if self.cache.num_free_slots == 0:
+            return
+        self.admit(tokens, ns, prefill=True)
+        r = self.seqs[-1]
+        if r.seq.length == len(r.seq.token_ids):
+            self.seqs.pop()
+            self.cache.finish(r.seq, insert=True)
+            self._insert(r)
+
+    @rule(tokens=tokens_st, ns=ns_st)
     def match(self, tokens: list[int], ns: Hashable) -> None:
         n = self.longest(ns, tokens)
         m = self.cache.match_prefix(tokens, ns)

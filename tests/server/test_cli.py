@@ -9,7 +9,16 @@ import subprocess
 import sys
 import time
 
+from pathlib import Path
+
 import httpx
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvstrata.quant.scales import ScalesFile
+
+# SmolLM2-135M-Instruct's geometry
+LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64
 
 
 def _free_port() -> int:

@@ -1,9 +1,16 @@
 """Forced drift: FP4 history with no BF16 window, every request re-scored, a low threshold.
 
-Long prompts read most of their history from FP4 pages, so the smoothed drift passes the threshold
-and the fallback level goes up. Then the traffic turns to requests short enough to live entirely in
-the BF16 ring (prompt + output < one page): their drift is ~0, the EWMA decays below half the
-threshold, and the level steps back down (hysteresis: a few consecutive low samples per step).
+A story continuation reads most of its history from FP4 pages; greedy decoding makes its drift
+deterministic (about +0.01 with this engine: the served model is less sure of the same tokens), so
+the smoothed drift passes the threshold and the fallback level goes up. Then the traffic turns to
+requests short enough to live entirely in the BF16 ring (prompt + output < one page): their drift
+is ~0, the EWMA decays below half the threshold, and the level steps back down (hysteresis: a few
+consecutive low samples per step).
+
+Why one fixed prompt: the engine's drift is ppl(served)/ppl(reference) - 1 over tokens the served
+model chose itself, which is not sign-definite (on tokens where the quantized model picked its own
+peak, the reference is *less* sure, and the ratio drops below 1). Many prompts give drift < 0 at
+these bit widths; this one gives drift > 0 for int4 and fp4 alike.
 """
 
 from __future__ import annotations
@@ -18,8 +25,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from .live import LiveServer, live_server
 
-THRESHOLD = 0.008
-TOPICS = ["rivers", "printing", "bees", "volcanoes", "chess", "glaciers", "lighthouses", "comets", "deserts"]
+THRESHOLD = 0.006
+STORY = "Once upon a time, in a small village by the sea, there lived"
 
 
 @pytest.fixture(scope="module")
@@ -66,21 +73,18 @@ def complete(server: LiveServer, prompt: str, max_tokens: int) -> dict[str, floa
 def test_drift_raises_fallback_and_recovers(drift_server: LiveServer, caplog: Any) -> None:
     caplog.set_level(logging.WARNING, logger="kvstrata.drift")
     m = gauges(drift_server)
-    assert m["kvstrata:fallback_level"] == 0 and m["kvstrata:ppl_drift_ewma"] == 0
+    # the gauge is the smoothed ratio: 1.0 = no drift; fallback starts above 1 + threshold
+    assert m["kvstrata:fallback_level"] == 0 and m["kvstrata:ppl_drift_ewma"] == 1.0
 
     ewmas: list[float] = []
     levels: list[float] = []
-    for topic in TOPICS[:6]:  # long prompts: FP4 history
-        prompt = (
-            f"Here is a long and detailed essay about {topic}, written for a school magazine by a "
-            "curious student who loves to read. It begins like this: The"
-        )
-        m = complete(drift_server, prompt, 16)
-        ewmas.append(m["kvstrata:ppl_drift_ewma"])
+    for _ in range(4):  # 15 + 24 tokens: two pages of FP4 history
+        m = complete(drift_server, STORY, 24)
+        ewmas.append(m["kvstrata:ppl_drift_ewma"] - 1.0)
         levels.append(m["kvstrata:fallback_level"])
         if levels[-1] >= 1:
             break
-    print(f"\nforced drift: ewma {[round(e, 4) for e in ewmas]}, levels {levels}")
+    print(f"\nforced drift: ewma - 1 {[round(e, 4) for e in ewmas]}, levels {levels}")
     assert max(ewmas) > THRESHOLD
     assert levels[-1] >= 1
     peak = max(levels)
@@ -88,10 +92,10 @@ def test_drift_raises_fallback_and_recovers(drift_server: LiveServer, caplog: An
     low: list[float] = []
     for i in range(30):  # short requests: all of it in the BF16 ring
         m = complete(drift_server, f"Item {i}: yes", 8)
-        low.append(m["kvstrata:ppl_drift_ewma"])
+        low.append(m["kvstrata:ppl_drift_ewma"] - 1.0)
         if m["kvstrata:fallback_level"] == 0:
             break
-    print(f"recovery: ewma {[round(e, 4) for e in low]}, final level {m['kvstrata:fallback_level']}")
+    print(f"recovery: ewma - 1 {[round(e, 4) for e in low]}, final level {m['kvstrata:fallback_level']}")
     assert m["kvstrata:fallback_level"] == 0
     assert low[-1] < THRESHOLD / 2
     assert m["kvstrata:ppl_drift_ratio_count"] == len(ewmas) + len(low)
@@ -103,3 +107,5 @@ def test_drift_raises_fallback_and_recovers(drift_server: LiveServer, caplog: An
     with drift_server.client() as c:
         cache = c.get("/v1/cache").json()
     assert cache["fallback_level"] == 0
+    assert cache["ppl_drift_ewma"] == pytest.approx(1.0 + low[-1], abs=1e-9)
+    assert cache["drift"]["threshold"] == THRESHOLD and cache["drift"]["level_changes"] >= 2

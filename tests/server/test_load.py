@@ -131,3 +131,22 @@ def test_32_concurrent_streaming_clients(server: LiveServer, engine: Any) -> Non
     assert after["pages_in_use"] == after["pages_in_tree"]
     stats = engine.check_invariants()
     assert stats.tiers["cold"].used == stats.tiers["cold"].cached
+
+
+def test_disconnect_before_a_non_streaming_answer_aborts(server: LiveServer) -> None:
+    server.wait_idle()
+    aborted_before = _finished(server).get("aborted", 0.0)
+    body = {"model": MODEL, "prompt": " ".join(WORDS * 4), "max_tokens": 1000, "ignore_eos": True}
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=httpx.Timeout(30, read=1.5)) as c:
+        try:
+            c.post("/v1/completions", json=body)
+            raise AssertionError("a 1000-token answer came back within the read timeout")
+        except httpx.ReadTimeout:
+            pass  # the client gives up and closes the connection
+    after = server.wait_idle(timeout=30)
+    assert after["tiers"]["ring"]["pages"]["used"] == 0
+    assert after["pages_in_use"] == after["pages_in_tree"]
+    deadline = time.monotonic() + 10
+    while _finished(server)["aborted"] < aborted_before + 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _finished(server)["aborted"] == aborted_before + 1
