@@ -491,7 +491,7 @@ class Engine:
         self.stats.finished(
             RequestFinished(
                 rid=req.rid,
-                status="aborted" if aborted else "success",
+                status="error" if reason.get("error") else "aborted" if aborted else "success",
                 finish_reason=req.finish_reason,
                 prompt_tokens=len(req.prompt_ids),
                 completion_tokens=len(req.output_ids),
@@ -506,7 +506,7 @@ class Engine:
     def _fail_running(self, exc: Exception) -> None:
         for req in list(self.scheduler.running):
             try:
-                self._finish(req, {"type": "abort", "message": f"internal error: {exc}"})
+                self._finish(req, {"type": "abort", "message": f"internal error: {exc}", "error": True})
             except Exception:
                 log.exception("could not end request %s", req.rid)
 

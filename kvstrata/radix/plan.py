@@ -100,46 +100,70 @@ def build_step(
         for n, idx in by_size.items()
     ]
 
+    write, new_starts = _plan_writes(seqs, n_new, offsets, P, R, window, sink_of, device)
+    return StepBatch(list(seqs), list(n_new), total, groups, write, new_starts, new_pages)
+
+
+def _plan_writes(
+    seqs: list[Sequence],
+    n_new: list[int],
+    offsets: list[int],
+    P: int,
+    R: int,
+    window: int,
+    sink_of: dict[int, int] | None,
+    device: torch.device,
+) -> tuple[WritePlan, list[int]]:
+    """Where each completed page gathers its tokens, and which ring rows take the new tokens.
+
+    A page completed by this step holds positions ``[j * P, (j + 1) * P)``; those below the old
+    length ``L`` (fewer than ``P``) come from the ring, the rest from the new K/V. Index ranges
+    are built with ``arange``, so a prefill chunk costs no per-token Python work."""
     write_pages: list[int] = []
-    ring_dst_rows: list[int] = []
-    ring_src_rows: list[int] = []
-    new_dst_rows: list[int] = []
-    new_src_rows: list[int] = []
+    from_ring: list[tuple[list[int], list[int]]] = []
+    from_new: list[torch.Tensor] = []
+    new_src: list[torch.Tensor] = []
     sink_pages: list[int] = []
     sink_slots: list[int] = []
-    ring_dst: list[int] = []
-    ring_src: list[int] = []
+    ring_dst: list[torch.Tensor] = []
+    ring_src: list[torch.Tensor] = []
     new_starts = []
     for seq, n, off in zip(seqs, n_new, offsets, strict=True):
         L, base = seq.length, seq.slot * R
-        for j in range(L // P, (L + n) // P):
-            page_row = len(write_pages) * P
-            if j == 0 and sink_of is not None:
+        first, last = L // P, (L + n) // P
+        if last > first:
+            row0 = len(write_pages) * P - first * P  # page tensor row of position first * P is 0
+            if first == 0 and sink_of is not None:
                 sink_pages.append(len(write_pages))
                 sink_slots.append(sink_of[seq.page_ids[0]])
-            write_pages.append(seq.page_ids[j])
-            for t, pos in enumerate(range(j * P, (j + 1) * P)):
-                if pos < L:
-                    ring_dst_rows.append(page_row + t)
-                    ring_src_rows.append(base + pos % R)
-                else:
-                    new_dst_rows.append(page_row + t)
-                    new_src_rows.append(off + pos - L)
+            write_pages.extend(seq.page_ids[first:last])
+            old = range(first * P, L)
+            from_ring.append(([row0 + p for p in old], [base + p % R for p in old]))
+            pos = torch.arange(L, last * P)
+            from_new.append(row0 + pos)
+            new_src.append(off + pos - L)
         new_start = ring_start_after(seq, L + n, window, P)
         new_starts.append(new_start)
-        for pos in range(max(L, new_start), L + n):
-            ring_dst.append(base + pos % R)
-            ring_src.append(off + pos - L)
+        pos = torch.arange(max(L, new_start), L + n)
+        ring_dst.append(base + pos % R)
+        ring_src.append(off + pos - L)
+
+    def cat(parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(parts).to(device) if parts else torch.zeros(0, dtype=torch.long, device=device)
+
     write = WritePlan(
         page_ids=_long(write_pages, device),
-        from_ring=(_long(ring_dst_rows, device), _long(ring_src_rows, device)),
-        from_new=(_long(new_dst_rows, device), _long(new_src_rows, device)),
+        from_ring=(
+            _long([r for rows, _ in from_ring for r in rows], device),
+            _long([r for _, rows in from_ring for r in rows], device),
+        ),
+        from_new=(cat(from_new), cat(new_src)),
         sink_pages=_long(sink_pages, device),
         sink_slots=_long(sink_slots, device),
-        ring_dst=_long(ring_dst, device),
-        ring_src=_long(ring_src, device),
+        ring_dst=cat(ring_dst),
+        ring_src=cat(ring_src),
     )
-    return StepBatch(list(seqs), list(n_new), total, groups, write, new_starts, new_pages)
+    return write, new_starts
 
 
 def _plan_group(

@@ -82,6 +82,21 @@ def to_delta(chunk: dict[str, Any]) -> Delta:
     )
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2 byte-level BPE's printable stand-in for each byte (as ``bytes_to_unicode``)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    mapping: dict[str, int] = {chr(b): b for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in keep:
+            mapping[chr(256 + extra)] = b
+            extra += 1
+    return mapping
+
+
+_UNICODE_TO_BYTE = _byte_level_alphabet()
+
+
 class EngineRequest:
     """All choices of one API request as one engine batch: ``len(prompts) * n`` requests, choice
     index = prompt * n + sample (the engine's order). ``abort()`` (or leaving ``deltas()`` early:
@@ -157,11 +172,22 @@ class EngineClient:
             ) from exc
         return self.encode(ids, add_special_tokens=False)  # the template holds the special tokens
 
-    def _decode_one(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+    def _decode_one(self, token_id: int) -> tuple[str, bytes]:
+        text = self.tokenizer.decode([token_id])
+        piece = self.tokenizer.convert_ids_to_tokens([token_id])[0] or ""
+        if piece and all(ch in _UNICODE_TO_BYTE for ch in piece):  # byte-level BPE: exact bytes
+            raw = bytes(_UNICODE_TO_BYTE[ch] for ch in piece)
+            if raw.decode("utf-8", "replace") == text:
+                return text, raw
+        return text, text.encode("utf-8")
 
     def token_text(self, token_id: int) -> str:
-        return self._token_text(token_id)
+        """The token as text (U+FFFD where it holds part of a character)."""
+        return self._token_text(token_id)[0]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's exact UTF-8 bytes (a part of a multi-byte character stays as that part)."""
+        return self._token_text(token_id)[1]
 
     # --- generation -------------------------------------------------------------------------------
     def submit(self, prompts: list[list[int]], params: dict[str, Any]) -> EngineRequest:

@@ -89,7 +89,7 @@ class Run:
     # --- logprobs ---------------------------------------------------------------------------------
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.client.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": logprob, "bytes": list(self.client.token_bytes(token_id))}
 
     def logprobs(self, choice: Choice, items: list[TokenLogprob]) -> dict[str, Any] | None:
         wanted = self.job.params.get("return_logprob", False)

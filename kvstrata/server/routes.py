@@ -101,9 +101,9 @@ async def _collect(run: Run) -> dict[str, Any]:
 
 
 async def _stream(run: Run, include_usage: bool) -> AsyncIterator[bytes]:
-    if run.kind == "chat":
-        roles = [run.role_chunk(c.index) for c in run.choices]
-        yield sse.event(run.chunk(roles, None, include_usage))
+    if run.kind == "chat":  # one event per choice, as OpenAI sends them
+        for c in run.choices:
+            yield sse.event(run.chunk([run.role_chunk(c.index)], None, include_usage))
     try:
         async for index, delta in run.deltas():
             choice = run.apply(index, delta)

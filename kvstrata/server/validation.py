@@ -41,6 +41,8 @@ async def parse_body(request: Request, model: type[M]) -> M:
     except ValueError as exc:
         detail = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
         raise APIError(400, f"malformed JSON in the request body: {detail}", code="invalid_json") from exc
+    except RecursionError as exc:
+        raise APIError(400, "the request body is nested too deeply", code="invalid_json") from exc
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
     try:
@@ -49,6 +51,8 @@ async def parse_body(request: Request, model: type[M]) -> M:
         raise APIError(
             400, "the request holds a lone UTF-16 surrogate (invalid UTF-8)", code="invalid_utf8"
         ) from exc
+    except RecursionError as exc:
+        raise APIError(400, "the request body is nested too deeply", code="invalid_json") from exc
     try:
         return model.model_validate(data)
     except ValidationError as exc:

@@ -165,3 +165,26 @@ def test_mixed_then_flush(tiny, prompts):
     assert tiny.flush_cache()
     stats = tiny.cache_stats()
     assert stats.tiers["cold"].used == 0 and stats.tiers["cold"].free == stats.tiers["cold"].total
+
+
+def test_failed_step_ends_its_requests_and_engine_survives(tiny, prompts):
+    net = tiny.runner.net
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("boom")
+        return net(*args, **kwargs)
+
+    tiny.runner.net = flaky
+    try:
+        out = tiny.generate(input_ids=prompts[3], sampling_params={"max_new_tokens": 10, "ignore_eos": True})
+    finally:
+        tiny.runner.net = net
+    reason = out["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "boom" in reason["message"]
+    assert tiny.get_stats().requests_finished_total["error"] == 1
+    assert_clean(tiny)
+    ok = tiny.generate(input_ids=prompts[3], sampling_params={"max_new_tokens": 3})
+    assert ok["meta_info"]["completion_tokens"] == 3

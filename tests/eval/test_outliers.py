@@ -3,27 +3,13 @@ defaults (per-channel key scales per page, BF16 recent window, sinks) keep 4-bit
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
 import torch
 
 from kvstrata.eval.configs import SHIPPED_DEFAULTS, EvalConfig, build_grid
 from kvstrata.eval.corpus import read_corpus, tokenize_windows
-from kvstrata.eval.outliers import build_tiny_outlier_model, outlier_channels
+from kvstrata.eval.outliers import outlier_channels
 from kvstrata.eval.runner import evaluate
 from kvstrata.eval.stats import summarize
-
-SCALE = 30.0
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    text = read_corpus(None)
-    root = tmp_path_factory.mktemp("outliers")
-    planted = build_tiny_outlier_model(root / "planted", text, scale=SCALE)
-    plain = build_tiny_outlier_model(root / "plain", text, scale=1.0)
-    return planted, plain
 
 
 def _keys(model, ids: torch.Tensor, layer: int) -> torch.Tensor:
@@ -39,11 +25,11 @@ def _keys(model, ids: torch.Tensor, layer: int) -> torch.Tensor:
     return captured[layer]
 
 
-def test_planting_keeps_the_function_and_makes_per_token_key_scales_fail(models) -> None:
+def test_planting_keeps_the_function_and_makes_per_token_key_scales_fail(tiny_models) -> None:
     from kvstrata.engine.loader import load_model
     from kvstrata.quant import get_codec
 
-    planted, plain = (load_model(p) for p in models)
+    planted, plain = (load_model(p) for p in tiny_models)
     ids = torch.tensor(tokenize_windows(read_corpus(None), planted.tokenizer, 128, 128)[0])
     with torch.inference_mode():
         a = planted.net.dense_forward(ids[None])
@@ -69,7 +55,7 @@ def test_planting_keeps_the_function_and_makes_per_token_key_scales_fail(models)
     assert errors["token"] > 5 * errors["channel"]
 
 
-def test_shipped_defaults_bound_4bit_drift_on_planted_outliers(models) -> None:
+def test_shipped_defaults_bound_4bit_drift_on_planted_outliers(tiny_models) -> None:
     """Context 512 (> every shipped window) so that history really comes from 4-bit cold pages.
 
     The random model's perplexity is near the vocabulary size, so its drift sign is noise; KL and top-1
@@ -80,7 +66,7 @@ def test_shipped_defaults_bound_4bit_drift_on_planted_outliers(models) -> None:
     from kvstrata.engine.loader import load_model
     from kvstrata.quant import list_codecs
 
-    model = load_model(models[0])
+    model = load_model(tiny_models[0])
     windows = tokenize_windows(read_corpus(None), model.tokenizer, 512, 1024)
     shipped = build_grid(["int4", "fp4_e2m1"], None, None, None, list_codecs())[1:]
     bare = [EvalConfig(c.kv_cache_dtype, None, 0, False, False) for c in shipped]

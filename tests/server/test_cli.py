@@ -8,7 +8,6 @@ import socket
 import subprocess
 import sys
 import time
-
 from pathlib import Path
 
 import httpx
@@ -17,8 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvstrata.quant.scales import ScalesFile
 
-# SmolLM2-135M-Instruct's geometry
-LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64
+LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64  # SmolLM2-135M-Instruct's geometry
 
 
 def _free_port() -> int:
@@ -27,19 +25,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_kvstrata_serve_process() -> None:
+def _tight_scales(path: Path) -> Path:
+    """A scales file whose clip (0.5 per head) is far below real K/V magnitudes: values get clipped."""
+    table = {kind: torch.full((LAYERS, KV_HEADS), 0.5) for kind in ("k", "v")}
+    ScalesFile(LAYERS, KV_HEADS, HEAD_DIM, False, "max", None, "synthetic", table, dict(table)).save(path)
+    return path
+
+
+def _samples(text: str, name: str) -> list[float]:
+    for family in text_string_to_metric_families(text):
+        if family.name == name:
+            return [s.value for s in family.samples]
+    raise KeyError(name)
+
+
+def test_kvstrata_serve_process(tmp_path: Path) -> None:
     port = _free_port()
     env = dict(os.environ, KVSTRATA_PORT=str(port), KVSTRATA_API_KEY="cli-key", KVSTRATA_LOG_LEVEL="warning")
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvstrata",
-        "serve",
+    flags = [
         "--served-model-name",
         "smol",
         "--kv-cache-dtype",
         "int8",
+        "--recent-window",
+        "16",
+        "--kv-scales",
     ]
+    cmd = [sys.executable, "-m", "kvstrata", "serve", *flags, str(_tight_scales(tmp_path / "scales.json"))]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -57,9 +69,16 @@ def test_kvstrata_serve_process() -> None:
         assert httpx.get(url + "/v1/models").status_code == 401
         models = httpx.get(url + "/v1/models", headers=auth).json()
         assert [m["id"] for m in models["data"]] == ["smol"]
-        body = {"model": "smol", "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+        body = {"model": "smol", "prompt": "Hello " * 40, "max_tokens": 2, "temperature": 0}
         out = httpx.post(url + "/v1/completions", json=body, headers=auth, timeout=60).json()
         assert out["usage"]["completion_tokens"] == 2
+        # static scales: the per-layer overflow and absmax gauges carry live values
+        text = httpx.get(url + "/metrics").text
+        overflow = _samples(text, "kvstrata:quant_overflow_ratio")
+        absmax = _samples(text, "kvstrata:kv_absmax_ratio")
+        assert len(overflow) == len(absmax) == 2 * LAYERS
+        assert max(overflow) > 0.01 and all(0.0 <= r <= 1.0 for r in overflow)
+        assert max(absmax) > 2.0  # real magnitudes are several times the 0.5 clip
     finally:
         proc.send_signal(signal.SIGINT)
         try:

@@ -54,6 +54,7 @@ def _raw(server: LiveServer, path: str, content: bytes, **headers: str) -> Any:
         (b"[1, 2, 3]", "invalid_json"),
         (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', "invalid_json"),
         (b'{"messages": [{"role": "user", "content": "\xff\xfe caf\xc3"}]}', "invalid_utf8"),
+        (b'{"messages": ' + b"[" * 20_000 + b"]" * 20_000 + b"}", "invalid_json"),
         (b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 1}', "invalid_utf8"),
     ],
 )

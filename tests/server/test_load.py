@@ -51,6 +51,9 @@ def test_disconnect_mid_stream_aborts_and_frees_pages(server: LiveServer, engine
                 assert held["num_running_reqs"] == 1
                 assert held["tiers"]["ring"]["pages"]["used"] > 0
                 assert held["tiers"]["cold"]["pages"]["used"] > before["tiers"]["cold"]["pages"]["used"]
+                with server.client() as other:  # no flush while a request runs
+                    busy = other.post("/v1/cache/flush")
+                assert busy.status_code == 409 and busy.json()["error"]["code"] == "cache_busy"
                 break
     t0 = time.monotonic()
     after = server.wait_idle(timeout=30)

@@ -122,6 +122,30 @@ def test_n_seed_and_temperature(server: LiveServer) -> None:
     assert 3 <= a.usage.completion_tokens <= 3 * 8
 
 
+def test_chat_streaming_n_choices(server: LiveServer) -> None:
+    stream = server.openai().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Pick a fruit."}],
+        max_tokens=5,
+        temperature=1.0,
+        seed=7,
+        n=2,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    roles = [c.choices[0].index for c in chunks if c.choices and c.choices[0].delta.role == "assistant"]
+    assert sorted(roles) == [0, 1]
+    finishes = {
+        c.choices[0].index: c.choices[0].finish_reason
+        for c in chunks
+        if c.choices and c.choices[0].finish_reason
+    }
+    assert set(finishes) == {0, 1}
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and 2 <= usage.completion_tokens <= 10
+
+
 def test_stop_strings_and_penalties(server: LiveServer) -> None:
     client = server.openai()
     out = client.completions.create(
@@ -165,6 +189,7 @@ def test_logprobs_chat_and_completions(server: LiveServer) -> None:
         )
         assert bytes(entry.bytes).decode("utf-8", "replace") == entry.token
     assert "".join(e.token for e in content) == chat.choices[0].message.content
+    assert b"".join(bytes(e.bytes) for e in content).decode("utf-8") == chat.choices[0].message.content
     comp = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0, logprobs=2)
     lp = comp.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3

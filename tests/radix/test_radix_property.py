@@ -362,7 +362,7 @@ class SinkCacheMachine(CacheMachine):
 
 SETTINGS = settings(
     max_examples=1000,
-    stateful_step_count=16,
+    stateful_step_count=10,
     deadline=None,
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

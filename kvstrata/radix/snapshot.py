@@ -1,0 +1,80 @@
+"""`snapshot`: build a `CacheStats` from a cache's pool, ring, sinks, tree and counters."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvstrata.radix.stats import CacheStats, TierStats
+
+if TYPE_CHECKING:
+    from kvstrata.radix.cache import StratifiedKVCache
+
+
+def snapshot(cache: StratifiedKVCache) -> CacheStats:
+    """`CacheStats` of ``cache`` now: tiers in pages of ``page_size`` tokens, counters, quality."""
+    cfg, P = cache.cfg, cache.page_size
+    alloc = cache.pool.allocator
+    cold = TierStats(
+        "cold",
+        cache.pool.page_bytes,
+        alloc.total,
+        alloc.num_free,
+        alloc.num_used,
+        cache.tree.total_pages,
+        cache.tree.pinned_pages,
+        cache.pool.page_bytes / P,
+    )
+    slot_pages = cache.ring.capacity // P
+    ring = TierStats(
+        "ring",
+        cache.ring.slot_bytes // slot_pages,
+        cache.ring.slots.total * slot_pages,
+        cache.ring.slots.num_free * slot_pages,
+        cache.ring.slots.num_used * slot_pages,
+        bytes_per_token=float(cache.ring.bytes_per_token),
+    )
+    tiers = {"cold": cold, "ring": ring}
+    if cache.sinks is not None:
+        s = cache.sinks.allocator
+        cached = sum(1 for n in cache.tree.nodes() if cache.sink_weight(n))
+        tiers["sink"] = TierStats(
+            "sink",
+            cache.sinks.page_bytes,
+            s.total,
+            s.num_free,
+            s.num_used,
+            cached,
+            0,
+            cache.sinks.page_bytes / P,
+        )
+    return CacheStats(
+        tiers=tiers,
+        running=len(cache.running),
+        quantized_pages=cache.quantized_pages,
+        evicted_pages=cache.evicted_pages,
+        pinned_pages=cache.tree.pinned_pages,
+        matched_tokens=cache.matched_tokens,
+        missed_tokens=cache.missed_tokens,
+        quantized_elements=cache.quantized_pages * P * cfg.kv_heads * cfg.head_dim,
+        overflow_k=list(cache.overflow["k"]),
+        overflow_v=list(cache.overflow["v"]),
+        nonfinite_k=list(cache.nonfinite["k"]),
+        nonfinite_v=list(cache.nonfinite["v"]),
+        absmax_k=list(cache.absmax["k"]),
+        absmax_v=list(cache.absmax["v"]),
+        absmax_ratio_k=_absmax_ratio(cache, "k"),
+        absmax_ratio_v=_absmax_ratio(cache, "v"),
+    )
+
+
+def _absmax_ratio(cache: StratifiedKVCache, kind: str) -> list[float]:
+    """Running absmax / the calibration clip (its largest entry), per layer; empty without scales."""
+    if cache.cfg.scales is None:
+        return []
+    index = 0 if kind == "k" else 1
+    ratios = []
+    for layer, clips in enumerate(cache.clips):
+        clip = clips[index]
+        top = float(clip.max()) if clip is not None else 0.0
+        ratios.append(cache.absmax[kind][layer] / top if top > 0 else 0.0)
+    return ratios
