@@ -27,6 +27,8 @@ class IncrementalDetokenizer:
         self.text = ""
 
     def _decode(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is None:  # a model without tokenizer files: ids in, ids out, no text
+            return ""
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_ids: Sequence[int]) -> str:

@@ -1,38 +1,28 @@
 """`kvstrata.Engine`: SGLang-style offline API over the stratified cache, on its own thread.
 
-Callers (any thread, or an asyncio loop) only put commands in an inbox; the engine thread owns the
-model, the cache and the scheduler, runs one step at a time, and hands results back through
-per-request sinks (a `queue.Queue`, or an asyncio queue fed with ``call_soon_threadsafe``).
+Callers (any thread, or an asyncio loop) validate and tokenize here, then only post to the engine
+thread's inbox (`EngineCore`); results come back through per-request sinks: a `queue.Queue` for
+`generate`, an asyncio queue fed with ``loop.call_soon_threadsafe`` for `async_generate`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import contextlib
 import logging
 import queue
-import threading
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
-import torch
-
-from kvstrata.engine.attention import get_backend
-from kvstrata.engine.drift import DriftJob, DriftMonitor, fallback_window
+from kvstrata.engine.core import EngineCore, Sink
 from kvstrata.engine.inputs import normalize_inputs
 from kvstrata.engine.loader import LoadedModel, load_model
-from kvstrata.engine.options import EngineArgs, pool_pages
-from kvstrata.engine.request import Request, Status
-from kvstrata.engine.runner import StepRunner
+from kvstrata.engine.options import EngineArgs
+from kvstrata.engine.request import Request
 from kvstrata.engine.sampling_params import SamplingParams
-from kvstrata.engine.scheduler import Scheduler
-from kvstrata.engine.stats import EngineEvent, EngineStats, RequestFinished, StatsCollector
+from kvstrata.engine.stats import EngineEvent, EngineStats
 
 log = logging.getLogger("kvstrata.engine")
-Sink = Callable[[dict[str, Any]], None]
 
 
 class Engine:
@@ -43,88 +33,24 @@ class Engine:
     """
 
     def __init__(self, model: str | LoadedModel | None = None, **kwargs: Any) -> None:
-        from kvstrata.radix import CacheConfig, OutOfPages, OutOfSlots, StratifiedKVCache
-
         attention_backend = kwargs.pop("attention_backend", "torch")
         preloaded = model if isinstance(model, LoadedModel) else None
         self.args = args = EngineArgs(model=None if preloaded else model, **kwargs)
         args.validate()
-        if preloaded is not None:
-            self.model = preloaded
-            self.device, self.dtype = preloaded.net.device, preloaded.net.dtype
-        else:
-            self.device = args.resolve_device()
-            self.dtype = args.resolve_dtype(self.device)
-            self.model = load_model(model, dtype=self.dtype, device=self.device)
-        self.config = cfg = self.model.config
+        if preloaded is None:
+            device = args.resolve_device()
+            preloaded = load_model(model, dtype=args.resolve_dtype(device), device=device)
+        self.model = preloaded
+        self.config = self.model.config
         self.tokenizer = self.model.tokenizer
-        codecs = args.resolve_layer_codecs(cfg.num_layers, self.dtype)
-        scales = None
-        if args.kv_scales:
-            from kvstrata.quant.scales import ScalesFile
-
-            scales = ScalesFile.load(args.kv_scales)
-            scales.check_geometry(cfg.num_layers, cfg.kv_heads, cfg.head_dim)
-        drift_on = args.drift_sample_rate > 0
-        top_level = args.drift_max_level if drift_on else 0
-        max_window = fallback_window(args.recent_window, args.page_size, top_level)
-        self.cache_config = CacheConfig(
-            num_layers=cfg.num_layers,
-            kv_heads=cfg.kv_heads,
-            head_dim=cfg.head_dim,
-            page_size=args.page_size,
-            recent_window=args.recent_window,
-            max_recent_window=max_window,
-            layer_codecs=codecs,
-            ring_dtype=args.resolve_ring_dtype(self.dtype),
-            num_pages=pool_pages(args, self.device, _page_bytes(codecs, cfg, args.page_size)),
-            max_running=args.max_running_requests,
-            sinks=args.resolve_sinks(codecs),
-            rotation=args.rotation,
-            scales=scales,
-            device=self.device,
-        )
-        self.cache = StratifiedKVCache(self.cache_config)
+        self.core = core = EngineCore(args, self.model, attention_backend)
+        self.device, self.dtype = core.device, core.dtype
+        self.cache, self.cache_config, self.runner = core.cache, core.cache_config, core.runner
+        self.stats, self.drift = core.stats, core.drift
         self.capacity_tokens = self.cache_config.num_pages * args.page_size
-        self.max_context = cfg.max_position_embeddings
-        self.eos_ids = frozenset(cfg.eos_token_ids)
-        backend = get_backend(attention_backend, self.cache, cfg.attn_scale)
-        self.runner = StepRunner(self.model.net, self.cache, backend, self.device)
-        self.scheduler = Scheduler(
-            self.cache,
-            args.max_running_requests,
-            args.chunked_prefill_size,
-            OutOfPages,
-            OutOfSlots,
-            self._finish,
-        )
-        self.stats = StatsCollector()
-        self.drift: DriftMonitor | None = None
-        self._pending_window: int | None = None
-        if drift_on:
-            self.drift = DriftMonitor(
-                self.model.net.dense_forward,
-                args.drift_sample_rate,
-                args.drift_threshold,
-                args.recent_window,
-                args.drift_max_level,
-                page_size=args.page_size,
-                metric=args.drift_metric,
-                max_tokens=args.drift_max_tokens,
-                alpha=args.drift_ewma_alpha,
-                cooldown=args.drift_cooldown,
-                on_level=self._on_level,
-                on_sample=self.stats.emit,
-                seed=args.seed,
-            )
-        if args.seed is not None:
-            torch.manual_seed(args.seed)
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._stopping = False
+        self.max_context = self.config.max_position_embeddings
+        self.eos_ids = frozenset(self.config.eos_token_ids)
         self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="kvstrata-engine", daemon=True)
-        self._thread.start()
 
     # ============================================================== public API
     def generate(
@@ -179,25 +105,27 @@ class Engine:
 
     def abort(self, rid: str) -> None:
         """Abort a request (or all n samples of a group) by id; its pages and ring slot come back."""
-        self._post("abort", rid)
+        self.core.post("abort", rid)
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix; only when no request is running or queued (as SGLang)."""
-        return bool(self._call("flush", None))
+        return bool(self.core.call("flush", None))
 
     def cache_stats(self) -> Any:
         """``cache.stats()`` snapshot, taken on the engine thread."""
-        return self._call("cache_stats", None)
+        return self.core.call("cache_stats", None)
 
     def check_invariants(self) -> Any:
         """``cache.check_invariants()`` on the engine thread (raises there, re-raised here); returns stats."""
-        return self._call("check", None)
+        return self.core.call("check", None)
 
     def get_stats(self) -> EngineStats:
         """Engine counters and gauges (plain data), with the latest cache and drift snapshots."""
+        cache = (
+            None if self._closed or self.core.stopping else self.cache_stats()
+        )  # also refreshes the counts
         snap = self.stats.snapshot(self.drift.stats() if self.drift else None)
-        if not self._closed:
-            snap.cache = self.cache_stats()
+        snap.cache = cache
         return snap
 
     def subscribe(self, fn: Callable[[EngineEvent], None]) -> Callable[[], None]:
@@ -244,10 +172,7 @@ class Engine:
     def shutdown(self) -> None:
         if self._closed:
             return
-        self._post("shutdown", None)
-        self._thread.join(timeout=30)
-        if self.drift is not None:
-            self.drift.close()
+        self.core.stop()
         self._closed = True
 
     def __enter__(self) -> Engine:
@@ -268,7 +193,7 @@ class Engine:
         stream: bool,
         sink: Sink,
     ) -> tuple[list[Request], bool]:
-        if self._closed or self._stopping:
+        if self._closed or self.core.stopping:
             raise RuntimeError("engine is shut down")
         batch = normalize_inputs(prompt, input_ids, sampling_params, rid, self.tokenizer)
         reqs: list[Request] = []
@@ -288,7 +213,7 @@ class Engine:
                 seed = None if params.seed is None else params.seed + i
                 req = Request(
                     rid_i, ids, params, self.tokenizer, self.eos_ids, self.config.vocab_size,
-                    sink=sink, stream=stream, group=group, seed=seed, leader=leader,
+                    sink=sink, stream=stream, group=group, seed=seed, leader=leader, device=self.device,
                 )  # fmt: skip
                 if self.drift is not None and self.drift.should_sample():
                     req.drift_logprobs = []
@@ -296,7 +221,7 @@ class Engine:
                     leader = req
                 reqs.append(req)
         self.stats.received(len(reqs))
-        self._post("add", reqs)
+        self.core.post("add", reqs)
         return reqs, batch.single
 
     def _check_length(self, ids: list[int], params: SamplingParams) -> None:
@@ -311,17 +236,6 @@ class Engine:
                 f"the prompt has {len(ids)} tokens; this engine takes at most {limit - 1} "
                 f"(context length {self.max_context}, KV pool {self.capacity_tokens} tokens)"
             )
-
-    def _post(self, kind: str, payload: Any) -> None:
-        self._inbox.put((kind, payload))
-        self._wake.set()
-
-    def _call(self, kind: str, payload: Any) -> Any:
-        if self._closed or self._stopping:
-            raise RuntimeError("engine is shut down")
-        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._post(kind, (payload, fut))
-        return fut.result(timeout=60)
 
     # ============================================================== result plumbing (caller side)
     @staticmethod
@@ -376,173 +290,6 @@ class Engine:
             if done < len(reqs):
                 for r in reqs:
                     self.abort(r.rid)
-
-    # ============================================================== engine thread
-    def _loop(self) -> None:
-        with torch.inference_mode():
-            while not self._stopping:
-                try:
-                    self._iterate()
-                except Exception as exc:  # a failed step ends the requests in it, never the engine
-                    log.exception("engine step failed")
-                    self._fail_running(exc)
-            self._abort_all("engine shut down")
-
-    def _iterate(self) -> None:
-        self._drain_inbox()
-        self.stats.queue_sizes(len(self.scheduler.running), len(self.scheduler.waiting))
-        if self._stopping:
-            return
-        if self._pending_window is not None:
-            window, self._pending_window = self._pending_window, None
-            self.cache.set_recent_window(window)
-        if self.scheduler.has_work():
-            self._step()
-        else:
-            self._wake.wait(timeout=1.0)
-            self._wake.clear()
-
-    def _drain_inbox(self) -> None:
-        while True:
-            try:
-                kind, payload = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if kind == "add":
-                for req in payload:
-                    if req.params.max_new_tokens == 0:
-                        self._finish(req, {"type": "length", "length": 0})
-                    else:
-                        self.scheduler.add(req)
-            elif kind == "abort":
-                for req in self.scheduler.find(payload):
-                    self._finish(req, {"type": "abort", "message": "aborted by request"})
-            elif kind == "shutdown":
-                self._stopping = True
-            else:
-                arg, fut = payload
-                try:
-                    fut.set_result(self._command(kind, arg))
-                except Exception as exc:
-                    fut.set_exception(exc)
-
-    def _command(self, kind: str, arg: Any) -> Any:
-        if kind == "cache_stats":
-            return self.cache.stats()
-        if kind == "flush":
-            if self.scheduler.has_work():
-                return False
-            self.cache.reset()
-            return True
-        if kind == "check":  # tests: invariants checked on the thread that owns the cache
-            self.cache.check_invariants()
-            return self.cache.stats()
-        raise ValueError(f"unknown command {kind!r}")
-
-    def _step(self) -> None:
-        plan = self.scheduler.schedule()
-        self.stats.queue_sizes(len(self.scheduler.running), len(self.scheduler.waiting))
-        if plan is None:
-            return
-        sampled, out, logits = self.runner.run(plan)
-        now = time.perf_counter()
-        for req in plan.reqs:
-            if req.leader is None and not req.prompt_cached and req.computed >= len(req.prompt_ids):
-                self.cache.cache_prefix(req.seq)  # n > 1: siblings now match the prompt's pages
-                req.prompt_cached = True
-        if out is None:
-            self.stats.step(0, len(self.scheduler.running), len(self.scheduler.waiting))
-            return
-        for i, req in enumerate(sampled):
-            tok = out.tokens[i]
-            if req.params.return_logprob:
-                req.token_logprobs.append((out.token_logprobs[i], tok))
-                req.top_logprobs.append([(lp, t) for t, lp in out.top_logprobs[i] or []])
-            if req.drift_logprobs is not None and len(req.drift_logprobs) < self.args.drift_max_tokens:
-                req.drift_logprobs.append(torch.log_softmax(logits[i].float(), dim=-1).cpu())
-            req.append(tok, now)
-            if req.finish_reason is None and req.tokens_len >= self.max_context:
-                req.finish_reason = {"type": "length", "length": len(req.output_ids)}
-            if req.finish_reason is not None:
-                self._finish(req, req.finish_reason)
-            elif req.stream and req.sink is not None:
-                chunk = req.delta()
-                if chunk is not None:
-                    _deliver(req.sink, chunk)
-        self.stats.step(len(sampled), len(self.scheduler.running), len(self.scheduler.waiting))
-
-    def _finish(self, req: Request, reason: dict[str, Any]) -> None:
-        """End a request (any state): release its cache sequence, deliver, record stats."""
-        if req.status is Status.FINISHED:
-            return
-        aborted = reason.get("type") == "abort"
-        self.scheduler.release(req, insert=not aborted)
-        now = time.perf_counter()
-        req.finish(reason, now)
-        if self.drift is not None and req.drift_logprobs and not aborted:
-            job = DriftJob(req.rid, req.all_ids(), len(req.prompt_ids), torch.stack(req.drift_logprobs))
-            self.drift.submit(job)  # before the result goes out, so wait_drift_idle() sees it
-        req.drift_logprobs = None
-        if req.sink is not None:
-            chunk = req.delta() if req.stream else req.result()
-            if chunk is not None:
-                _deliver(req.sink, chunk)
-        times = req.token_times
-        self.stats.finished(
-            RequestFinished(
-                rid=req.rid,
-                status="error" if reason.get("error") else "aborted" if aborted else "success",
-                finish_reason=req.finish_reason,
-                prompt_tokens=len(req.prompt_ids),
-                completion_tokens=len(req.output_ids),
-                cached_tokens=req.cached_tokens,
-                ttft=None if req.first_token_at is None else req.first_token_at - req.created,
-                inter_token_latencies=[b - a for a, b in zip(times, times[1:], strict=False)],
-                e2e_latency=now - req.created,
-                preemptions=req.preemptions,
-            )
-        )
-
-    def _fail_running(self, exc: Exception) -> None:
-        for req in list(self.scheduler.running):
-            try:
-                self._finish(req, {"type": "abort", "message": f"internal error: {exc}", "error": True})
-            except Exception:
-                log.exception("could not end request %s", req.rid)
-
-    def _abort_all(self, message: str) -> None:
-        for req in [*self.scheduler.running, *self.scheduler.waiting]:
-            self._finish(req, {"type": "abort", "message": message})
-        while True:  # requests posted after the shutdown command
-            try:
-                kind, payload = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if kind == "add":
-                for req in payload:
-                    self._finish(req, {"type": "abort", "message": message})
-            elif kind not in ("abort", "shutdown"):
-                payload[1].set_exception(RuntimeError(message))
-
-    def _on_level(self, level: int, window: int) -> None:  # drift worker thread
-        self._pending_window = window
-        self._wake.set()
-
-
-def _deliver(sink: Sink, chunk: dict[str, Any]) -> None:
-    with contextlib.suppress(RuntimeError):  # the consumer's event loop is closed: nobody listens
-        sink(chunk)
-
-
-def _page_bytes(codecs: list[str], cfg: Any, page_size: int) -> int:
-    from kvstrata.quant import get_codec
-
-    total = 0
-    for name in codecs:
-        codec = get_codec(name)
-        total += codec.page_bytes(page_size, cfg.kv_heads, cfg.head_dim, "channel")
-        total += codec.page_bytes(page_size, cfg.kv_heads, cfg.head_dim, "token")
-    return total
 
 
 def _version() -> str:

@@ -36,6 +36,7 @@ class Request:
         group: str | None = None,
         seed: int | None = None,
         leader: Request | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.rid = rid
         self.group = group or rid
@@ -49,8 +50,8 @@ class Request:
         self.sink = sink
         self.stream = stream
         self.stop_tokens = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_ids)
-        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        self.penalties = PenaltyState(vocab, prompt_ids) if params.needs_penalties else None
+        self.generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+        self.penalties = PenaltyState(vocab, prompt_ids, device) if params.needs_penalties else None
         self.row = SampleRow(params, self.generator, self.penalties)
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
         self.sent_text = 0  # characters already streamed

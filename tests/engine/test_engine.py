@@ -213,3 +213,15 @@ def test_fp8_agrees_with_unquantized(default_model, engine):
     mean = sum(agree) / len(agree)
     print(f"\nfp8_e4m3, window 128 + sinks: agreeing {agree}, share >= 16: {share:.2f}, mean {mean:.1f}")
     assert share >= 0.75
+
+
+def test_chat_template_and_stats(engine):
+    text = engine.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert text.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nHi<|im_end|>" in text
+    out = engine.generate(prompt=text, sampling_params={"temperature": 0, "max_new_tokens": 40})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": 2}  # <|im_end|> = eos
+    stats = engine.get_stats()
+    assert stats.requests_received_total >= stats.requests_finished_total["success"] >= 1
+    assert stats.generation_tokens_total >= out["meta_info"]["completion_tokens"]
+    assert stats.num_running_reqs == stats.num_queue_reqs == 0
+    assert 0 <= stats.cache_hit_rate <= 1 and stats.cache.tiers["cold"].cached > 0
