@@ -23,8 +23,9 @@ serve: $(STAMP)
 	$(VENV)/bin/kvstrata serve $(ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check kvstrata tests benchmarks
-	$(VENV)/bin/ruff format --check kvstrata tests benchmarks
+	$(VENV)/bin/ruff check kvstrata tests benchmarks deploy
+	$(VENV)/bin/ruff format --check kvstrata tests benchmarks deploy
+	$(VENV)/bin/hadolint deploy/Dockerfile deploy/Dockerfile.cuda
 
 test: lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -7,35 +7,23 @@ with this lab, see docs/eval.md); ``--recent-window/--rotation/--sinks`` turn it
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from kvstrata.engine.defaults import (
+    PLAN_DEFAULTS,
+    SHIPPED_DEFAULTS,
+    Defaults,
+    is_plan_path,
+    plan_defaults,
+    read_plan_file,
+)
+
+__all__ = ["PLAN_DEFAULTS", "SHIPPED_DEFAULTS", "Defaults", "EvalConfig", "build_grid", "load_plan"]
 
 REFERENCE = "auto"  # unquantized: fp32 storage in the ring and the cold pages, fp32 compute
 UNQUANTIZED = ("auto", "bf16", "fp32")
 ALL_CODECS = ("auto", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "fp4_e2m1")
-
-
-@dataclass(frozen=True)
-class Defaults:
-    recent_window: int
-    rotation: bool
-    sinks: bool
-
-
-# Chosen from the lab runs in docs/eval.md (SmolLM2-135M, Wikipedia summaries, context 1024 and 4096,
-# and the planted-outlier model). Keys are stored with per-page per-channel scales, values per token.
-SHIPPED_DEFAULTS: dict[str, Defaults] = {
-    "auto": Defaults(recent_window=0, rotation=False, sinks=False),
-    "fp32": Defaults(recent_window=0, rotation=False, sinks=False),
-    "bf16": Defaults(recent_window=0, rotation=False, sinks=False),
-    "fp8_e4m3": Defaults(recent_window=128, rotation=False, sinks=True),
-    "fp8_e5m2": Defaults(recent_window=128, rotation=False, sinks=True),
-    "int8": Defaults(recent_window=128, rotation=False, sinks=True),
-    "int4": Defaults(recent_window=128, rotation=False, sinks=True),
-    "fp4_e2m1": Defaults(recent_window=256, rotation=False, sinks=True),
-}
-PLAN_DEFAULTS = Defaults(recent_window=512, rotation=False, sinks=True)
 
 
 @dataclass(frozen=True)
@@ -96,14 +84,7 @@ def parse_bool_list(text: str, what: str, on: tuple[str, ...]) -> list[bool]:
 
 def load_plan(path: str | Path) -> dict[str, object]:
     """Read a plan file written by ``--emit-plan`` (``{"layer_codecs": [...], ...}``)."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"cannot read plan {path}: {exc}") from exc
-    codecs = data.get("layer_codecs") if isinstance(data, dict) else None
-    if not isinstance(codecs, list) or not codecs or not all(isinstance(c, str) for c in codecs):
-        raise ValueError(f"plan {path} has no 'layer_codecs' list of codec names")
-    return data
+    return read_plan_file(path)
 
 
 def build_grid(
@@ -117,14 +98,9 @@ def build_grid(
     out: list[EvalConfig] = [EvalConfig(REFERENCE, None, 0, False, False)]
     for name in names:
         plan = None
-        if name.endswith(".json"):
+        if is_plan_path(name):
             plan = load_plan(name)
-            base = PLAN_DEFAULTS
-            base = Defaults(
-                int(plan.get("recent_window", base.recent_window)),  # type: ignore[arg-type]
-                bool(plan.get("rotation", base.rotation)),
-                bool(plan.get("sinks", base.sinks)),
-            )
+            base = plan_defaults(plan)
             for codec in plan["layer_codecs"]:  # type: ignore[union-attr]
                 if codec not in known_codecs:
                     raise ValueError(

@@ -90,8 +90,21 @@ FLAGS: tuple[Flag, ...] = (
     Flag("model", str, None, "model path: HF safetensors dir or GGUF file; default: embedded SmolLM2", True),
     Flag("served_model_name", str, None, "model id in the API (default: the model's name)"),
     Flag("dtype", str, None, "compute dtype: auto, float32, bfloat16", True),
-    Flag("kv_cache_dtype", str, None, "history codec: auto, fp8_e4m3, fp8_e5m2, int8, int4, fp4_e2m1", True),
-    Flag("recent_window", _non_negative_int, None, "BF16 recent window in tokens (multiple of page)", True),
+    Flag(
+        "kv_cache_dtype",
+        str,
+        None,
+        "history codec: fp8_e4m3 (default), fp8_e5m2, int8, int4, fp4_e2m1, auto (unquantized), "
+        "or a per-layer plan .json from `kvstrata eval --emit-plan`",
+        True,
+    ),
+    Flag(
+        "recent_window",
+        _non_negative_int,
+        None,
+        "BF16 recent window in tokens (multiple of page); default per codec (fp8: 128, fp4: 256)",
+        True,
+    ),
     Flag("page_size", _positive_int, None, "tokens per KV page", True),
     Flag("max_total_tokens", _positive_int, None, "KV capacity in tokens (cold pool size)", True),
     Flag("mem_fraction_static", _fraction, None, "share of free memory for the KV pool", True),

@@ -29,8 +29,27 @@ def test_validation(kwargs, message):
         EngineArgs(**kwargs).validate()
 
 
+def test_shipped_defaults_follow_the_codec(tmp_path):
+    shipped = EngineArgs()
+    assert shipped.kv_cache_dtype == "fp8_e4m3"
+    assert (shipped.recent_window, shipped.rotation, shipped.sinks) == (128, False, True)
+    fp4 = EngineArgs(kv_cache_dtype="fp4_e2m1")
+    assert (fp4.recent_window, fp4.rotation, fp4.sinks) == (256, False, True)
+    raw = EngineArgs(kv_cache_dtype="auto")
+    assert (raw.recent_window, raw.sinks) == (0, False)
+    explicit = EngineArgs(kv_cache_dtype="fp4_e2m1", recent_window=64, sinks=False)
+    assert (explicit.recent_window, explicit.sinks) == (64, False)
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"layer_codecs": ["fp4_e2m1", "fp8_e4m3"], "recent_window": 320}))
+    from_plan = EngineArgs(kv_cache_dtype=str(plan))
+    assert from_plan.layer_plan == str(plan)
+    assert (from_plan.recent_window, from_plan.sinks) == (320, True)
+    assert from_plan.resolve_layer_codecs(2, torch.float32) == ["fp4_e2m1", "fp8_e4m3"]
+    assert from_plan.resolve_ring_dtype(torch.float32) == torch.bfloat16
+
+
 def test_auto_resolution():
-    a = EngineArgs()
+    a = EngineArgs(kv_cache_dtype="auto")
     assert a.resolve_dtype(CPU) == torch.float32
     assert a.resolve_dtype(torch.device("cuda")) == torch.bfloat16
     assert a.resolve_layer_codecs(3, torch.float32) == ["fp32"] * 3
