@@ -220,6 +220,10 @@ class Engine:
                 if params.n > 1 and leader is None:
                     leader = req
                 reqs.append(req)
+        rids = [r.rid for r in reqs]
+        if len(set(rids)) != len(rids):
+            # Results are collected by rid: two requests under one rid would never both be delivered.
+            raise ValueError(f"request ids must be unique within a call, got {rids}")
         self.stats.received(len(reqs))
         self.core.post("add", reqs)
         return reqs, batch.single

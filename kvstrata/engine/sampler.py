@@ -77,7 +77,7 @@ def filter_probs(
     """
     sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
     rank = torch.arange(probs.shape[-1], device=probs.device).unsqueeze(0)
-    k = torch.where(top_k > 0, top_k, probs.shape[-1]).unsqueeze(1)
+    k = torch.where(top_k > 0, top_k.clamp(max=probs.shape[-1]), probs.shape[-1]).unsqueeze(1)
     drop = rank >= k
     drop |= (sorted_p.cumsum(dim=-1) - sorted_p) >= top_p.unsqueeze(1)  # mass before it already >= p
     drop |= sorted_p < (sorted_p[:, :1] * min_p.unsqueeze(1))

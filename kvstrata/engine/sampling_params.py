@@ -7,6 +7,13 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 MAX_TOP_LOGPROBS = 20
+# Below this a temperature only overflows float32 logits / T: sample greedily instead, as SGLang does.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+# Penalties below this turn logits of seen tokens into inf; top_k beyond int32 cannot be a tensor index.
+MIN_REPETITION_PENALTY = 0.01
+MAX_TOP_K = 2**31 - 1
+# The engine thread checks every stop string against the tail of the text each step: bound the work.
+MAX_STOP_CHARS = 1024
 
 
 @dataclass
@@ -51,7 +58,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     @property
     def needs_penalties(self) -> bool:
@@ -78,17 +85,22 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < number("top_p", self.top_p) <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if integer("top_k", self.top_k) < -1:
-            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if not -1 <= integer("top_k", self.top_k) <= MAX_TOP_K:
+            raise ValueError(f"top_k must be -1 (off) or in [1, {MAX_TOP_K}], got {self.top_k}")
         if not 0.0 <= number("min_p", self.min_p) <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if number("repetition_penalty", self.repetition_penalty) <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if number("repetition_penalty", self.repetition_penalty) < MIN_REPETITION_PENALTY:
+            raise ValueError(
+                f"repetition_penalty must be > 0 (at least {MIN_REPETITION_PENALTY}), "
+                f"got {self.repetition_penalty}"
+            )
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2.0 <= number(name, getattr(self, name)) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"each stop string must be at most {MAX_STOP_CHARS} characters")
         if not isinstance(self.stop_token_ids, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
         ):

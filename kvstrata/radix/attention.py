@@ -32,6 +32,11 @@ class OnlineSoftmax:
     def update(self, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> None:
         s = self._scores(k)
         s += bias
+        # Padded slots of a batch read other sequences' rows (masked by -inf above), and raw tiers keep
+        # NaN/Inf as written: a non-finite score never enters the softmax and a non-finite value never
+        # meets a zero weight (0 * NaN = NaN), so one request's bad K/V cannot reach its neighbours.
+        s.nan_to_num_(nan=float("-inf"), posinf=float("-inf"))
+        v = torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
         m_new = torch.maximum(self.m, s.amax(dim=-1, keepdim=True))
         # A row that has seen only masked keys keeps m = -inf; shift by 0 there to avoid inf - inf.
         shift = torch.where(torch.isneginf(m_new), 0.0, m_new)

@@ -70,6 +70,9 @@ class StratifiedKVCache:
     def _load_clips(cfg: CacheConfig) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
         if cfg.scales is None:
             return [(None, None)] * cfg.num_layers
+        if cfg.rotation:
+            # Calibration observes unrotated K/V; its clips would not bound rotated values.
+            raise ValueError("static KV scales (a calibration file) cannot be combined with rotation")
         cfg.scales.check_geometry(cfg.num_layers, cfg.kv_heads, cfg.head_dim)
         return [
             (cfg.scales.clip(layer, "k").to(cfg.device), cfg.scales.clip(layer, "v").to(cfg.device))

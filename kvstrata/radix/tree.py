@@ -215,6 +215,9 @@ class RadixTree:
             node.evicted = True
             self.total_pages -= len(node.pages)
             self.evictable_pages -= len(node.pages)
+            if parent.is_root and not parent.children:
+                # A namespace (image hash, adapter) whose last page went: forget its root too.
+                self._roots = {key: root for key, root in self._roots.items() if root is not parent}
             if self._evictable_leaf(parent):
                 tie += 1
                 heapq.heappush(heap, (parent.last_access, tie, parent))

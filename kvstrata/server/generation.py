@@ -77,7 +77,8 @@ class Run:
         prompt = cached = 0
         for p, ids in enumerate(self.job.prompts):
             prompt += len(ids)
-            cached += max((c.cached_tokens for c in self.choices if c.job == p), default=0)
+            # The prompt is computed once, by its first choice; the others match the pages it cached.
+            cached += next((c.cached_tokens for c in self.choices if c.job == p), 0)
         completion = sum(c.completion_tokens for c in self.choices)
         return {
             "prompt_tokens": prompt,

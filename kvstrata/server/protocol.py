@@ -11,6 +11,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kvstrata.engine.sampling_params import MAX_STOP_CHARS, MAX_TOP_K, MIN_REPETITION_PENALTY
+
 MAX_N = 16
 MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
@@ -25,7 +27,8 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-Stop = str | Annotated[list[str], Field(max_length=MAX_STOP)] | None
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None
 
 
 class _SamplingFields(_Strict):
@@ -35,11 +38,11 @@ class _SamplingFields(_Strict):
     n: int = Field(default=1, ge=1, le=MAX_N)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=MAX_TOP_K)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, ge=MIN_REPETITION_PENALTY, le=2.0)
     stop: Stop = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool = False

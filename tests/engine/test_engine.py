@@ -183,7 +183,12 @@ def test_validation_errors(engine):
         engine.generate(input_ids=[10**6], sampling_params={})
     with pytest.raises(ValueError, match="exactly one of prompt and input_ids"):
         engine.generate(sampling_params={})
+    with pytest.raises(ValueError, match="request ids must be unique"):
+        engine.generate(input_ids=[[1, 2], [3, 4]], rid=["a", "a"], sampling_params={"max_new_tokens": 1})
+    with pytest.raises(ValueError, match="request ids must be unique"):
+        engine.generate(input_ids=[[1, 2], [3, 4]], rid=["a", "a-0"], sampling_params=[{"n": 2}, {}])
     assert engine.get_server_info()["max_total_tokens"] == 4096
+    _assert_clean(engine)
 
 
 def test_fp8_agrees_with_unquantized(default_model, engine):

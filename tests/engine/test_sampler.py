@@ -128,6 +128,9 @@ def test_logprobs_raw_distribution_and_top_n():
         ({"n": 0}, "n must be >= 1"),
         ({"frequency_penalty": 3}, "frequency_penalty must be in"),
         ({"repetition_penalty": 0}, "repetition_penalty must be > 0"),
+        ({"repetition_penalty": 1e-39}, "repetition_penalty must be > 0"),
+        ({"top_k": 2**70}, "top_k must be -1"),
+        ({"stop": ["x" * 1025]}, "at most 1024 characters"),
         ({"stop": [""]}, "stop must be"),
         ({"stop_token_ids": [-1]}, "stop_token_ids must be"),
         ({"temperature": float("nan")}, "temperature must be a finite number"),
@@ -143,3 +146,16 @@ def test_validation_messages(params, message):
 def test_stop_string_normalised_to_list():
     assert SamplingParams.from_dict({"stop": "END"}).stop == ["END"]
     assert SamplingParams.from_dict({"stop": None}).stop == []
+
+
+def test_extreme_but_valid_parameters_never_produce_nan():
+    """A temperature that underflows is greedy; a top_k beyond the vocabulary keeps everything."""
+    logits = torch.tensor([[1.0, 2.0, 3.0, 0.0], [0.5, 0.1, 0.2, 0.3]])
+    tiny = SampleRow(SamplingParams(temperature=1e-39))
+    assert tiny.params.greedy
+    huge_k = SampleRow(
+        SamplingParams(temperature=1.0, top_k=2**31 - 1, seed=3), torch.Generator().manual_seed(3)
+    )
+    out = Sampler()(logits, [tiny, huge_k])
+    assert out.tokens[0] == 2
+    assert 0 <= out.tokens[1] < 4

@@ -232,3 +232,42 @@ def test_static_scales_count_clipped_and_nonfinite_elements_per_layer_and_kind()
     assert stats.absmax_k == pytest.approx(finite_k.tolist())
     assert stats.absmax_ratio_k == pytest.approx((finite_k / 1.5).tolist())
     assert stats.quantized_elements == 2 * P * HKV * D
+
+
+def test_static_scales_refuse_rotation() -> None:
+    with pytest.raises(ValueError, match="cannot be combined with rotation"):
+        make(["int8"], scales=FixedScales(1.5), rotation=True)
+
+
+@pytest.mark.parametrize("codecs, sinks", [(["fp32"], False), (["bf16"], False), (["fp8_e4m3"], True)])
+def test_non_finite_kv_of_one_sequence_never_reaches_another(codecs, sinks):
+    """Batch padding reads other sequences' rows (page 0, sink slot 0, ring rows): a NaN stored by
+    sequence A must not turn the output of sequence B, batched with it, non-finite or different."""
+    alone = make(codecs, sinks=sinks)
+    together = make(codecs, sinks=sinks)
+    # B is short: it has no cold page and no sink, so all of its page and sink table is padding.
+    b_alone = Stream(alone, 8, seed=2)
+    a, b = Stream(together, 41, seed=1), Stream(together, 8, seed=2)
+    a.v[:, 3, 0, 0] = float("nan")
+    a.k[:, 5, 1, 2] = float("inf")
+
+    def step(cache, streams, n_new):
+        batch = cache.begin_step([s.seq for s in streams], n_new)
+        outs = []
+        for layer in range(cache.cfg.num_layers):
+            sl = [slice(s.seq.length, s.seq.length + n) for s, n in zip(streams, n_new, strict=True)]
+            cat = [
+                torch.cat([getattr(s, t)[layer, x] for s, x in zip(streams, sl, strict=True)]) for t in "qkv"
+            ]
+            outs.append(cache.attention(layer, batch, *cat, SCALE))
+        cache.end_step(batch)
+        return outs
+
+    step(alone, [b_alone], [6])
+    step(together, [a, b], [40, 6])
+    ref = step(alone, [b_alone], [1])
+    got = step(together, [a, b], [1, 1])
+    for layer, out in enumerate(got):
+        assert torch.isfinite(out[1]).all()
+        assert rel_err(out[1:2], ref[layer]) < 1e-6
+    together.check_invariants()

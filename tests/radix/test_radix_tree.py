@@ -58,6 +58,18 @@ def test_reset_returns_every_page() -> None:
     assert t.match_prefix([1]).node is None and t.total_pages == 0
 
 
+def test_evicting_a_namespace_empties_and_drops_its_root() -> None:
+    t = RadixTree(page_size=1)
+    for image in range(50):
+        t.insert([7, 8], [2 * image, 2 * image + 1], extra_key=f"img-{image}")
+    t.insert([1], [100])
+    assert len(t.roots()) == 51
+    assert len(t.evict(2 * 50 + 1)) == 101
+    assert t.roots() == {} and t.total_pages == 0
+    t.insert([7], [5], extra_key="img-0")
+    assert t.match_prefix([7], extra_key="img-0").pages == [5]
+
+
 def test_allocator_is_lifo_and_refuses_double_frees() -> None:
     a = IdAllocator(4, "pages")
     assert a.alloc(3) == [0, 1, 2]

@@ -111,6 +111,9 @@ def test_wrong_types_and_ranges_chat(server: LiveServer, over: dict[str, Any], p
         ({"logprobs": 6}, "logprobs"),
         ({"echo": True}, None),
         ({"max_tokens": 10**9}, "max_tokens"),
+        ({"top_k": 2**70}, "top_k"),
+        ({"repetition_penalty": 1e-39}, "repetition_penalty"),
+        ({"stop": "x" * 1025}, "stop"),
     ],
 )
 def test_bad_completions(server: LiveServer, over: dict[str, Any], param: str | None) -> None:
