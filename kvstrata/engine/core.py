@@ -102,12 +102,19 @@ class EngineCore:
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self.stopping = False
+        # Set by the engine thread before its final drain; from then on `post` refuses, so nothing
+        # posted can wait for an answer that never comes.
+        self._closed = False
+        self._post_lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="kvstrata-engine", daemon=True)
         self._thread.start()
 
     # --- inbox (any thread) ---------------------------------------------------------------------
     def post(self, kind: str, payload: Any) -> None:
-        self._inbox.put((kind, payload))
+        with self._post_lock:
+            if self._closed:
+                raise RuntimeError("engine is shut down")
+            self._inbox.put((kind, payload))
         self._wake.set()
 
     def call(self, kind: str, payload: Any = None, timeout: float = 60.0) -> Any:
@@ -119,7 +126,8 @@ class EngineCore:
         return fut.result(timeout=timeout)
 
     def stop(self) -> None:
-        self.post("shutdown", None)
+        with contextlib.suppress(RuntimeError):  # already closed
+            self.post("shutdown", None)
         self._thread.join(timeout=30)
         if self.drift is not None:
             self.drift.close()
@@ -261,6 +269,8 @@ class EngineCore:
     def _abort_all(self, message: str) -> None:
         for req in [*self.scheduler.running, *self.scheduler.waiting]:
             self._finish(req, {"type": "abort", "message": message})
+        with self._post_lock:
+            self._closed = True
         while True:  # requests posted after the shutdown command
             try:
                 kind, payload = self._inbox.get_nowait()

@@ -8,6 +8,7 @@ thread's inbox (`EngineCore`); results come back through per-request sinks: a `q
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import uuid
@@ -105,7 +106,8 @@ class Engine:
 
     def abort(self, rid: str) -> None:
         """Abort a request (or all n samples of a group) by id; its pages and ring slot come back."""
-        self.core.post("abort", rid)
+        with contextlib.suppress(RuntimeError):  # shut down: every request has already ended
+            self.core.post("abort", rid)
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix; only when no request is running or queued (as SGLang)."""

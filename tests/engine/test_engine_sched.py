@@ -188,3 +188,15 @@ def test_failed_step_ends_its_requests_and_engine_survives(tiny, prompts):
     assert_clean(tiny)
     ok = tiny.generate(input_ids=prompts[3], sampling_params={"max_new_tokens": 3})
     assert ok["meta_info"]["completion_tokens"] == 3
+
+
+def test_nothing_can_be_posted_after_shutdown(default_model):
+    """Once the engine thread has drained its inbox for the last time, posting raises at once
+    instead of leaving the caller waiting for an answer that never comes."""
+    eng = make(default_model, total_tokens=256, running=2)
+    eng.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        eng.core.post("add", [])
+    with pytest.raises(RuntimeError, match="shut down"):
+        eng.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 1})
+    eng.abort("no-such-request")  # nothing left to abort: a no-op, not an error
