@@ -22,8 +22,9 @@ COMPUTE = torch.float32
 class OnlineSoftmax:
     """softmax(q k^T + bias) v accumulated over key segments ``[B, S, Hkv, D]``."""
 
-    def __init__(self, q: torch.Tensor) -> None:
+    def __init__(self, q: torch.Tensor, padded: bool) -> None:
         self.q = q  # [B, Hkv, rows, D], already scaled
+        self.padded = padded  # some keys are padding that reads other sequences' rows
         shape = (*q.shape[:-1], 1)
         self.m = torch.full(shape, float("-inf"), dtype=COMPUTE, device=q.device)
         self.l = torch.zeros(shape, dtype=COMPUTE, device=q.device)
@@ -32,11 +33,12 @@ class OnlineSoftmax:
     def update(self, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> None:
         s = self._scores(k)
         s += bias
-        # Padded slots of a batch read other sequences' rows (masked by -inf above), and raw tiers keep
-        # NaN/Inf as written: a non-finite score never enters the softmax and a non-finite value never
-        # meets a zero weight (0 * NaN = NaN), so one request's bad K/V cannot reach its neighbours.
-        s.nan_to_num_(nan=float("-inf"), posinf=float("-inf"))
-        v = torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
+        if self.padded:
+            # Padded slots read other sequences' rows (masked by -inf above), and raw tiers keep NaN/Inf
+            # as written: a non-finite score never enters the softmax and a non-finite value never
+            # meets a zero weight (0 * NaN = NaN), so one request's bad K/V cannot reach its neighbours.
+            s.nan_to_num_(nan=float("-inf"), posinf=float("-inf"))
+            v = torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
         m_new = torch.maximum(self.m, s.amax(dim=-1, keepdim=True))
         # A row that has seen only masked keys keeps m = -inf; shift by 0 there to avoid inf - inf.
         shift = torch.where(torch.isneginf(m_new), 0.0, m_new)
@@ -96,7 +98,7 @@ def _attend_group(
     hkv = k.shape[1]
     group = hq // hkv
     qg = q[g.rows].to(COMPUTE).view(B, T, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(B, hkv, group * T, d)
-    state = OnlineSoftmax(qg * scale)
+    state = OnlineSoftmax(qg * scale, padded=B > 1)  # one sequence alone has no padding
     P = pool.page_size
     for start in range(0, g.page_table.shape[1], block_pages):
         table = g.page_table[:, start : start + block_pages]
