@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -157,12 +157,16 @@ class EngineCore:
             self._wake.wait(timeout=1.0)
             self._wake.clear()
 
-    def _drain_inbox(self) -> None:
+    def _pending(self) -> Iterator[tuple[str, Any]]:
+        """The inbox's messages, until it is empty."""
         while True:
             try:
-                kind, payload = self._inbox.get_nowait()
+                yield self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _drain_inbox(self) -> None:
+        for kind, payload in self._pending():
             if kind == "add":
                 for req in payload:
                     if req.params.max_new_tokens == 0:
@@ -271,11 +275,7 @@ class EngineCore:
             self._finish(req, {"type": "abort", "message": message})
         with self._post_lock:
             self._closed = True
-        while True:  # requests posted after the shutdown command
-            try:
-                kind, payload = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        for kind, payload in self._pending():  # requests posted after the shutdown command
             if kind == "add":
                 for req in payload:
                     self._finish(req, {"type": "abort", "message": message})
