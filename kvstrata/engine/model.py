@@ -25,6 +25,30 @@ from kvstrata.engine.rope import rope_inv_freq
 
 AttnFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 
+# Up to this many rows, a float32 CPU linear runs as ``W @ x^T`` (see `Linear`).
+SMALL_BATCH_ROWS = 8
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` that computes a few float32 rows on CPU as ``(W @ x^T)^T``, one row padded to two.
+
+    Decode steps multiply 1-8 rows by every weight. For those shapes MKL's ``x @ W^T`` (what
+    ``F.linear`` runs) falls far below memory bandwidth on the AMD EPYC we test on, while the same
+    product written ``W @ x^T`` with at least two columns takes its fast small-N GEMM path: the whole
+    SmolLM2-135M decode forward without attention drops from ~54 ms to ~37 ms per token at one row,
+    and the 49,152 x 576 LM head from 9.9 ms to 5.8 ms (1 row) and 19.2 ms to 14.5 ms (8 rows).
+    Results equal ``F.linear`` up to float32 summation order. Other devices, dtypes and larger
+    batches use ``F.linear``.
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.shape[0]
+        if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or rows > SMALL_BATCH_ROWS:
+            return F.linear(x, self.weight, self.bias)
+        cols = torch.cat((x, x)) if rows == 1 else x
+        y = torch.mm(self.weight, cols.t())[:, :rows].t().contiguous()
+        return y if self.bias is None else y + self.bias
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -50,8 +74,8 @@ class Attention(nn.Module):
         self.q_heads, self.kv_heads, self.head_dim = cfg.q_heads, cfg.kv_heads, cfg.head_dim
         q_dim, kv_dim = cfg.q_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
         self.splits = [q_dim, kv_dim, kv_dim]
-        self.wqkv = nn.Linear(cfg.hidden_size, q_dim + 2 * kv_dim, bias=cfg.attention_bias)
-        self.wo = nn.Linear(q_dim, cfg.hidden_size, bias=cfg.attention_out_bias)
+        self.wqkv = Linear(cfg.hidden_size, q_dim + 2 * kv_dim, bias=cfg.attention_bias)
+        self.wo = Linear(q_dim, cfg.hidden_size, bias=cfg.attention_out_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -71,8 +95,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.w13 = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)  # gate, up
-        self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)  # down
+        self.w13 = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)  # gate, up
+        self.w2 = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)  # down
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.w13(x).chunk(2, dim=-1)
@@ -99,7 +123,7 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         inv_freq, self.rope_factor = rope_inv_freq(config)
         self.register_buffer("inv_freq", inv_freq.to(device="cpu"), persistent=False)
         self.tie_weights()

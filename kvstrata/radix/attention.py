@@ -1,15 +1,21 @@
-"""Reference attention over the strata: cold pages (dequantized block by block), sinks, ring, new.
+"""Reference attention over the strata: cold pages (dequantized), sinks, ring and the new tokens.
 
-One online-softmax pass per group of equal-length steps: the running max ``m``, denominator ``l``
-and numerator ``acc`` are rescaled as each segment arrives, so the history is never dequantized as
-a whole; at most ``block_pages`` pages per sequence are decoded at a time. Queries are laid out
-``[B, kv_heads, group * T, D]`` (GQA: the ``group`` query heads of a KV head share its keys), so
-each segment is two batched matmuls for all heads and sequences of the group.
+Sequences of a group (equal numbers of new tokens) are attended as one padded batch. When a group's
+cold history fits in ``block_pages`` pages, its keys are gathered once as ``[cold | sinks | ring |
+new]`` and attended in a single ``scaled_dot_product_attention`` call with one boolean mask (GQA
+handled by the kernel). Longer histories take the block-wise path: an online softmax whose running
+max ``m``, denominator ``l`` and numerator ``acc`` are rescaled as each block of at most
+``block_pages`` pages arrives, so the history is never dequantized as a whole. There queries are
+laid out ``[B, kv_heads, group * T, D]`` (the ``group`` query heads of a KV head share its keys).
+
+Padded slots read zero rows kept for that purpose (see `GroupPlan`), so masked keys and values are
+finite: one sequence's NaN/Inf never reaches another sequence of its batch.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kvstrata.radix.plan import GroupPlan, StepBatch
 from kvstrata.radix.pool import ColdPool, WriteCounts
@@ -22,9 +28,8 @@ COMPUTE = torch.float32
 class OnlineSoftmax:
     """softmax(q k^T + bias) v accumulated over key segments ``[B, S, Hkv, D]``."""
 
-    def __init__(self, q: torch.Tensor, padded: bool) -> None:
+    def __init__(self, q: torch.Tensor) -> None:
         self.q = q  # [B, Hkv, rows, D], already scaled
-        self.padded = padded  # some keys are padding that reads other sequences' rows
         shape = (*q.shape[:-1], 1)
         self.m = torch.full(shape, float("-inf"), dtype=COMPUTE, device=q.device)
         self.l = torch.zeros(shape, dtype=COMPUTE, device=q.device)
@@ -33,12 +38,6 @@ class OnlineSoftmax:
     def update(self, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> None:
         s = self._scores(k)
         s += bias
-        if self.padded:
-            # Padded slots read other sequences' rows (masked by -inf above), and raw tiers keep NaN/Inf
-            # as written: a non-finite score never enters the softmax and a non-finite value never
-            # meets a zero weight (0 * NaN = NaN), so one request's bad K/V cannot reach its neighbours.
-            s.nan_to_num_(nan=float("-inf"), posinf=float("-inf"))
-            v = torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
         m_new = torch.maximum(self.m, s.amax(dim=-1, keepdim=True))
         # A row that has seen only masked keys keeps m = -inf; shift by 0 there to avoid inf - inf.
         shift = torch.where(torch.isneginf(m_new), 0.0, m_new)
@@ -75,10 +74,18 @@ def attend(
     block_pages: int,
 ) -> torch.Tensor:
     """Causal attention of the step's new tokens over each sequence's history and themselves."""
+    if len(batch.groups) == 1:
+        return _attend_group(layer, batch.groups[0], q, k, v, scale, pool, ring, sinks, block_pages)
     out = torch.empty(q.shape, dtype=COMPUTE, device=q.device)
     for group in batch.groups:
-        out[group.rows] = _attend_group(layer, group, q, k, v, scale, pool, ring, sinks, block_pages)
+        assert group.rows is not None
+        got = _attend_group(layer, group, q, k, v, scale, pool, ring, sinks, block_pages)
+        out.index_copy_(0, group.rows, got)
     return out
+
+
+def _take(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    return x if rows is None else x.index_select(0, rows)
 
 
 def _attend_group(
@@ -93,31 +100,59 @@ def _attend_group(
     sinks: SinkStore | None,
     block_pages: int,
 ) -> torch.Tensor:
+    """``[B*T, Hq, D]`` outputs of one group, in compute dtype."""
     B, T = g.batch, g.tokens
     _, hq, d = q.shape
     hkv = k.shape[1]
+    # The history after the cold pages: sinks (if this group has any), ring rows, new tokens.
+    ring_rows = g.ring_rows.view(-1)
+    tails_k = [ring.k[layer].index_select(0, ring_rows).view(B, -1, hkv, d)]
+    tails_v = [ring.v[layer].index_select(0, ring_rows).view(B, -1, hkv, d)]
+    tails_k.append(_take(k, g.rows).view(B, T, hkv, d))
+    tails_v.append(_take(v, g.rows).view(B, T, hkv, d))
+    sink_k = sink_v = None
+    if sinks is not None and g.sink_table is not None:
+        sink_k = sinks.k[layer].index_select(0, g.sink_table)
+        sink_v = sinks.v[layer].index_select(0, g.sink_table)
+    qs = _take(q, g.rows).to(COMPUTE)
+    n_pages = g.page_table.shape[1]
+    if n_pages <= block_pages:
+        parts_k, parts_v = [], []
+        if n_pages:
+            kc, vc = pool.read(layer, g.page_table, COMPUTE)
+            parts_k.append(kc.view(B, -1, hkv, d))
+            parts_v.append(vc.view(B, -1, hkv, d))
+        if sink_k is not None and sink_v is not None:
+            parts_k.append(sink_k)
+            parts_v.append(sink_v)
+        keys = _concat([*parts_k, *tails_k]).transpose(1, 2)
+        values = _concat([*parts_v, *tails_v]).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            qs.view(B, T, hq, d).transpose(1, 2), keys, values, attn_mask=g.mask, scale=scale, enable_gqa=True
+        )
+        return out.transpose(1, 2).reshape(B * T, hq, d)
+
     group = hq // hkv
-    qg = q[g.rows].to(COMPUTE).view(B, T, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(B, hkv, group * T, d)
-    state = OnlineSoftmax(qg * scale, padded=B > 1)  # one sequence alone has no padding
+    qg = qs.view(B, T, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(B, hkv, group * T, d)
+    state = OnlineSoftmax(qg * scale)
     P = pool.page_size
-    for start in range(0, g.page_table.shape[1], block_pages):
+    for start in range(0, n_pages, block_pages):
         table = g.page_table[:, start : start + block_pages]
         kb, vb = pool.read(layer, table, COMPUTE)
         n = table.shape[1] * P
         state.update(
             kb.reshape(B, n, hkv, d), vb.reshape(B, n, hkv, d), g.cold_bias[..., start * P : start * P + n]
         )
-    if sinks is not None and g.sink_table is not None and g.sink_bias is not None:
-        ks = sinks.k[layer, g.sink_table].to(COMPUTE)
-        vs = sinks.v[layer, g.sink_table].to(COMPUTE)
-        state.update(ks, vs, g.sink_bias)
-    k_new = k[g.rows].to(COMPUTE).view(B, T, hkv, d)
-    v_new = v[g.rows].to(COMPUTE).view(B, T, hkv, d)
-    k_tail = torch.cat([ring.k[layer][g.ring_rows].to(COMPUTE), k_new], dim=1)
-    v_tail = torch.cat([ring.v[layer][g.ring_rows].to(COMPUTE), v_new], dim=1)
-    state.update(k_tail, v_tail, g.tail_bias(group))
+    if sink_k is not None and sink_v is not None:
+        state.update(sink_k.to(COMPUTE), sink_v.to(COMPUTE), g.sink_bias)
+    state.update(_concat(tails_k), _concat(tails_v), g.tail_bias(group))
     o = state.result().view(B, hkv, group, T, d).permute(0, 3, 1, 2, 4)
     return o.reshape(B * T, hq, d)
+
+
+def _concat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Key segments ``[B, S_i, Hkv, D]`` joined along S in the compute dtype."""
+    return torch.cat([p.to(COMPUTE) for p in parts], dim=1)
 
 
 def store(
@@ -143,13 +178,13 @@ def store(
         pages_kv = []
         for buf, new in ((ring.k[layer], k), (ring.v[layer], v)):
             pages = torch.empty((n * P, hkv, d), dtype=COMPUTE, device=k.device)
-            pages[w.from_ring[0]] = buf[w.from_ring[1]].to(COMPUTE)
-            pages[w.from_new[0]] = new[w.from_new[1]].to(COMPUTE)
+            pages.index_copy_(0, w.from_ring[0], buf.index_select(0, w.from_ring[1]).to(COMPUTE))
+            pages.index_copy_(0, w.from_new[0], new.index_select(0, w.from_new[1]).to(COMPUTE))
             pages_kv.append(pages.view(n, P, hkv, d))
         counts = pool.write(layer, w.page_ids, pages_kv[0], pages_kv[1], *clips)
         if sinks is not None and w.sink_pages.numel():
             sinks.k[layer, w.sink_slots] = pages_kv[0][w.sink_pages].to(sinks.k.dtype)
             sinks.v[layer, w.sink_slots] = pages_kv[1][w.sink_pages].to(sinks.v.dtype)
-    ring.k[layer].index_copy_(0, w.ring_dst, k[w.ring_src].to(ring.k.dtype))
-    ring.v[layer].index_copy_(0, w.ring_dst, v[w.ring_src].to(ring.v.dtype))
+    ring.k[layer].index_copy_(0, w.ring_dst, k.index_select(0, w.ring_src).to(ring.k.dtype))
+    ring.v[layer].index_copy_(0, w.ring_dst, v.index_select(0, w.ring_src).to(ring.v.dtype))
     return counts

@@ -17,7 +17,7 @@ import torch
 from kvstrata.radix import attention
 from kvstrata.radix.config import CacheConfig
 from kvstrata.radix.errors import OutOfPages, OutOfSlots, PinBudgetExceeded
-from kvstrata.radix.plan import StepBatch, build_step
+from kvstrata.radix.plan import NullRows, StepBatch, build_step
 from kvstrata.radix.pool import ColdPool, cold_page_bytes
 from kvstrata.radix.ring import HotRing
 from kvstrata.radix.sequence import PrefixMatch, Sequence
@@ -43,6 +43,11 @@ class StratifiedKVCache:
             SinkStore(cfg.num_layers, cfg.sink_pages or 0, P, H, D, cfg.ring_dtype, self.device)
             if cfg.sinks
             else None
+        )
+        self.nulls = NullRows(
+            page=self.pool.null_page,
+            sink=self.sinks.null_slot if self.sinks is not None else 0,
+            ring_row=self.ring.null_row,
         )
         self.tree = RadixTree(P)
         self.recent_window = cfg.recent_window
@@ -191,6 +196,7 @@ class StratifiedKVCache:
             ring_capacity=self.ring.capacity,
             window=self.recent_window,
             sink_of=self.sinks.of_page if self.sinks is not None else None,
+            nulls=self.nulls,
             device=self.device,
         )
 

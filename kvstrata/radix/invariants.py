@@ -6,6 +6,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from kvstrata.radix.errors import InvariantViolation
+from kvstrata.radix.pool import as_raw
 from kvstrata.radix.tree import TreeNode
 
 if TYPE_CHECKING:
@@ -20,6 +21,7 @@ def check_invariants(cache: StratifiedKVCache) -> None:
         + _sequences(cache)
         + _pins_and_eviction(cache)
         + _bytes(cache)
+        + _padding_rows(cache)
     )
     if errors:
         raise InvariantViolation("cache invariants violated:\n  " + "\n  ".join(errors))
@@ -187,9 +189,14 @@ def _pins_and_eviction(cache: StratifiedKVCache) -> list[str]:
 def _bytes(cache: StratifiedKVCache) -> list[str]:
     errors = []
     stats = cache.stats()
-    actual = {"cold": cache.pool.total_bytes, "ring": cache.ring.total_bytes}
+    # What the buffers hold, less the one zero row each store keeps for padding.
+    pool_buffers = sum(t.nbytes for bufs in (*cache.pool.k, *cache.pool.v) for t in bufs.values())
+    actual = {
+        "cold": pool_buffers - cache.pool.padding_bytes,
+        "ring": cache.ring.k.nbytes + cache.ring.v.nbytes - cache.ring.padding_bytes,
+    }
     if cache.sinks is not None:
-        actual["sink"] = cache.sinks.total_bytes
+        actual["sink"] = cache.sinks.k.nbytes + cache.sinks.v.nbytes - cache.sinks.padding_bytes
     for name, tier in stats.tiers.items():
         if tier.free + tier.used != tier.total:
             errors.append(f"tier {name}: free {tier.free} + used {tier.used} != total {tier.total}")
@@ -200,3 +207,24 @@ def _bytes(cache: StratifiedKVCache) -> list[str]:
                 f"tier {name}: pinned {tier.pinned} <= cached {tier.cached} <= used {tier.used} broken"
             )
     return errors
+
+
+def _padding_rows(cache: StratifiedKVCache) -> list[str]:
+    """The zero rows that batch padding reads must still be zero: a write there would leak into
+    every padded batch."""
+    rows = [
+        (f"cold {kind} {name}", buf[cache.pool.null_page])
+        for kind, layers in (("k", cache.pool.k), ("v", cache.pool.v))
+        for bufs in layers
+        for name, buf in bufs.items()
+    ]
+    rows += [
+        ("ring k", cache.ring.k[:, cache.ring.null_row]),
+        ("ring v", cache.ring.v[:, cache.ring.null_row]),
+    ]
+    if cache.sinks is not None:
+        rows += [
+            ("sink k", cache.sinks.k[:, cache.sinks.null_slot]),
+            ("sink v", cache.sinks.v[:, cache.sinks.null_slot]),
+        ]
+    return [f"{name}: the padding row was written" for name, row in rows if bool(as_raw(row).any())]

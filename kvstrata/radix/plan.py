@@ -10,6 +10,7 @@ new tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -20,23 +21,77 @@ NEG_INF = float("-inf")
 
 @dataclass(eq=False)
 class GroupPlan:
-    rows: torch.Tensor  # [B*T] rows of this group's tokens in q/k/v, sequence-major
+    """One group's index tensors. Padding reads the zero rows each store keeps for it (the pool's
+    null page, the sink store's null slot, the ring's null row), so a padded slot is always a finite
+    zero and never another sequence's data; the masks below exclude it anyway."""
+
+    rows: (
+        torch.Tensor | None
+    )  # [B*T] rows of this group's tokens in q/k/v, sequence-major; None: all, in order
     batch: int
     tokens: int
-    page_table: torch.Tensor  # [B, Np] cold pages read from the pool, padded with page 0
-    cold_bias: torch.Tensor  # [B, 1, 1, Np*P]
-    sink_table: torch.Tensor | None  # [B] sink pages, padded with 0
-    sink_bias: torch.Tensor | None  # [B, 1, 1, P]
-    ring_rows: torch.Tensor  # [B, R] ring rows, padded with the slot's first row
-    tail_mask: torch.Tensor  # [B, T, R+T] True where a query sees a ring or new key
+    page_table: torch.Tensor  # [B, Np] cold pages read from the pool, padded with the null page
+    cold_pages: list[int]  # valid entries of each row of page_table
+    sink_table: torch.Tensor | None  # [B] sink pages, padded with the null slot; None: no sinks
+    sink_valid: list[bool]
+    ring_rows: torch.Tensor  # [B, R] ring rows, padded with the null row
+    ring_len: list[int]
+    page_size: int
     _tail_bias: dict[int, torch.Tensor] = field(default_factory=dict)
 
+    @property
+    def device(self) -> torch.device:
+        return self.page_table.device
+
+    def _valid(self, lengths: list[int], width: int) -> torch.Tensor:
+        """[B, width] True in the first ``lengths[b]`` columns of row b."""
+        n = torch.tensor(lengths, dtype=torch.long).to(self.device)
+        return torch.arange(width, device=self.device).view(1, width) < n.view(-1, 1)
+
+    def _history_valid(self) -> torch.Tensor:
+        """[B, Np*P (+P) + R]: which cold, sink and ring keys of each sequence are real."""
+        P = self.page_size
+        parts = [self._valid([n * P for n in self.cold_pages], self.page_table.shape[1] * P)]
+        if self.sink_table is not None:
+            parts.append(self._valid([P * v for v in self.sink_valid], P))
+        parts.append(self._valid(self.ring_len, self.ring_rows.shape[1]))
+        return torch.cat(parts, dim=1)
+
+    @cached_property
+    def mask(self) -> torch.Tensor | None:
+        """[B, 1, T, S] for one pass over ``[cold | sinks | ring | new]``; None when every key is
+        seen by every query (one sequence, one new token)."""
+        B, T = self.batch, self.tokens
+        if B == 1 and T == 1:
+            return None
+        hist = self._history_valid()
+        causal = torch.ones((T, T), dtype=torch.bool, device=self.device).tril()
+        mask = torch.cat([hist.view(B, 1, -1).expand(B, T, -1), causal.expand(B, T, T)], dim=2)
+        return mask.unsqueeze(1)
+
+    @cached_property
+    def cold_bias(self) -> torch.Tensor:
+        """[B, 1, 1, Np*P] additive mask of the cold keys (block-wise pass)."""
+        P = self.page_size
+        valid = self._valid([n * P for n in self.cold_pages], self.page_table.shape[1] * P)
+        return _bias(valid).view(self.batch, 1, 1, -1)
+
+    @cached_property
+    def sink_bias(self) -> torch.Tensor:
+        """[B, 1, 1, P] additive mask of the sink keys (block-wise pass)."""
+        valid = self._valid([self.page_size * v for v in self.sink_valid], self.page_size)
+        return _bias(valid).view(self.batch, 1, 1, -1)
+
     def tail_bias(self, group: int) -> torch.Tensor:
-        """[B, 1, group*T, R+T] bias for GQA rows ordered (query head in group, token)."""
+        """[B, 1, group*T, R+T] bias of ring and new keys for GQA rows ordered (query head in
+        group, token) (block-wise pass)."""
         bias = self._tail_bias.get(group)
         if bias is None:
-            zero = torch.zeros((), dtype=torch.float32, device=self.tail_mask.device)
-            bias = torch.where(self.tail_mask, zero, NEG_INF).unsqueeze(1).repeat(1, 1, group, 1)
+            B, T = self.batch, self.tokens
+            ring_ok = self._valid(self.ring_len, self.ring_rows.shape[1])
+            causal = torch.ones((T, T), dtype=torch.bool, device=self.device).tril()
+            tail = torch.cat([ring_ok.view(B, 1, -1).expand(B, T, -1), causal.expand(B, T, T)], dim=2)
+            bias = _bias(tail).unsqueeze(1).repeat(1, 1, group, 1)
             self._tail_bias[group] = bias
         return bias
 
@@ -75,6 +130,16 @@ def ring_start_after(seq: Sequence, new_length: int, window: int, page_size: int
     return max(seq.ring_start, seq.cached_tokens, (new_length - window) // page_size * page_size)
 
 
+@dataclass(frozen=True)
+class NullRows:
+    """Ids of the zero rows that padding reads: the pool's null page, the sink store's null slot
+    and the ring's null row."""
+
+    page: int
+    sink: int
+    ring_row: int
+
+
 def build_step(
     seqs: list[Sequence],
     n_new: list[int],
@@ -84,6 +149,7 @@ def build_step(
     ring_capacity: int,
     window: int,
     sink_of: dict[int, int] | None,
+    nulls: NullRows,
     device: torch.device,
 ) -> StepBatch:
     """Plan a step; pages for the tokens must already be in ``seq.page_ids``."""
@@ -96,9 +162,11 @@ def build_step(
     for i, n in enumerate(n_new):
         by_size.setdefault(n, []).append(i)
     groups = [
-        _plan_group([seqs[i] for i in idx], [offsets[i] for i in idx], n, P, R, sink_of, device)
+        _plan_group([seqs[i] for i in idx], [offsets[i] for i in idx], n, P, R, sink_of, nulls, device)
         for n, idx in by_size.items()
     ]
+    if len(groups) == 1:
+        groups[0].rows = None  # one group holds every token, in order: no row gather needed
 
     write, new_starts = _plan_writes(seqs, n_new, offsets, P, R, window, sink_of, device)
     return StepBatch(list(seqs), list(n_new), total, groups, write, new_starts, new_pages)
@@ -173,10 +241,11 @@ def _plan_group(
     P: int,
     R: int,
     sink_of: dict[int, int] | None,
+    nulls: NullRows,
     device: torch.device,
 ) -> GroupPlan:
     B = len(seqs)
-    rows = torch.cat([torch.arange(o, o + n, device=device) for o in offsets])
+    rows = torch.cat([torch.arange(o, o + n) for o in offsets]).to(device)
     cold: list[list[int]] = []
     sinks: list[int | None] = []
     for seq in seqs:
@@ -188,29 +257,33 @@ def _plan_group(
         sinks.append(sink)
         cold.append(seq.page_ids[first : seq.ring_start // P])
     n_pages = max(len(c) for c in cold)
-    page_table = torch.zeros((B, n_pages), dtype=torch.long, device=device)
-    page_valid = torch.zeros((B, n_pages), dtype=torch.bool, device=device)
-    for b, c in enumerate(cold):
-        page_table[b, : len(c)] = torch.tensor(c, dtype=torch.long)
-        page_valid[b, : len(c)] = True
-    cold_bias = _bias(page_valid.repeat_interleave(P, dim=1)).view(B, 1, 1, n_pages * P)
+    table = [p for c in cold for p in (*c, *[nulls.page] * (n_pages - len(c)))]
+    page_table = _long(table, device).view(B, n_pages)
 
-    sink_table = sink_bias = None
+    sink_table = None
     if any(s is not None for s in sinks):
-        sink_table = _long([s or 0 for s in sinks], device)
-        valid = _long([s is not None for s in sinks], device).bool()
-        sink_bias = _bias(valid.view(B, 1).expand(B, P)).view(B, 1, 1, P)
+        sink_table = _long([nulls.sink if s is None else s for s in sinks], device)
 
     ring_len = [seq.length - seq.ring_start for seq in seqs]
     r_max = max(ring_len)
-    ring_rows = torch.empty((B, r_max), dtype=torch.long, device=device)
-    for b, seq in enumerate(seqs):
-        pos = torch.arange(seq.ring_start, seq.ring_start + r_max, device=device)
-        ring_rows[b] = torch.where(pos < seq.length, seq.slot * R + pos % R, seq.slot * R)
-    ring_ok = torch.arange(r_max, device=device).view(1, 1, r_max) < _long(ring_len, device).view(B, 1, 1)
-    causal = torch.ones((n, n), dtype=torch.bool, device=device).tril()
-    tail_mask = torch.cat([ring_ok.expand(B, n, r_max), causal.expand(B, n, n)], dim=2)
-    return GroupPlan(rows, B, n, page_table, cold_bias, sink_table, sink_bias, ring_rows, tail_mask)
+    ring: list[int] = []
+    for seq, length in zip(seqs, ring_len, strict=True):
+        base = seq.slot * R
+        ring.extend(base + p % R for p in range(seq.ring_start, seq.length))
+        ring.extend([nulls.ring_row] * (r_max - length))
+    ring_rows = _long(ring, device).view(B, r_max)
+    return GroupPlan(
+        rows,
+        B,
+        n,
+        page_table,
+        [len(c) for c in cold],
+        sink_table,
+        [s is not None for s in sinks],
+        ring_rows,
+        ring_len,
+        P,
+    )
 
 
 def _bias(valid: torch.Tensor) -> torch.Tensor:

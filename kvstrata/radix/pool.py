@@ -29,7 +29,7 @@ def cold_page_bytes(codecs: list[str], page_size: int, heads: int, head_dim: int
     return total
 
 
-def _raw(t: torch.Tensor) -> torch.Tensor:
+def as_raw(t: torch.Tensor) -> torch.Tensor:
     """``t`` seen as same-width integers: CPU ``index_copy_``/indexing lack the float8 dtypes."""
     if t.dtype.is_floating_point and t.element_size() == 1:
         return t.view(torch.uint8)
@@ -41,7 +41,10 @@ def _finite_absmax(x: torch.Tensor) -> float:
 
 
 def _gather(buf: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    return _raw(buf)[index].view(buf.dtype)
+    """``buf[index]`` for any index shape; ``index_select`` is ~5x faster than advanced indexing
+    on CPU for page tables."""
+    rows = as_raw(buf).index_select(0, index.reshape(-1))
+    return rows.view(*index.shape, *buf.shape[1:]).view(buf.dtype)
 
 
 @dataclass
@@ -73,13 +76,15 @@ class ColdPool:
         self.allocator = IdAllocator(num_pages, "cold pages")
         self.k: list[dict[str, torch.Tensor]] = []
         self.v: list[dict[str, torch.Tensor]] = []
+        # Row ``num_pages`` of every buffer is the null page: never allocated, never written, all
+        # zero bytes, which every codec decodes to finite zeros. Padded page tables point at it.
+        self.null_page = num_pages
         for codec in self.codecs:
             for bufs, gran in ((self.k, KEY_GRANULARITY), (self.v, VALUE_GRANULARITY)):
                 spec = codec.page_parts(page_size, heads, head_dim, gran)
-                # Zeroed: padded page-table entries read page 0 and must decode to finite values.
                 bufs.append(
                     {
-                        name: torch.zeros((num_pages, *shape), dtype=dtype, device=device)
+                        name: torch.zeros((num_pages + 1, *shape), dtype=dtype, device=device)
                         for name, (shape, dtype) in spec.items()
                     }
                 )
@@ -87,8 +92,13 @@ class ColdPool:
 
     @property
     def total_bytes(self) -> int:
-        """Bytes of every buffer actually allocated."""
-        return sum(t.nbytes for bufs in (*self.k, *self.v) for t in bufs.values())
+        """Bytes of the ``num_pages`` allocatable pages in the buffers (the null page excluded)."""
+        return sum(t[: self.null_page].nbytes for bufs in (*self.k, *self.v) for t in bufs.values())
+
+    @property
+    def padding_bytes(self) -> int:
+        """Bytes of the null page."""
+        return self.page_bytes
 
     def write(
         self,
@@ -106,7 +116,7 @@ class ColdPool:
         for bufs, q in ((self.k[layer], qk), (self.v[layer], qv)):
             for name, part in q.parts.items():
                 buf = bufs[name]
-                _raw(buf).index_copy_(0, page_ids, _raw(part.to(buf.dtype)))
+                as_raw(buf).index_copy_(0, page_ids, as_raw(part.to(buf.dtype)))
         return WriteCounts(
             int(qk.overflow),
             int(qv.overflow),

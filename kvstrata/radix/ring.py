@@ -26,8 +26,10 @@ class HotRing:
     ) -> None:
         self.capacity = capacity
         self.slots = IdAllocator(slots, "ring slots")
-        shape = (num_layers, slots * capacity, heads, head_dim)
-        # Zeroed so that padded reads of never-written rows stay finite (they are masked anyway).
+        # The last row of each layer is the null row: never written, always zero; padded ring
+        # tables point at it. Zeroed buffers also keep never-written rows of a slot finite.
+        self.null_row = slots * capacity
+        shape = (num_layers, slots * capacity + 1, heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.slot_bytes = 2 * num_layers * capacity * heads * head_dim * self.k.element_size()
@@ -35,7 +37,12 @@ class HotRing:
 
     @property
     def total_bytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        """Bytes of the slots (the null row excluded)."""
+        return self.slots.total * self.slot_bytes
+
+    @property
+    def padding_bytes(self) -> int:
+        return self.bytes_per_token
 
     def rows(self, slot: int, start: int, stop: int) -> list[int]:
         """Flat rows of positions ``[start, stop)`` of ``slot``."""

@@ -23,7 +23,9 @@ class SinkStore:
         device: str | torch.device,
     ) -> None:
         self.allocator = IdAllocator(pages, "sink pages")
-        shape = (num_layers, pages, page_size, heads, head_dim)
+        # Slot ``pages`` is the null slot: never bound, always zero; padded sink tables point at it.
+        self.null_slot = pages
+        shape = (num_layers, pages + 1, page_size, heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.of_page: dict[int, int] = {}
@@ -31,7 +33,12 @@ class SinkStore:
 
     @property
     def total_bytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        """Bytes of the allocatable sink pages (the null slot excluded)."""
+        return self.allocator.total * self.page_bytes
+
+    @property
+    def padding_bytes(self) -> int:
+        return self.page_bytes
 
     def bind(self, page_ids: list[int]) -> None:
         """Give each cold page in ``page_ids`` a sink page (caller checked ``num_free``)."""

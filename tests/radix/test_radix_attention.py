@@ -88,8 +88,16 @@ def make(
     )
 
 
-def test_fp32_storage_equals_attention_over_original_kv_gqa_chunked_prefill_and_decode() -> None:
-    cache = make(["fp32", "fp32"])
+# 64 pages: every history here fits one pass (one SDPA call per group); 2 pages: the block-wise
+# online softmax over several blocks.
+BLOCKS = pytest.mark.parametrize("block_pages", [64, 2])
+
+
+@BLOCKS
+def test_fp32_storage_equals_attention_over_original_kv_gqa_chunked_prefill_and_decode(
+    block_pages: int,
+) -> None:
+    cache = make(["fp32", "fp32"], block_pages=block_pages)
     a, b, c = Stream(cache, 270, 1), Stream(cache, 20, 2), Stream(cache, 60, 3)
     worst, compared = run_steps(cache, mixed_schedule(a, b, c), original)
     assert compared == 2 * 27
@@ -135,9 +143,12 @@ def stored_history(cache: StratifiedKVCache, layer: int, s: Stream, n: int) -> t
     return dense_attention(s.q[layer, L : L + n], torch.cat(parts_k), torch.cat(parts_v), L, SCALE)
 
 
+@BLOCKS
 @pytest.mark.parametrize("plan", [["fp8_e4m3", "fp4_e2m1"], ["int4", "int8"]])
-def test_quantized_history_equals_attention_over_dequantized_sequence(plan: list[str]) -> None:
-    cache = make(plan, ring=torch.bfloat16, page_size=16, window=16)
+def test_quantized_history_equals_attention_over_dequantized_sequence(
+    plan: list[str], block_pages: int
+) -> None:
+    cache = make(plan, ring=torch.bfloat16, page_size=16, window=16, block_pages=block_pages)
     a, b, c = Stream(cache, 270, 1), Stream(cache, 20, 2), Stream(cache, 60, 3)
 
     def ref(layer: int, s: Stream, n: int) -> torch.Tensor:
@@ -239,12 +250,13 @@ def test_static_scales_refuse_rotation() -> None:
         make(["int8"], scales=FixedScales(1.5), rotation=True)
 
 
+@BLOCKS
 @pytest.mark.parametrize("codecs, sinks", [(["fp32"], False), (["bf16"], False), (["fp8_e4m3"], True)])
-def test_non_finite_kv_of_one_sequence_never_reaches_another(codecs, sinks):
-    """Batch padding reads other sequences' rows (page 0, sink slot 0, ring rows): a NaN stored by
-    sequence A must not turn the output of sequence B, batched with it, non-finite or different."""
-    alone = make(codecs, sinks=sinks)
-    together = make(codecs, sinks=sinks)
+def test_non_finite_kv_of_one_sequence_never_reaches_another(codecs, sinks, block_pages):
+    """Batch padding must never read another sequence's rows: a NaN stored by sequence A must not
+    turn the output of sequence B, batched with it, non-finite or different."""
+    alone = make(codecs, sinks=sinks, block_pages=block_pages)
+    together = make(codecs, sinks=sinks, block_pages=block_pages)
     # B is short: it has no cold page and no sink, so all of its page and sink table is padding.
     b_alone = Stream(alone, 8, seed=2)
     a, b = Stream(together, 41, seed=1), Stream(together, 8, seed=2)

@@ -46,6 +46,7 @@ class RefSeq:
 
 class CacheMachine(RuleBasedStateMachine):
     sinks = False
+    block_pages = 64  # every history fits one attention pass
 
     def __init__(self) -> None:
         super().__init__()
@@ -62,6 +63,7 @@ class CacheMachine(RuleBasedStateMachine):
             max_running=3,
             sinks=self.sinks,
             sink_pages=3 if self.sinks else None,
+            block_pages=self.block_pages,
         )
         self.cache = StratifiedKVCache(cfg)
         self.page_bytes = self.cache.pool.page_bytes
@@ -358,6 +360,7 @@ class CacheMachine(RuleBasedStateMachine):
 
 class SinkCacheMachine(CacheMachine):
     sinks = True
+    block_pages = 1  # the block-wise online softmax, one page per block
 
 
 SETTINGS = settings(
