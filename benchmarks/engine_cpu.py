@@ -75,7 +75,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--only",
+        default="prefill,decode,concurrent,ttft",
+        help="comma-separated subset of prefill,decode,concurrent,ttft (default: all)",
+    )
     args = ap.parse_args()
+    only = set(args.only.split(","))
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
@@ -102,7 +108,10 @@ def main() -> None:
         engine.flush_cache()
         return engine_run(engine, p512, 1)["wall"]
 
-    ours_pre, hf_pre = paired(ours_prefill, lambda: hf.generate_time(p512, 1), reps)
+    rows = []
+    if "prefill" in only:
+        ours_pre, hf_pre = paired(ours_prefill, lambda: hf.generate_time(p512, 1), reps)
+        rows.append(("prefill tokens/s, batch 1 (512-token prompt)", 512 / ours_pre, 512 / hf_pre, None))
 
     # --- decode at batch 1 ---------------------------------------------------------------------
     def ours_decode() -> float:
@@ -115,7 +124,9 @@ def main() -> None:
     def hf_decode() -> float:
         return n_dec / (hf.generate_time(short, n_dec + 1) - hf.generate_time(short, 1))
 
-    ours_dec, hf_dec = paired(ours_decode, hf_decode, reps)
+    if "decode" in only:
+        ours_dec, hf_dec = paired(ours_decode, hf_decode, reps)
+        rows.append(("decode tokens/s, batch 1", ours_dec, hf_dec, 1.0))
 
     # --- 8 concurrent requests -------------------------------------------------------------------
     prompts = [corpus_ids(tok, 24 + 8 * i, offset=4 + i) for i in range(8)]
@@ -138,7 +149,9 @@ def main() -> None:
         dt = time.perf_counter() - t
         return sum(r["meta_info"]["completion_tokens"] for r in results) / dt
 
-    ours_conc, hf_dec2 = paired(ours_concurrent, hf_decode, reps)
+    if "concurrent" in only:
+        ours_conc, hf_dec2 = paired(ours_concurrent, hf_decode, reps)
+        rows.append(("aggregate tokens/s, 8 concurrent (vs HF single stream)", ours_conc, hf_dec2, 4.0))
 
     # --- TTFT of a 1,000-token prompt, cold and cached -------------------------------------------
     def ours_ttft(cached: bool) -> float:
@@ -147,17 +160,13 @@ def main() -> None:
             engine_run(engine, p1000, 1)
         return engine_run(engine, p1000, 1)["wall"]
 
-    ttft_cold, hf_ttft = paired(lambda: ours_ttft(False), lambda: hf.generate_time(p1000, 1), reps)
-    ttft_cached, _ = paired(lambda: ours_ttft(True), lambda: 0.0, reps)
+    if "ttft" in only:
+        ttft_cold, hf_ttft = paired(lambda: ours_ttft(False), lambda: hf.generate_time(p1000, 1), reps)
+        ttft_cached, _ = paired(lambda: ours_ttft(True), lambda: 0.0, reps)
+        rows.append(("TTFT cold, 1,000-token prompt (s)", ttft_cold, hf_ttft, None))
+        rows.append(("TTFT cached, 1,000-token prompt (s)", ttft_cached, hf_ttft, None))
     engine.shutdown()
 
-    rows = [
-        ("prefill tokens/s, batch 1 (512-token prompt)", 512 / ours_pre, 512 / hf_pre, None),
-        ("decode tokens/s, batch 1", ours_dec, hf_dec, 1.0),
-        ("aggregate tokens/s, 8 concurrent (vs HF single stream)", ours_conc, hf_dec2, 4.0),
-        ("TTFT cold, 1,000-token prompt (s)", ttft_cold, hf_ttft, None),
-        ("TTFT cached, 1,000-token prompt (s)", ttft_cached, hf_ttft, None),
-    ]
     print(
         f"\nkvstrata.Engine vs transformers {_hf_version()} generate — default model, {args.dtype}, "
         f"kv_cache_dtype={args.kv_cache_dtype}, {threads} torch threads, median of {reps}\n"
@@ -168,8 +177,10 @@ def main() -> None:
         ratio = ours / ref
         goal_s = f">= {goal:.1f}x" if goal else ""
         print(f"| {name} | {ours:.3g} | {ref:.3g} | {ratio:.2f}x | {goal_s} |")
-    share = ttft_cached / ttft_cold
-    print(f"| TTFT cached / cold (kvstrata) | {ttft_cached:.3g} | {ttft_cold:.3g} | {share:.2f}x | <= 0.2x |")
+    if "ttft" in only:
+        share = ttft_cached / ttft_cold
+        cells = f"{ttft_cached:.3g} | {ttft_cold:.3g} | {share:.2f}x"
+        print(f"| TTFT cached / cold (kvstrata) | {cells} | <= 0.2x |")
 
 
 def _hf_version() -> str:

@@ -25,9 +25,6 @@ from kvstrata.engine.rope import rope_inv_freq
 
 AttnFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 
-# Up to this many rows, a float32 CPU linear runs as ``W @ x^T`` (see `Linear`).
-SMALL_BATCH_ROWS = 8
-
 
 class Linear(nn.Linear):
     """`nn.Linear` that computes a few float32 rows on CPU as ``(W @ x^T)^T``, one row padded to two.
@@ -38,12 +35,17 @@ class Linear(nn.Linear):
     SmolLM2-135M decode forward without attention drops from ~54 ms to ~37 ms per token at one row,
     and the 49,152 x 576 LM head from 9.9 ms to 5.8 ms (1 row) and 19.2 ms to 14.5 ms (8 rows).
     Results equal ``F.linear`` up to float32 summation order. Other devices, dtypes and larger
-    batches use ``F.linear``.
+    batches use ``F.linear``; so do more than ``small_rows`` rows (measured crossover: about 4 rows
+    for the layers' weights, beyond 8 for the wide LM head).
     """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, small_rows: int = 4) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.small_rows = small_rows
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.shape[0]
-        if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or rows > SMALL_BATCH_ROWS:
+        if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or rows > self.small_rows:
             return F.linear(x, self.weight, self.bias)
         cols = torch.cat((x, x)) if rows == 1 else x
         y = torch.mm(self.weight, cols.t())[:, :rows].t().contiguous()
@@ -57,6 +59,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one kernel, same result
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -73,22 +77,21 @@ class Attention(nn.Module):
         super().__init__()
         self.q_heads, self.kv_heads, self.head_dim = cfg.q_heads, cfg.kv_heads, cfg.head_dim
         q_dim, kv_dim = cfg.q_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-        self.splits = [q_dim, kv_dim, kv_dim]
+        self.splits = [q_dim + kv_dim, kv_dim]  # q and k side by side: RoPE runs on both at once
         self.wqkv = Linear(cfg.hidden_size, q_dim + 2 * kv_dim, bias=cfg.attention_bias)
         self.wo = Linear(q_dim, cfg.hidden_size, bias=cfg.attention_out_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer_idx: int, attn: AttnFn) -> Tensor:
-        T = x.shape[0]
-        q, k, v = self.wqkv(x).split(self.splits, dim=-1)
-        q = q.view(T, self.q_heads, self.head_dim)
-        k = k.view(T, self.kv_heads, self.head_dim)
+        T, hq = x.shape[0], self.q_heads
+        qk, v = self.wqkv(x).split(self.splits, dim=-1)
+        qk = qk.view(T, hq + self.kv_heads, self.head_dim)
         v = v.view(T, self.kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attn(layer_idx, q, k, v)
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, :hq]), self.k_norm(qk[:, hq:])), dim=1)
+        qk = apply_rope(qk, cos, sin)
+        out = attn(layer_idx, qk[:, :hq], qk[:, hq:], v)
         return self.wo(out.reshape(T, self.q_heads * self.head_dim))
 
 
@@ -123,7 +126,7 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, small_rows=8)
         inv_freq, self.rope_factor = rope_inv_freq(config)
         self.register_buffer("inv_freq", inv_freq.to(device="cpu"), persistent=False)
         self.tie_weights()
