@@ -144,15 +144,18 @@ def _attend_group(
             kb.reshape(B, n, hkv, d), vb.reshape(B, n, hkv, d), g.cold_bias[..., start * P : start * P + n]
         )
     if sink_k is not None and sink_v is not None:
-        state.update(sink_k.to(COMPUTE), sink_v.to(COMPUTE), g.sink_bias)
+        state.update(_concat([sink_k]), _concat([sink_v]), g.sink_bias)
     state.update(_concat(tails_k), _concat(tails_v), g.tail_bias(group))
     o = state.result().view(B, hkv, group, T, d).permute(0, 3, 1, 2, 4)
     return o.reshape(B * T, hq, d)
 
 
 def _concat(parts: list[torch.Tensor]) -> torch.Tensor:
-    """Key segments ``[B, S_i, Hkv, D]`` joined along S in the compute dtype."""
-    return torch.cat([p.to(COMPUTE) for p in parts], dim=1)
+    """Key segments ``[B, S_i, Hkv, D]`` joined along S in the compute dtype (``cat`` converts
+    BF16 ring rows as it copies them: no separate float32 copy)."""
+    if all(p.dtype != COMPUTE for p in parts):
+        parts = [parts[0].to(COMPUTE), *parts[1:]]
+    return torch.cat(parts, dim=1)
 
 
 def store(
