@@ -210,6 +210,11 @@ class StratifiedKVCache:
                 raise ValueError(f"begin_step: sequence {seq.seq_id} is not running")
             if seq.in_step:
                 raise ValueError(f"begin_step: sequence {seq.seq_id} is already in an open step")
+            if seq.ring_clobbered:
+                raise ValueError(
+                    f"begin_step: sequence {seq.seq_id} lost recent-window rows to a cancelled step; "
+                    "finish it and admit its tokens again"
+                )
             if n < 1 or seq.length + n > len(seq.token_ids):
                 raise ValueError(
                     f"begin_step: sequence {seq.seq_id} has {len(seq.token_ids)} token ids, "
@@ -294,9 +299,21 @@ class StratifiedKVCache:
         batch.closed = True
 
     def cancel_step(self, batch: StepBatch) -> None:
-        """Abandon a step (e.g. the forward pass failed): give back its pages, lengths unchanged."""
+        """Abandon a step (e.g. the forward pass failed): give back its pages, lengths unchanged.
+
+        Layers that already ran stored the new tokens in the ring. A chunk longer than the ring's
+        free rows overwrites rows of positions the sequence still reads: such a sequence is marked
+        ``ring_clobbered`` and `begin_step` refuses it from then on (finish it; a new admission
+        recomputes). A decode step never overwrites a live row."""
         if batch.closed:
             raise ValueError("cancel_step: the step has already ended")
+        R = self.ring.capacity
+        for seq, n, new_start in zip(batch.seqs, batch.n_new, batch.new_ring_start, strict=True):
+            # Rows of positions [first, last] were written; they alias [first - R, last - R].
+            first, last = max(seq.length, new_start), seq.length + n - 1
+            live = range(seq.ring_start, seq.length)
+            if batch.layers_done and first <= last and first - R < live.stop and last - R >= live.start:
+                seq.ring_clobbered = True
         for seq, pages in zip(batch.seqs, batch.new_pages, strict=True):
             if pages:
                 del seq.page_ids[-len(pages) :]

@@ -16,6 +16,8 @@ class Sequence:
     ``page_ids[i]`` holds positions ``[i * P, (i + 1) * P)``; the first ``tree_pages`` belong to
     the radix tree (locked through ``handle``), the rest are private to this sequence. The ring
     holds ``[ring_start, length)``; ``cached_tokens`` (the matched prefix) is the ring's origin.
+    ``ring_clobbered``: a cancelled step wrote ring rows that alias positions this sequence still
+    reads, so it cannot take another step (its full pages are intact: `finish` may still insert them).
     """
 
     seq_id: int
@@ -30,6 +32,7 @@ class Sequence:
     handle: TreeNode | None = None
     in_step: bool = False
     finished: bool = False
+    ring_clobbered: bool = False
 
     @property
     def private_pages(self) -> list[int]:

@@ -211,6 +211,28 @@ def test_cancel_step_gives_back_its_pages_and_reset_needs_no_running() -> None:
     cache.check_invariants()
 
 
+def test_cancel_after_a_layer_marks_only_sequences_whose_live_ring_rows_were_overwritten() -> None:
+    cache = small_cache(num_pages=32)  # ring of 8 + 4 = 12 rows per slot
+    long, short = cache.admit(list(range(60))), cache.admit(list(range(100, 160)))
+    run_step(cache, [long, short], [10, 10], DATA, SCALE)  # both rings hold positions [0, 10)
+    # long: a 20-token chunk keeps positions [20, 30) in the ring, whose rows are those of [8, 18):
+    # positions 8 and 9 are still live, so they are lost when the step is cancelled after a layer.
+    # short: one decode token writes the row of position 10, that of -2: nothing live.
+    batch = cache.begin_step([long, short], [20, 1])
+    parts = [DATA.span(None, s.token_ids, s.length, s.length + n) for s, n in ((long, 20), (short, 1))]
+    q, k, v = (torch.cat([p[i] for p in parts]) for i in range(3))
+    cache.attention(0, batch, q, k, v, SCALE)
+    cache.cancel_step(batch)
+    assert long.ring_clobbered and not short.ring_clobbered
+    with pytest.raises(ValueError, match="lost recent-window rows to a cancelled step"):
+        cache.begin_step([long], [1])
+    run_step(cache, [short], [1], DATA, SCALE)  # the untouched sequence goes on
+    cache.finish(long)  # its two full pages are intact and go to the tree
+    assert cache.match_prefix(list(range(60))).tokens == 8
+    cache.finish(short)
+    cache.check_invariants()
+
+
 def test_misuse_is_reported() -> None:
     cache = small_cache(num_pages=16)
     seq = cache.admit(list(range(10)))
