@@ -59,15 +59,15 @@ class GroupPlan:
 
     @cached_property
     def mask(self) -> torch.Tensor | None:
-        """[B, 1, T, S] for one pass over ``[cold | sinks | ring | new]``; None when every key is
-        seen by every query (one sequence, one new token)."""
+        """[B, 1, T, S] additive mask (0 or -inf) for one pass over ``[cold | sinks | ring | new]``;
+        None when every key is seen by every query (one sequence, one new token)."""
         B, T = self.batch, self.tokens
         if B == 1 and T == 1:
             return None
         hist = self._history_valid()
         causal = torch.ones((T, T), dtype=torch.bool, device=self.device).tril()
         mask = torch.cat([hist.view(B, 1, -1).expand(B, T, -1), causal.expand(B, T, T)], dim=2)
-        return mask.unsqueeze(1)
+        return _bias(mask).unsqueeze(1)  # additive: SDPA would convert a boolean mask in every layer
 
     @cached_property
     def cold_bias(self) -> torch.Tensor:
