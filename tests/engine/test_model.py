@@ -257,3 +257,21 @@ def test_dense_attn_for_rejects_wrong_lengths(tiny):
     net = load_model(path).net
     with pytest.raises(ValueError, match="got 10 tokens"):
         net(torch.arange(10), torch.arange(10), net.dense_attn_for([4, 5]))
+
+
+@pytest.mark.parametrize("in_features, bias", [(48, True), (1536, False)])
+def test_small_row_linear_equals_f_linear_for_every_row_count(in_features: int, bias: bool):
+    """`Linear` computes 1-8 rows as W @ x^T (one row padded to two): same values as F.linear."""
+    from kvstrata.engine.model import Linear
+
+    lin = Linear(in_features, 40, bias=bias)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for rows in range(1, 11):
+            x = torch.randn(rows, in_features, generator=g)
+            got = lin(x)
+            assert got.shape == (rows, 40) and got.is_contiguous()
+            ref = torch.nn.functional.linear(
+                x.double(), lin.weight.double(), None if lin.bias is None else lin.bias.double()
+            )
+            assert rel_err(got, ref.float()) < 1e-6
