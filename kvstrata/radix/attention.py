@@ -114,7 +114,11 @@ def _attend_group(
     if sinks is not None and g.sink_table is not None:
         sink_k = sinks.k[layer].index_select(0, g.sink_table)
         sink_v = sinks.v[layer].index_select(0, g.sink_table)
+    group = hq // hkv
+    # GQA as rows: the ``group`` query heads of a KV head become ``group * T`` query rows of that
+    # head, so each KV head's keys are read once (no expansion to hq heads).
     qs = _take(q, g.rows).to(COMPUTE)
+    qg = qs.view(B, T, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(B, hkv, group * T, d)
     n_pages = g.page_table.shape[1]
     if n_pages <= block_pages:
         parts_k, parts_v = [], []
@@ -127,16 +131,30 @@ def _attend_group(
             parts_v.append(sink_v)
         keys = _concat([*parts_k, *tails_k]).transpose(1, 2)
         values = _concat([*parts_v, *tails_v]).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            qs.view(B, T, hq, d).transpose(1, 2), keys, values, attn_mask=g.mask, scale=scale, enable_gqa=True
-        )
-        return out.transpose(1, 2).reshape(B * T, hq, d)
+        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=g.mask(group), scale=scale)
+    else:
+        o = _attend_blocks(layer, g, qg * scale, pool, block_pages, sink_k, sink_v, tails_k, tails_v, group)
+    o = o.view(B, hkv, group, T, d).permute(0, 3, 1, 2, 4)
+    return o.reshape(B * T, hq, d)
 
-    group = hq // hkv
-    qg = qs.view(B, T, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(B, hkv, group * T, d)
-    state = OnlineSoftmax(qg * scale)
+
+def _attend_blocks(
+    layer: int,
+    g: GroupPlan,
+    qg: torch.Tensor,
+    pool: ColdPool,
+    block_pages: int,
+    sink_k: torch.Tensor | None,
+    sink_v: torch.Tensor | None,
+    tails_k: list[torch.Tensor],
+    tails_v: list[torch.Tensor],
+    group: int,
+) -> torch.Tensor:
+    """Online softmax over blocks of cold pages, the sink page, then ring + new: ``[B, Hkv, rows, D]``."""
+    B, hkv, _, d = qg.shape
+    state = OnlineSoftmax(qg)
     P = pool.page_size
-    for start in range(0, n_pages, block_pages):
+    for start in range(0, g.page_table.shape[1], block_pages):
         table = g.page_table[:, start : start + block_pages]
         kb, vb = pool.read(layer, table, COMPUTE)
         n = table.shape[1] * P
@@ -146,8 +164,7 @@ def _attend_group(
     if sink_k is not None and sink_v is not None:
         state.update(_concat([sink_k]), _concat([sink_v]), g.sink_bias)
     state.update(_concat(tails_k), _concat(tails_v), g.tail_bias(group))
-    o = state.result().view(B, hkv, group, T, d).permute(0, 3, 1, 2, 4)
-    return o.reshape(B * T, hq, d)
+    return state.result()
 
 
 def _concat(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -38,6 +38,7 @@ class GroupPlan:
     ring_len: list[int]
     page_size: int
     _tail_bias: dict[int, torch.Tensor] = field(default_factory=dict)
+    _masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def device(self) -> torch.device:
@@ -57,17 +58,22 @@ class GroupPlan:
         parts.append(self._valid(self.ring_len, self.ring_rows.shape[1]))
         return torch.cat(parts, dim=1)
 
-    @cached_property
-    def mask(self) -> torch.Tensor | None:
-        """[B, 1, T, S] additive mask (0 or -inf) for one pass over ``[cold | sinks | ring | new]``;
-        None when every key is seen by every query (one sequence, one new token)."""
+    def mask(self, group: int) -> torch.Tensor | None:
+        """[B, 1, group*T, S] additive mask (0 or -inf) for one pass over ``[cold | sinks | ring |
+        new]``, rows ordered (query head in group, token); None when every query sees every key
+        (one sequence, one new token)."""
         B, T = self.batch, self.tokens
         if B == 1 and T == 1:
             return None
-        hist = self._history_valid()
-        causal = torch.ones((T, T), dtype=torch.bool, device=self.device).tril()
-        mask = torch.cat([hist.view(B, 1, -1).expand(B, T, -1), causal.expand(B, T, T)], dim=2)
-        return _bias(mask).unsqueeze(1)  # additive: SDPA would convert a boolean mask in every layer
+        mask = self._masks.get(group)
+        if mask is None:
+            hist = self._history_valid()
+            causal = torch.ones((T, T), dtype=torch.bool, device=self.device).tril()
+            seen = torch.cat([hist.view(B, 1, -1).expand(B, T, -1), causal.expand(B, T, T)], dim=2)
+            # Additive: SDPA would convert a boolean mask again in every layer.
+            mask = _bias(seen).unsqueeze(1).repeat(1, 1, group, 1)
+            self._masks[group] = mask
+        return mask
 
     @cached_property
     def cold_bias(self) -> torch.Tensor:
