@@ -1,12 +1,13 @@
 """Reference attention over the strata: cold pages (dequantized), sinks, ring and the new tokens.
 
-Sequences of a group (equal numbers of new tokens) are attended as one padded batch. When a group's
-cold history fits in ``block_pages`` pages, its keys are gathered once as ``[cold | sinks | ring |
-new]`` and attended in a single ``scaled_dot_product_attention`` call with one boolean mask (GQA
-handled by the kernel). Longer histories take the block-wise path: an online softmax whose running
-max ``m``, denominator ``l`` and numerator ``acc`` are rescaled as each block of at most
-``block_pages`` pages arrives, so the history is never dequantized as a whole. There queries are
-laid out ``[B, kv_heads, group * T, D]`` (the ``group`` query heads of a KV head share its keys).
+Sequences of a group (equal numbers of new tokens) are attended as one padded batch, with queries
+laid out ``[B, kv_heads, group * T, D]``: the ``group`` query heads of a KV head become query rows of
+that head, so each KV head's keys are read once. When a group's cold history fits in
+``block_pages`` pages, its keys are gathered once as ``[cold | sinks | ring | new]`` and attended in
+a single ``scaled_dot_product_attention`` call with an additive mask built once per step. Longer
+histories take the block-wise path: an online softmax whose running max ``m``, denominator ``l`` and
+numerator ``acc`` are rescaled as each block of at most ``block_pages`` pages arrives, so the history
+is never dequantized as a whole.
 
 Padded slots read zero rows kept for that purpose (see `GroupPlan`), so masked keys and values are
 finite: one sequence's NaN/Inf never reaches another sequence of its batch.

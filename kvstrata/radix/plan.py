@@ -25,9 +25,8 @@ class GroupPlan:
     null page, the sink store's null slot, the ring's null row), so a padded slot is always a finite
     zero and never another sequence's data; the masks below exclude it anyway."""
 
-    rows: (
-        torch.Tensor | None
-    )  # [B*T] rows of this group's tokens in q/k/v, sequence-major; None: all, in order
+    # [B*T] rows of this group's tokens in q/k/v, sequence-major; None: every token, in order
+    rows: torch.Tensor | None
     batch: int
     tokens: int
     page_table: torch.Tensor  # [B, Np] cold pages read from the pool, padded with the null page
@@ -67,13 +66,18 @@ class GroupPlan:
             return None
         mask = self._masks.get(group)
         if mask is None:
-            hist = self._history_valid()
-            causal = torch.ones((T, T), dtype=torch.bool, device=self.device).tril()
-            seen = torch.cat([hist.view(B, 1, -1).expand(B, T, -1), causal.expand(B, T, T)], dim=2)
             # Additive: SDPA would convert a boolean mask again in every layer.
-            mask = _bias(seen).unsqueeze(1).repeat(1, 1, group, 1)
+            mask = self._rows_bias(self._history_valid(), group)
             self._masks[group] = mask
         return mask
+
+    def _rows_bias(self, history: torch.Tensor, group: int) -> torch.Tensor:
+        """[B, 1, group*T, H+T] bias: each query sees the valid ``history`` keys [B, H] and the new
+        tokens up to itself; rows ordered (query head in group, token)."""
+        B, T = self.batch, self.tokens
+        causal = torch.ones((T, T), dtype=torch.bool, device=self.device).tril()
+        seen = torch.cat([history.view(B, 1, -1).expand(B, T, -1), causal.expand(B, T, T)], dim=2)
+        return _bias(seen).unsqueeze(1).repeat(1, 1, group, 1)
 
     @cached_property
     def cold_bias(self) -> torch.Tensor:
@@ -93,11 +97,7 @@ class GroupPlan:
         group, token) (block-wise pass)."""
         bias = self._tail_bias.get(group)
         if bias is None:
-            B, T = self.batch, self.tokens
-            ring_ok = self._valid(self.ring_len, self.ring_rows.shape[1])
-            causal = torch.ones((T, T), dtype=torch.bool, device=self.device).tril()
-            tail = torch.cat([ring_ok.view(B, 1, -1).expand(B, T, -1), causal.expand(B, T, T)], dim=2)
-            bias = _bias(tail).unsqueeze(1).repeat(1, 1, group, 1)
+            bias = self._rows_bias(self._valid(self.ring_len, self.ring_rows.shape[1]), group)
             self._tail_bias[group] = bias
         return bias
 
