@@ -15,6 +15,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from kvstrata.engine.malloc import tune_malloc
 from kvstrata.radix import CacheConfig, StratifiedKVCache
 
 LAYERS, HQ, HKV, D = 30, 9, 3, 64
@@ -91,10 +92,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    malloc = tune_malloc()  # as the engine does on CPU: without it temporaries page-fault every step
     base = min(sdpa_step(args.batch, args.history, args.new) for _ in range(args.repeats))
     print(
         f"torch {torch.__version__}, threads {torch.get_num_threads()}; batch {args.batch} x history "
-        f"{args.history} + {args.new} new, {LAYERS} layers, {HQ}/{HKV} heads x {D}"
+        f"{args.history} + {args.new} new, {LAYERS} layers, {HQ}/{HKV} heads x {D}; malloc tuning {malloc}"
     )
     print(f"{'baseline sdpa (dense fp32)':28s} {base:8.1f} ms/step")
     for codec in args.codecs.split(","):

@@ -39,6 +39,10 @@ class EngineCore:
         self.args = args
         self.model = model
         self.device, self.dtype = model.net.device, model.net.dtype
+        if self.device.type == "cpu":
+            from kvstrata.engine.malloc import tune_malloc
+
+            tune_malloc()  # attention temporaries would page-fault on every step (see malloc.py)
         cfg = model.config
         self.max_context = cfg.max_position_embeddings
         codecs = args.resolve_layer_codecs(cfg.num_layers, self.dtype)
