@@ -35,6 +35,7 @@ Sink = Callable[[dict[str, Any]], None]
 class EngineCore:
     def __init__(self, args: EngineArgs, model: LoadedModel, attention_backend: str = "torch") -> None:
         from kvstrata.radix import CacheConfig, OutOfPages, OutOfSlots, StratifiedKVCache
+        from kvstrata.radix.pool import cold_page_bytes
 
         self.args = args
         self.model = model
@@ -64,7 +65,9 @@ class EngineCore:
             max_recent_window=max_window,
             layer_codecs=codecs,
             ring_dtype=args.resolve_ring_dtype(self.dtype),
-            num_pages=pool_pages(args, self.device, _page_bytes(codecs, cfg, args.page_size)),
+            num_pages=pool_pages(
+                args, self.device, cold_page_bytes(codecs, args.page_size, cfg.kv_heads, cfg.head_dim)
+            ),
             max_running=args.max_running_requests,
             sinks=args.resolve_sinks(codecs),
             rotation=args.rotation,
@@ -294,14 +297,3 @@ class EngineCore:
 def _deliver(sink: Sink, chunk: dict[str, Any]) -> None:
     with contextlib.suppress(RuntimeError):  # the consumer's event loop is closed: nobody listens
         sink(chunk)
-
-
-def _page_bytes(codecs: list[str], cfg: Any, page_size: int) -> int:
-    from kvstrata.quant import get_codec
-
-    total = 0
-    for name in codecs:
-        codec = get_codec(name)
-        total += codec.page_bytes(page_size, cfg.kv_heads, cfg.head_dim, "channel")
-        total += codec.page_bytes(page_size, cfg.kv_heads, cfg.head_dim, "token")
-    return total

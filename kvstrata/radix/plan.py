@@ -167,12 +167,14 @@ def build_step(
     by_size: dict[int, list[int]] = {}
     for i, n in enumerate(n_new):
         by_size.setdefault(n, []).append(i)
+    # One group holds every token, in order: it needs no row gather (rows None).
+    every_token = len(by_size) == 1
     groups = [
-        _plan_group([seqs[i] for i in idx], [offsets[i] for i in idx], n, P, R, sink_of, nulls, device)
+        _plan_group(
+            [seqs[i] for i in idx], [offsets[i] for i in idx], n, P, R, sink_of, nulls, every_token, device
+        )
         for n, idx in by_size.items()
     ]
-    if len(groups) == 1:
-        groups[0].rows = None  # one group holds every token, in order: no row gather needed
 
     write, new_starts = _plan_writes(seqs, n_new, offsets, P, R, window, sink_of, device)
     return StepBatch(list(seqs), list(n_new), total, groups, write, new_starts, new_pages)
@@ -248,10 +250,11 @@ def _plan_group(
     R: int,
     sink_of: dict[int, int] | None,
     nulls: NullRows,
+    every_token: bool,
     device: torch.device,
 ) -> GroupPlan:
     B = len(seqs)
-    rows = torch.cat([torch.arange(o, o + n) for o in offsets]).to(device)
+    rows = None if every_token else torch.cat([torch.arange(o, o + n) for o in offsets]).to(device)
     cold: list[list[int]] = []
     sinks: list[int | None] = []
     for seq in seqs:
