@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, str] = {
     "eval": "kvstrata.eval.cli",
     "calibrate": "kvstrata.engine.calibrate",
     "capacity": "kvstrata.radix.capacity",
+    "bench": "kvstrata.bench.cli",
 }
 
 
