@@ -40,7 +40,9 @@ class Engine:
         args.validate()
         if preloaded is None:
             device = args.resolve_device()
-            preloaded = load_model(model, dtype=args.resolve_dtype(device), device=device)
+            preloaded = load_model(
+                model, dtype=args.resolve_dtype(device), device=device, load_format=args.load_format
+            )
         self.model = preloaded
         self.config = self.model.config
         self.tokenizer = self.model.tokenizer

@@ -8,6 +8,10 @@ directory, so later starts read safetensors and skip the GGUF parse and dequanti
 
 ``<hash>`` covers the GGUF's resolved path, size and mtime and the converter version; delete the
 directory (or all of ``models/``) to clear it.
+
+``load_format="dummy"`` (SGLang's name) reads only ``config.json`` (and tokenizer files when present)
+and draws random weights on the device, so a model of any supported geometry (Llama-3-8B for
+benchmarks) runs with nothing downloaded.
 """
 
 from __future__ import annotations
@@ -30,6 +34,10 @@ from kvstrata.engine.model import Transformer
 log = logging.getLogger(__name__)
 CONVERTER_VERSION = 1
 SOURCE_FILE = "kvstrata-source.json"
+LOAD_FORMATS = ("auto", "dummy")
+# transformers' default initializer_range: random Llama weights with this spread give finite, varied
+# logits through 32 layers in bfloat16.
+DUMMY_INIT_STD = 0.02
 
 
 @dataclasses.dataclass
@@ -57,9 +65,14 @@ def load_model(
     path: str | Path | None = None,
     dtype: torch.dtype | str = torch.float32,
     device: str | torch.device = "cpu",
+    load_format: str = "auto",
 ) -> LoadedModel:
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load_format {load_format!r}; use {' or '.join(LOAD_FORMATS)}")
+    if load_format == "dummy":
+        return load_dummy(path, dtype, device)
     if path is None:
         from kvstrata import resources
 
@@ -78,6 +91,44 @@ def load_model(
     config = read_config(model_dir)
     net = build_model(config, read_safetensors(model_dir), dtype, device)
     return LoadedModel(net=net, config=config, tokenizer=load_tokenizer(model_dir), name=name, path=source)
+
+
+def load_dummy(
+    path: str | Path | None, dtype: torch.dtype, device: torch.device, seed: int = 0
+) -> LoadedModel:
+    """The model of ``path``'s config.json (a directory or the file itself) with random weights."""
+    if path is None:
+        raise ValueError("load_format='dummy' needs a model path: a directory with a config.json")
+    source = Path(path).expanduser()
+    model_dir = source.parent if source.is_file() and source.name == "config.json" else source
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"load_format='dummy': no config.json in {model_dir}")
+    config = read_config(model_dir)
+    net = dummy_model(config, dtype, device, seed)
+    tokenizer = load_tokenizer(model_dir)
+    return LoadedModel(net=net, config=config, tokenizer=tokenizer, name=model_dir.name, path=model_dir)
+
+
+def dummy_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> Transformer:
+    """A ready Transformer with random weights allocated once, directly in ``dtype`` on ``device``:
+    matrices and embeddings N(0, DUMMY_INIT_STD), norm weights 1, biases 0; the same seed, device
+    and dtype give the same weights."""
+    with torch.device("meta"):
+        net = Transformer(config)
+    inv_freq = net.inv_freq  # computed on the CPU in float32 even under the meta device
+    net = net.to(dtype).to_empty(device=device)
+    net.tie_weights()  # to_empty gives each use of a tied tensor its own storage
+    net.inv_freq = inv_freq.to(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in net.named_parameters():  # a tied tensor is listed once
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, DUMMY_INIT_STD, generator=gen)
+    return net.eval().requires_grad_(False)
 
 
 # ---------------------------------------------------------------------------------------- GGUF cache

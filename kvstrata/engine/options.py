@@ -49,6 +49,7 @@ class EngineArgs:
     drift_ewma_alpha: float = 0.3
     drift_cooldown: int = 4  # consecutive low samples before stepping down
     seed: int | None = None  # seeds the unseeded sampling rows (torch default generator)
+    load_format: str = "auto"  # "dummy": random weights from the model directory's config.json alone
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -96,6 +97,8 @@ class EngineArgs:
             raise ValueError(f"drift_metric must be 'ppl' or 'kl', got {self.drift_metric!r}")
         if self.drift_max_level < 0:
             raise ValueError(f"drift_max_level must be >= 0, got {self.drift_max_level}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
 
     # --- resolution ---------------------------------------------------------------------------
     def resolve_device(self) -> torch.device:

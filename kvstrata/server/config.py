@@ -69,6 +69,13 @@ def _log_level(text: str) -> str:
     return value
 
 
+def _load_format(text: str) -> str:
+    value = text.strip().lower()
+    if value not in ("auto", "dummy"):
+        raise argparse.ArgumentTypeError(f"auto or dummy: {text!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class Flag:
     name: str  # the attribute name; flag is --name-with-dashes, env is KVSTRATA_NAME
@@ -107,7 +114,13 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag("page_size", _positive_int, None, "tokens per KV page", True),
     Flag("max_total_tokens", _positive_int, None, "KV capacity in tokens (cold pool size)", True),
-    Flag("mem_fraction_static", _fraction, None, "share of free memory for the KV pool", True),
+    Flag(
+        "mem_fraction_static",
+        _fraction,
+        None,
+        "CUDA: share of total GPU memory for weights + KV pools (SGLang's meaning)",
+        True,
+    ),
     Flag("max_running_requests", _positive_int, None, "cap on concurrently running requests", True),
     Flag("kv_scales", str, None, "static KV scales file from `kvstrata calibrate`", True),
     Flag("host", str, DEFAULT_HOST, "address to bind"),
@@ -125,6 +138,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag("context_length", _positive_int, None, "cap on prompt + output tokens (default: the model's)"),
     Flag("max_request_bytes", _positive_int, DEFAULT_MAX_REQUEST_BYTES, "largest accepted request body"),
     Flag("protect_metrics", _bool, False, "require the API key on /metrics too"),
+    Flag(
+        "load_format",
+        _load_format,
+        None,
+        "auto (read the weights) or dummy (random weights from the model directory's config.json)",
+        True,
+    ),
 )
 
 
@@ -149,6 +169,7 @@ class ServerConfig:
     context_length: int | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     protect_metrics: bool = False
+    load_format: str | None = None
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``kvstrata.Engine``: only the options that were set."""
