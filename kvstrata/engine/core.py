@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
@@ -22,7 +23,8 @@ import torch
 from kvstrata.engine.attention import get_backend
 from kvstrata.engine.drift import DriftJob, DriftMonitor, fallback_window
 from kvstrata.engine.loader import LoadedModel
-from kvstrata.engine.options import EngineArgs, pool_pages
+from kvstrata.engine.memory import plan_memory, weight_bytes
+from kvstrata.engine.options import EngineArgs
 from kvstrata.engine.request import Request, Status
 from kvstrata.engine.runner import StepRunner
 from kvstrata.engine.scheduler import Scheduler
@@ -35,7 +37,6 @@ Sink = Callable[[dict[str, Any]], None]
 class EngineCore:
     def __init__(self, args: EngineArgs, model: LoadedModel, attention_backend: str = "torch") -> None:
         from kvstrata.radix import CacheConfig, OutOfPages, OutOfSlots, StratifiedKVCache
-        from kvstrata.radix.pool import cold_page_bytes
 
         self.args = args
         self.model = model
@@ -65,15 +66,18 @@ class EngineCore:
             max_recent_window=max_window,
             layer_codecs=codecs,
             ring_dtype=args.resolve_ring_dtype(self.dtype),
-            num_pages=pool_pages(
-                args, self.device, cold_page_bytes(codecs, args.page_size, cfg.kv_heads, cfg.head_dim)
-            ),
+            num_pages=0,  # set by the memory plan below
             max_running=args.max_running_requests,
             sinks=args.resolve_sinks(codecs),
             rotation=args.rotation,
             scales=scales,
             device=self.device,
         )
+        self.memory_plan = plan_memory(
+            args, cfg, self.cache_config, weight_bytes(model.net), self.dtype, self.device
+        )
+        self.cache_config = dataclasses.replace(self.cache_config, num_pages=self.memory_plan.cold_pages)
+        log.info("%s", self.memory_plan.table())
         self.cache = StratifiedKVCache(self.cache_config)
         backend = get_backend(attention_backend, self.cache, cfg.attn_scale)
         self.runner = StepRunner(model.net, self.cache, backend, self.device)

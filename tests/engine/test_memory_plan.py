@@ -1,0 +1,149 @@
+"""The memory plan: the CUDA arithmetic with a fake device-memory reading (no GPU needed), byte counts
+equal to what the cache allocates, and CPU sizing unchanged."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kvstrata.engine.config import ModelConfig
+from kvstrata.engine.memory import (
+    DEFAULT_CUDA_MEM_FRACTION_STATIC,
+    DeviceMemory,
+    plan_memory,
+    ring_bytes,
+    sink_bytes,
+    step_workspace_bytes,
+    weight_bytes,
+)
+from kvstrata.engine.model import Transformer
+from kvstrata.engine.options import EngineArgs
+from kvstrata.radix import CacheConfig, StratifiedKVCache
+
+GIB = 1 << 30
+CUDA = torch.device("cuda")
+CPU = torch.device("cpu")
+LLAMA3_8B = ModelConfig(
+    architecture="LlamaForCausalLM", num_layers=32, hidden_size=4096, intermediate_size=14336,
+    q_heads=32, kv_heads=8, head_dim=128, vocab_size=128256,
+)  # fmt: skip
+
+
+def _cache(model: ModelConfig, codec: str = "fp8_e4m3", **kw: object) -> CacheConfig:
+    base = dict(
+        num_layers=model.num_layers,
+        kv_heads=model.kv_heads,
+        head_dim=model.head_dim,
+        page_size=16,
+        recent_window=128,
+        layer_codecs=[codec] * model.num_layers,
+        num_pages=0,
+        max_running=256,
+        sinks=True,
+    )
+    return CacheConfig(**{**base, **kw})
+
+
+def test_cuda_plan_for_llama3_8b_on_an_h200_by_hand() -> None:
+    weights = 8_030_261_248 * 2  # bfloat16
+    total = 140 * GIB
+    reading = DeviceMemory(total=total, free=total - weights - 512 * 2**20)  # 512 MiB CUDA context
+    args = EngineArgs(mem_fraction_static=0.85, max_running_requests=256, chunked_prefill_size=512)
+    plan = plan_memory(args, LLAMA3_8B, _cache(LLAMA3_8B), weights, torch.bfloat16, CUDA, reading)
+
+    per_token_row = 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 heads x 128, bfloat16: 131,072 B
+    assert plan.ring_bytes == (256 * (128 + 16) + 1) * per_token_row == 4_831_969_280
+    assert plan.sink_bytes == (512 + 1) * 16 * per_token_row == 1_075_838_976  # 2 x 256 sink pages
+    page = 67_840 * 16  # fp8_e4m3 cold bytes per token of this geometry (README, Capacity table)
+    assert plan.cold_page_bytes == page
+    tokens = 512 + 256
+    hidden = tokens * (3 * 4096 + 48 * 128 + 3 * 14336) * 2
+    logits = 256 * 128256 * 4 * 5
+    keys = 64 * 16 + 16 + 144 + 512
+    assert plan.workspace_bytes == hidden + logits + 2 * 32 * 512 * keys * 4 + 2 * keys * 8 * 128 * 2
+    reserved = int(total * 0.15)
+    assert plan.reserved_bytes == reserved
+    left = reading.free - reserved - plan.ring_bytes - plan.sink_bytes - plan.workspace_bytes
+    assert plan.cold_pages == left // page - 1
+    # 133,726,461,952 free - 22,548,578,304 reserved - 4,831,969,280 ring - 1,075,838,976 sinks
+    # - 980,287,488 workspace = 104,289,787,904 B = 96,080.2 pages, less the null page
+    assert plan.cold_pages == 96_079 and plan.cold_tokens == 1_537_264
+    # the whole static part stays within the fraction of the device
+    static = weights + plan.cold_bytes + plan.ring_bytes + plan.sink_bytes + plan.workspace_bytes
+    assert static <= 0.85 * total < static + page + 512 * 2**20 + 1
+    table = plan.table()
+    for row in ("weights", "cold pool", "1,537,264 tokens", "ring", "sinks", "workspace", "reserved"):
+        assert row in table
+
+
+def _on_cuda(args: EngineArgs, cache: CacheConfig, free_gib: int, graph_bytes: int = 0):
+    reading = DeviceMemory(140 * GIB, free_gib * GIB)
+    return plan_memory(args, LLAMA3_8B, cache, 16 * GIB, torch.bfloat16, CUDA, reading, graph_bytes)
+
+
+def test_cuda_default_fraction_and_other_processes_memory() -> None:
+    cache = _cache(LLAMA3_8B, "fp4_e2m1", max_running=64)
+    alone = _on_cuda(EngineArgs(), cache, 123)
+    assert alone.mem_fraction_static == DEFAULT_CUDA_MEM_FRACTION_STATIC
+    page = alone.cold_page_bytes
+    # 10 GiB held by another process come out of the pool, to the page; so does graph memory
+    shared = _on_cuda(EngineArgs(), cache, 113)
+    assert (alone.cold_pages - shared.cold_pages) * page == pytest.approx(10 * GIB, abs=page)
+    graphs = _on_cuda(EngineArgs(), cache, 123, graph_bytes=GIB)
+    assert (alone.cold_pages - graphs.cold_pages) * page == pytest.approx(GIB, abs=page)
+
+
+def test_max_total_tokens_wins_and_a_full_device_is_refused() -> None:
+    cache = _cache(LLAMA3_8B)
+    exact = _on_cuda(EngineArgs(max_total_tokens=1000), cache, 123)
+    assert exact.cold_pages == 63 and exact.source == "max_total_tokens"  # ceil(1000 / 16)
+    with pytest.raises(ValueError, match="raise --mem-fraction-static"):
+        _on_cuda(EngineArgs(mem_fraction_static=0.1), cache, 123)  # 14 GiB < 16 GiB weights
+
+
+def test_cpu_sizing_is_unchanged() -> None:
+    model = ModelConfig("LlamaForCausalLM", 2, 64, 96, 4, 2, 16, 300)
+    cache = _cache(model, max_running=4)
+    plan = plan_memory(EngineArgs(), model, cache, 10, torch.float32, CPU)
+    assert plan.cold_pages == 16384 // 16 and plan.source == "cpu default" and plan.total_bytes is None
+    plan = plan_memory(EngineArgs(max_total_tokens=100), model, cache, 10, torch.float32, CPU)
+    assert plan.cold_pages == 7
+
+
+@pytest.mark.parametrize("codec,sinks", [("int4", True), ("fp8_e4m3", False), ("bf16", True)])
+def test_planned_bytes_are_what_the_cache_allocates(codec: str, sinks: bool) -> None:
+    model = ModelConfig("LlamaForCausalLM", 3, 64, 96, 4, 2, 16, 300)
+    cfg = _cache(model, codec, max_running=5, recent_window=32, sinks=sinks, max_recent_window=64)
+    plan = plan_memory(EngineArgs(max_total_tokens=480), model, cfg, 0, torch.float32, CPU)
+    cache = StratifiedKVCache(CacheConfig(**{**cfg.__dict__, "num_pages": plan.cold_pages}))
+    assert plan.ring_bytes == ring_bytes(cfg) == cache.ring.k.nbytes + cache.ring.v.nbytes
+    pool = sum(t.nbytes for bufs in (*cache.pool.k, *cache.pool.v) for t in bufs.values())
+    assert plan.cold_bytes == pool
+    got_sinks = cache.sinks.k.nbytes + cache.sinks.v.nbytes if cache.sinks is not None else 0
+    assert plan.sink_bytes == sink_bytes(cfg) == got_sinks
+
+
+def test_weight_bytes_count_tied_storage_once() -> None:
+    tied = ModelConfig("LlamaForCausalLM", 2, 64, 96, 4, 2, 16, 300, tie_word_embeddings=True)
+    untied = ModelConfig("LlamaForCausalLM", 2, 64, 96, 4, 2, 16, 300)
+    a, b = Transformer(tied), Transformer(untied)
+    params = sum(p.numel() for p in b.parameters())
+    assert weight_bytes(b) == params * 4 + b.inv_freq.nbytes
+    assert weight_bytes(a) == (params - 300 * 64) * 4 + a.inv_freq.nbytes
+    assert step_workspace_bytes(untied, _cache(untied, max_running=2), 8, torch.float32) > 0
+
+
+def test_engine_logs_the_plan_and_sizes_its_pool_from_it(default_model, caplog) -> None:
+    from kvstrata import Engine
+
+    with caplog.at_level(logging.INFO, logger="kvstrata.engine"):
+        engine = Engine(model=default_model, max_total_tokens=2000, max_running_requests=2)
+    try:
+        plan = engine.core.memory_plan
+        assert plan.cold_pages == 125 and engine.cache_config.num_pages == 125
+        assert engine.capacity_tokens == 2000 and plan.weight_bytes == weight_bytes(default_model.net)
+        assert "memory plan on cpu" in caplog.text and "2,000 tokens (125 pages)" in caplog.text
+    finally:
+        engine.shutdown()
