@@ -131,12 +131,13 @@ class MemoryPlan:
         def gib(n: int) -> str:
             return f"{n / GIB:.3f} GiB"
 
+        held = ", held back" if self.source == "mem_fraction_static" else ""
         rows = [
             ("weights", gib(self.weight_bytes), f"{self.weight_bytes:,} B"),
             ("cold pool", gib(self.cold_bytes), f"{self.cold_tokens:,} tokens ({self.cold_pages:,} pages)"),
             ("ring", gib(self.ring_bytes), f"{self.ring_bytes:,} B"),
             ("sinks", gib(self.sink_bytes), f"{self.sink_bytes:,} B"),
-            ("workspace", gib(self.workspace_bytes), "estimate, held back"),
+            ("workspace", gib(self.workspace_bytes), "estimate" + held),
             ("cuda graphs", gib(self.cuda_graph_bytes), "not captured" if not self.cuda_graph_bytes else ""),
         ]
         if self.total_bytes is not None and self.reserved_bytes is not None:
