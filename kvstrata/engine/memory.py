@@ -42,6 +42,9 @@ class DeviceMemory:
 
 
 def read_device_memory(device: torch.device) -> DeviceMemory:
+    """The driver's reading, after handing cached blocks back (loading leaves conversion copies
+    in torch's cache, which the driver counts as used)."""
+    torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     return DeviceMemory(total=int(total), free=int(free))
 

@@ -121,3 +121,18 @@ def test_failures_are_reported_not_raised() -> None:
 
     res = _run(garbage, VOCAB)
     assert not res.success and res.error.startswith("JSONDecodeError")
+
+
+def test_cli_reports_an_unreachable_server_and_bad_flags_in_one_line(capsys) -> None:
+    import socket
+
+    from kvstrata.cli import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once the socket is closed
+    assert main(["bench", "--base-url", f"http://127.0.0.1:{port}", "--disable-tqdm"]) == 1
+    assert "kvstrata bench: ConnectError" in capsys.readouterr().err
+    tokenizer = ["--model", "m", "--tokenizer", "/no/such/dir"]
+    assert main(["bench", *tokenizer, "--base-url", f"http://127.0.0.1:{port}"]) == 1
+    assert "--tokenizer /no/such/dir: no such file or directory" in capsys.readouterr().err
