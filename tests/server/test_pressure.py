@@ -128,13 +128,16 @@ def test_a_sequence_the_pool_cannot_hold_says_so(server: LiveServer, engine: Any
 STREAMS = 48
 PROMPT_TOKENS = 600
 NEW_TOKENS = 64
+# Every prompt starts with the same 512-token system prompt (as chat traffic does) and ends with 88
+# tokens of its own: once the first request has finished, the others read 32 pages from the tree.
+SYSTEM = token_prompt(7, 512)
 
 
 async def one_stream(client: httpx.AsyncClient, i: int, disconnect: bool) -> str:
     """'done' after a finish_reason, 'left' when this client hung up on purpose, else the problem."""
     body = {
         "model": MODEL,
-        "prompt": token_prompt(100 + i, PROMPT_TOKENS),
+        "prompt": SYSTEM + token_prompt(100 + i, PROMPT_TOKENS - len(SYSTEM)),
         "max_tokens": NEW_TOKENS,
         "temperature": 0.8,
         "seed": i,
