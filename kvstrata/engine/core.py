@@ -1,8 +1,9 @@
 """The engine thread: it owns the cache, the scheduler and the model runner, and runs the steps.
 
 Everything reaches it through an inbox (`post`, or `call` for a result): requests to add, aborts,
-commands (cache stats, flush, invariants), shutdown. Between steps it drains the inbox, applies a
-pending fallback window, and runs one step; a failed step ends the requests in it, never the thread.
+commands (cache stats, flush, invariants), shutdown. Between steps it drains the inbox, applies the
+drift monitor's current fallback window, and runs one step; a fault in a step ends the requests in
+it with an error (their pages and slots come back), never the thread.
 Results leave through per-request sinks; statistics through the `StatsCollector`.
 """
 
@@ -27,11 +28,12 @@ from kvstrata.engine.memory import plan_memory, weight_bytes
 from kvstrata.engine.options import EngineArgs
 from kvstrata.engine.request import Request, Status
 from kvstrata.engine.runner import StepRunner
-from kvstrata.engine.scheduler import Scheduler
+from kvstrata.engine.scheduler import Scheduler, StepPlan
 from kvstrata.engine.stats import RequestFinished, StatsCollector
 
 log = logging.getLogger("kvstrata.engine")
-Sink = Callable[[dict[str, Any]], None]
+ResultCallback = Callable[[dict[str, Any]], None]  # receives a request's chunks and final result
+NONFINITE_LOGITS = "the model produced non-finite logits (NaN or Inf) for this request"
 
 
 class EngineCore:
@@ -91,7 +93,6 @@ class EngineCore:
         )
         self.stats = StatsCollector()
         self.drift: DriftMonitor | None = None
-        self._pending_window: int | None = None
         if drift_on:
             self.drift = DriftMonitor(
                 model.net.dense_forward,
@@ -150,8 +151,8 @@ class EngineCore:
                 try:
                     self._iterate()
                 except Exception as exc:  # a failed step ends the requests in it, never the engine
-                    log.exception("engine step failed")
-                    self._fail_running(exc)
+                    log.exception("engine iteration failed")
+                    self._fail(list(self.scheduler.running), exc)
             self._abort_all("engine shut down")
 
     def _iterate(self) -> None:
@@ -159,9 +160,11 @@ class EngineCore:
         self.stats.queue_sizes(len(self.scheduler.running), len(self.scheduler.waiting))
         if self.stopping:
             return
-        if self._pending_window is not None:
-            window, self._pending_window = self._pending_window, None
-            self.cache.set_recent_window(window)
+        if self.drift is not None:
+            # Pulled from the monitor, not handed over: a level change can never be lost between threads.
+            window = self.drift.window()
+            if window != self.cache.recent_window:
+                self.cache.set_recent_window(window)
         if self.scheduler.has_work():
             self._step()
         else:
@@ -211,10 +214,22 @@ class EngineCore:
         raise ValueError(f"unknown command {kind!r}")
 
     def _step(self) -> None:
-        plan = self.scheduler.schedule()
+        try:
+            plan = self.scheduler.schedule()
+        except Exception as exc:  # planning failed (the cache rolled the step back): end what it picked
+            log.exception("planning a step failed")
+            self._fail(list(self.scheduler.running), exc)
+            return
         self.stats.queue_sizes(len(self.scheduler.running), len(self.scheduler.waiting))
         if plan is None:
             return
+        try:
+            self._run(plan)
+        except Exception as exc:  # the forward pass or sampling failed: end the requests of this step
+            log.exception("engine step failed")
+            self._fail(plan.reqs, exc)
+
+    def _run(self, plan: StepPlan) -> None:
         sampled, out, logits = self.runner.run(plan)
         now = time.perf_counter()
         for req in plan.reqs:
@@ -225,6 +240,10 @@ class EngineCore:
             self.stats.step(0, len(self.scheduler.running), len(self.scheduler.waiting))
             return
         for i, req in enumerate(sampled):
+            if out.invalid[i]:
+                self.stats.nonfinite_logits()
+                self._finish(req, {"type": "abort", "message": NONFINITE_LOGITS, "error": True})
+                continue
             tok = out.tokens[i]
             if req.params.return_logprob:
                 req.token_logprobs.append((out.token_logprobs[i], tok))
@@ -271,11 +290,13 @@ class EngineCore:
                 inter_token_latencies=[b - a for a, b in zip(times, times[1:], strict=False)],
                 e2e_latency=now - req.created,
                 preemptions=req.preemptions,
+                started=req.started,
             )
         )
 
-    def _fail_running(self, exc: Exception) -> None:
-        for req in list(self.scheduler.running):
+    def _fail(self, reqs: list[Request], exc: Exception) -> None:
+        """End ``reqs`` with an error response; their pages and ring slots go back to the cache."""
+        for req in list(reqs):
             try:
                 self._finish(req, {"type": "abort", "message": f"internal error: {exc}", "error": True})
             except Exception:
@@ -294,10 +315,9 @@ class EngineCore:
                 payload[1].set_exception(RuntimeError(message))
 
     def _on_level(self, level: int, window: int) -> None:  # drift worker thread
-        self._pending_window = window
-        self._wake.set()
+        self._wake.set()  # the engine thread applies the monitor's window before its next step
 
 
-def _deliver(sink: Sink, chunk: dict[str, Any]) -> None:
+def _deliver(sink: ResultCallback, chunk: dict[str, Any]) -> None:
     with contextlib.suppress(RuntimeError):  # the consumer's event loop is closed: nobody listens
         sink(chunk)

@@ -17,8 +17,8 @@ Fallback: when the EWMA passes ``threshold`` the level goes up by one (at most o
 seen at the current level); level k asks for a BF16 window of ``base * 2**k`` tokens (with base 0:
 0, then ``page_size * 2**(k-1)``). It comes back
 down one level after ``cooldown`` consecutive samples with EWMA < ``threshold / 2`` (hysteresis).
-Level changes are logged and reported through ``on_level(level, window)``, which the engine applies
-between steps via ``cache.set_recent_window``.
+Level changes are logged and reported through ``on_level(level, window)``, which wakes the engine;
+between steps the engine reads ``window()`` and applies it via ``cache.set_recent_window``.
 """
 
 from __future__ import annotations
@@ -70,13 +70,14 @@ class DriftJob:
     served: torch.Tensor  # [n, V] log-softmax of generated steps 0..n-1
 
 
-def score(dense_forward: Callable[[torch.Tensor], torch.Tensor], job: DriftJob) -> tuple[float, float]:
+def score(dense_forward: Callable[..., torch.Tensor], job: DriftJob) -> tuple[float, float]:
     """(ppl_ratio, mean KL(reference || served)) of one job."""
     n = job.served.shape[0]
     ids = torch.tensor([job.token_ids[: job.prompt_len + n - 1]], dtype=torch.long)
     with torch.inference_mode():
-        logits = dense_forward(ids.to(_device_of(dense_forward)))
-    logits = logits.reshape(-1, logits.shape[-1])[job.prompt_len - 1 : job.prompt_len - 1 + n]
+        # logits of the n scored positions only: [n, V] float32, whatever the prompt's length
+        logits = dense_forward(ids.to(_device_of(dense_forward)), logits_from=job.prompt_len - 1)
+    logits = logits.reshape(-1, logits.shape[-1])
     ref = torch.log_softmax(logits.float().cpu(), dim=-1)
     served = job.served.float()
     chosen = torch.tensor(job.token_ids[job.prompt_len : job.prompt_len + n]).unsqueeze(1)

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
-from kvstrata.engine.core import EngineCore, Sink
+from kvstrata.engine.core import EngineCore, ResultCallback
 from kvstrata.engine.inputs import normalize_inputs
 from kvstrata.engine.loader import LoadedModel, load_model
 from kvstrata.engine.options import EngineArgs
@@ -195,7 +195,7 @@ class Engine:
         return_logprob: bool | None,
         top_logprobs_num: int | None,
         stream: bool,
-        sink: Sink,
+        sink: ResultCallback,
     ) -> tuple[list[Request], bool]:
         if self._closed or self.core.stopping:
             raise RuntimeError("engine is shut down")

@@ -30,6 +30,7 @@ import torch
 
 from kvstrata.engine.config import ModelConfig
 from kvstrata.engine.model import Transformer
+from kvstrata.engine.tokenizer import thread_safe
 
 log = logging.getLogger(__name__)
 CONVERTER_VERSION = 1
@@ -47,6 +48,10 @@ class LoadedModel:
     tokenizer: Any  # transformers PreTrainedTokenizerFast with chat template; None if the directory has none
     name: str
     path: Path  # what was loaded: the GGUF file or the model directory
+
+    def __post_init__(self) -> None:
+        # Used by the engine thread, callers' threads and the server's event loop at once.
+        self.tokenizer = thread_safe(self.tokenizer)
 
 
 def resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype:

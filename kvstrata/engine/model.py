@@ -192,8 +192,10 @@ class Transformer(nn.Module):
 
         return attn
 
-    def dense_forward(self, input_ids: Tensor) -> Tensor:
-        """input_ids [B, T] -> float32 logits [B, T, vocab]; positions 0..T-1, causal SDPA, no cache."""
+    def dense_forward(self, input_ids: Tensor, logits_from: int = 0) -> Tensor:
+        """input_ids [B, T] -> float32 logits [B, T - logits_from, vocab] of positions logits_from..T-1;
+        positions 0..T-1, causal SDPA, no cache. ``logits_from`` keeps the logits (vocab-wide, float32)
+        of a long prompt from being computed when only its tail is scored."""
         B, T = input_ids.shape
         positions = torch.arange(T, device=input_ids.device).repeat(B)
 
@@ -206,7 +208,12 @@ class Transformer(nn.Module):
             )
             return out.transpose(1, 2).reshape(B * T, *q.shape[1:])
 
-        return self(input_ids.reshape(-1), positions, attn).view(B, T, -1)
+        at = None
+        if logits_from:
+            at = (
+                torch.arange(B, device=input_ids.device).view(B, 1) * T + torch.arange(logits_from, T)
+            ).view(-1)
+        return self(input_ids.reshape(-1), positions, attn, logits_at=at).view(B, T - logits_from, -1)
 
 
 def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:

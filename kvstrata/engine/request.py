@@ -56,8 +56,8 @@ class Request:
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
         self.sent_text = 0  # characters already streamed
         self.sent_ids = 0
-        self.cached_tokens = 0  # of the first admission (what the user saw)
-        self.admissions = 0
+        self.started = False  # has been in a step (admissions rolled back before one do not count)
+        self.cached_tokens = 0  # prompt tokens its first step read from the prefix cache
         self.preemptions = 0
         self.finish_reason: dict[str, Any] | None = None
         self.token_logprobs: list[tuple[float, int]] = []
@@ -72,10 +72,6 @@ class Request:
     @property
     def tokens_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
-
-    def token_at(self, i: int) -> int:
-        p = len(self.prompt_ids)
-        return self.prompt_ids[i] if i < p else self.output_ids[i - p]
 
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids

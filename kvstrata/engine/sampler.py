@@ -45,6 +45,9 @@ class SampleRow:
 @dataclass
 class SampleOutput:
     tokens: list[int]
+    # Rows whose logits held NaN or +Inf, or only -Inf: no token can be drawn from them (their
+    # entry in ``tokens`` is meaningless); the engine ends those requests with an error.
+    invalid: list[bool] = field(default_factory=list)
     # Filled only when some row asked for them (return_logprob):
     token_logprobs: list[float | None] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
@@ -95,6 +98,12 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleOutput:
         logits = logits.float()
+        invalid = (
+            torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1) | torch.isneginf(logits).all(-1)
+        )
+        # A bad row must not reach torch.multinomial: it would abort the whole batch (and on CUDA
+        # poison the context). It samples from zeros instead and is reported as invalid.
+        logits = logits.masked_fill(invalid.unsqueeze(1), 0.0)
         want_lp = [r.params.return_logprob for r in rows]
         logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
         if any(r.penalties is not None and r.params.needs_penalties for r in rows):
@@ -106,7 +115,7 @@ class Sampler:
             tokens = self._sample(logits, rows, greedy, tokens)
         token_list = tokens.tolist()
 
-        out = SampleOutput(tokens=token_list, logprobs=logprobs)
+        out = SampleOutput(tokens=token_list, invalid=invalid.tolist(), logprobs=logprobs)
         if logprobs is not None:
             out.token_logprobs, out.top_logprobs = _gather_logprobs(logprobs, token_list, rows)
         return out

@@ -3,11 +3,19 @@
 Every step is one varlen forward that mixes the running decodes (one token each) with prefill
 chunks (at most ``chunk_size`` tokens in all) of requests that are still reading their prompt,
 oldest first, then newly admitted ones. A request is admitted when a ring slot is free
-(``cache.admit`` matches its cached prefix, so cached tokens skip prefill) and the step's pages can
-be reserved (``cache.begin_step``, which first evicts unlocked tree leaves). When pages run out,
-newly admitted requests go back to the queue; when decodes alone cannot grow, the newest running
-request is preempted: its sequence ends without inserting anything and it is requeued with its
-generated tokens as part of what it must recompute, so it is never corrupted.
+(``cache.admit`` matches its cached prefix, so cached tokens skip prefill), when the pages that are
+free or evictable cover what it and the running requests will still write (the reserve below), and
+when the step's pages can be taken (``cache.begin_step``, which first evicts unlocked tree leaves).
+
+Reserve (SGLang's ``new_token_ratio``): a running request is expected to write its unread prompt
+plus ``new_token_ratio`` of its remaining ``max_new_tokens``. The ratio starts at 0.7, decays
+towards 0.1 with every step that needs no preemption and goes back to 0.7 on a preemption, so a
+full pool stops admitting requests it would only preempt again.
+
+When pages still run out, newly admitted requests go back to the queue; when decodes alone cannot
+grow, the newest running request is preempted: its full pages go into the prefix tree (they are
+immutable and correct) and it is requeued; re-admission matches them like any cached prefix, so it
+recomputes only what was evicted meanwhile plus its last partial page, and it is never corrupted.
 """
 
 from __future__ import annotations
@@ -18,6 +26,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstrata.engine.request import Request, Status
+
+INIT_NEW_TOKEN_RATIO = 0.7  # SGLang's defaults: 0.7, decaying to 0.7 * 0.14 over 600 steps
+MIN_NEW_TOKEN_RATIO = 0.098
+NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
 
 
 @dataclass
@@ -35,17 +47,17 @@ class Scheduler:
         chunk_size: int,
         out_of_pages: type[Exception],
         out_of_slots: type[Exception],
-        on_evict: Callable[[Request, dict[str, Any]], None],
+        end_request: Callable[[Request, dict[str, Any]], None],
     ) -> None:
         self.cache = cache
         self.max_running = max_running
         self.chunk_size = chunk_size
         self.OutOfPages = out_of_pages
         self.OutOfSlots = out_of_slots
-        self.on_evict = on_evict  # finishes a request the pool can never hold
+        self.end_request = end_request  # finishes a request the pool can never hold
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
-        self.preemptions = 0
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -54,17 +66,31 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # --- admission and release ----------------------------------------------------------------
-    def _admit(self, req: Request) -> bool:
+    def _admit(self, req: Request, reserved: float) -> bool:
+        """Admit ``req`` when a slot is free and the pool covers ``reserved`` (what the running
+        requests will still write) plus its own future tokens; a lone request is always admitted."""
         try:
             req.seq = self.cache.admit(req.all_ids())
         except self.OutOfSlots:
             return False
-        if req.admissions == 0:
-            req.cached_tokens = req.seq.length
-        req.admissions += 1
+        if self.running and reserved + self.future_tokens(req) > self.available_tokens():
+            self.cache.finish(req.seq, insert=False)  # nothing computed: nothing to keep
+            req.seq = None
+            return False
         req.status = Status.RUNNING
         self.running.append(req)
         return True
+
+    def future_tokens(self, req: Request) -> float:
+        """Tokens ``req`` is expected to add to the cache: its unread prompt and ``new_token_ratio``
+        of its remaining output (capped by the pool)."""
+        pool_tokens = self.cache.num_pages * self.cache.page_size
+        left = min(req.params.max_new_tokens - len(req.output_ids), pool_tokens)
+        return req.tokens_len - req.computed + left * self.new_token_ratio
+
+    def available_tokens(self) -> int:
+        """Tokens the pool can still take: free pages and pages the tree may evict."""
+        return (self.cache.num_free_pages + self.cache.num_evictable_pages) * self.cache.page_size
 
     def release(self, req: Request, insert: bool) -> None:
         """End the request's cache sequence (if admitted) and take it out of the queues."""
@@ -77,13 +103,13 @@ class Scheduler:
             self.waiting.remove(req)
 
     def _requeue(self, req: Request) -> None:
-        self.release(req, insert=False)
+        self.release(req, insert=True)  # its full pages stay in the tree for its re-admission
         req.status = Status.WAITING
         self.waiting.appendleft(req)
 
     def preempt(self, req: Request) -> None:
         req.preemptions += 1
-        self.preemptions += 1
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self._requeue(req)
 
     # --- one step ---------------------------------------------------------------------------
@@ -96,14 +122,19 @@ class Scheduler:
         while self.running or self.waiting:
             plan = self._reserve(*self._pick())
             if plan is not None:
+                self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+                for req in plan.reqs:
+                    if not req.started:  # its first step: what it reuses now is what it reused
+                        req.started = True
+                        req.cached_tokens = req.seq.cached_tokens
                 return plan
             if len(self.running) > 1:  # decodes cannot grow: the newest running request yields
                 self.preempt(self.running[-1])
             elif self.running:  # alone and still no room: the pool cannot hold this sequence
                 victim = self.running[0]
-                self.on_evict(victim, {"type": "length", "length": len(victim.output_ids), "pool": "full"})
+                self.end_request(victim, {"type": "length", "length": len(victim.output_ids), "pool": "full"})
             else:  # nothing runs and the head of the queue does not fit an empty pool
-                self.on_evict(
+                self.end_request(
                     self.waiting[0], {"type": "abort", "message": "prompt does not fit the KV pool"}
                 )
         return None
@@ -118,13 +149,15 @@ class Scheduler:
                 chunks.append((r, n))
                 budget -= n
         admitted: list[Request] = []
+        reserved = sum(self.future_tokens(r) for r in self.running)
         for r in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_running:
                 break
             if not self._ready(r):
                 continue
-            if not self._admit(r):
+            if not self._admit(r, reserved):
                 break
+            reserved += self.future_tokens(r)
             self.waiting.remove(r)
             admitted.append(r)
             n = min(r.tokens_len - r.computed, budget)

@@ -33,6 +33,7 @@ class RequestFinished:
     inter_token_latencies: list[float]  # seconds between consecutive tokens
     e2e_latency: float
     preemptions: int
+    started: bool = True  # it ran at least one step (False: aborted or failed while queued)
 
 
 EngineEvent = RequestFinished | DriftSample
@@ -50,7 +51,10 @@ class EngineStats:
     generation_tokens_total: int = 0
     cached_tokens_total: int = 0
     preemptions_total: int = 0
-    cache_hit_rate: float = 0.0  # cached / prompt tokens over finished requests
+    nonfinite_logits_total: int = 0  # requests ended because their logits held NaN/Inf
+    # cached / prompt tokens over finished requests that ran: each request's first step counts, not
+    # admissions rolled back under pressure nor re-admissions after a preemption
+    cache_hit_rate: float = 0.0
     gen_throughput: float = 0.0  # generated tokens/s over the last few seconds
     steps_total: int = 0
     drift: DriftStats | None = None
@@ -67,6 +71,7 @@ class StatsCollector:
         self.stats = EngineStats()
         self.listeners: list[Callable[[EngineEvent], None]] = []
         self.recent: deque[tuple[float, int]] = deque()  # (time, tokens generated in a step)
+        self.started_prompt_tokens = 0  # the hit rate's denominator
 
     def subscribe(self, fn: Callable[[EngineEvent], None]) -> Callable[[], None]:
         with self.lock:
@@ -109,6 +114,10 @@ class StatsCollector:
         span = now - self.recent[0][0] if len(self.recent) > 1 else 0.0
         self.stats.gen_throughput = sum(n for _, n in list(self.recent)[1:]) / span if span > 0 else 0.0
 
+    def nonfinite_logits(self) -> None:
+        with self.lock:
+            self.stats.nonfinite_logits_total += 1
+
     def queue_sizes(self, running: int, queued: int) -> None:
         with self.lock:
             self.stats.num_running_reqs, self.stats.num_queue_reqs = running, queued
@@ -120,8 +129,10 @@ class StatsCollector:
             s.prompt_tokens_total += event.prompt_tokens
             s.cached_tokens_total += event.cached_tokens
             s.preemptions_total += event.preemptions
-            if s.prompt_tokens_total:
-                s.cache_hit_rate = s.cached_tokens_total / s.prompt_tokens_total
+            if event.started:
+                self.started_prompt_tokens += event.prompt_tokens
+            if self.started_prompt_tokens:
+                s.cache_hit_rate = s.cached_tokens_total / self.started_prompt_tokens
         self.emit(event)
 
     def snapshot(self, drift: DriftStats | None) -> EngineStats:
@@ -137,6 +148,7 @@ class StatsCollector:
                 generation_tokens_total=s.generation_tokens_total,
                 cached_tokens_total=s.cached_tokens_total,
                 preemptions_total=s.preemptions_total,
+                nonfinite_logits_total=s.nonfinite_logits_total,
                 cache_hit_rate=s.cache_hit_rate,
                 gen_throughput=s.gen_throughput,
                 steps_total=s.steps_total,

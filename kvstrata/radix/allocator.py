@@ -51,10 +51,6 @@ class IdAllocator:
     def free_ids(self) -> list[int]:
         return list(self._free)
 
-    def reset(self) -> None:
-        self._free = list(range(self.total - 1, -1, -1))
-        self._is_free = bytearray(b"\x01") * self.total
-
     def check(self) -> list[str]:
         """Inconsistencies between the free list and the flags, as messages (empty when sound)."""
         errors = []

@@ -65,6 +65,8 @@ class StratifiedKVCache:
         self.running: dict[int, Sequence] = {}
         self._next_id = 0
         self.written = bytearray(num_pages)
+        # Checksums of tree pages recorded by check_invariants (page immutability); freeing forgets.
+        self.page_checksums: dict[int, int] = {}
         self.quantized_pages = self.evicted_pages = self.matched_tokens = self.missed_tokens = 0
         L = cfg.num_layers
         self.overflow = {"k": [0] * L, "v": [0] * L}
@@ -142,7 +144,9 @@ class StratifiedKVCache:
     # ---- request lifecycle ----------------------------------------------------------------------
     def admit(self, token_ids: list[int], extra_key: Hashable = None) -> Sequence:
         """Match the longest cached prefix (page aligned, never the last token), lock it and take a
-        ring slot. Raises `OutOfSlots` with nothing changed when every slot is taken."""
+        ring slot. Raises `OutOfSlots` with nothing changed when every slot is taken. The match is
+        counted in the hit statistics at the sequence's first step, so an admission that is rolled
+        back before it runs counts nothing."""
         if not token_ids:
             raise ValueError("admit: empty token_ids")
         if self.ring.slots.num_free == 0:
@@ -166,8 +170,6 @@ class StratifiedKVCache:
         )
         self._next_id += 1
         self.running[seq.seq_id] = seq
-        self.matched_tokens += cached
-        self.missed_tokens += len(token_ids) - cached
         return seq
 
     def begin_step(self, seqs: list[Sequence], n_new: list[int]) -> StepBatch:
@@ -180,25 +182,39 @@ class StratifiedKVCache:
         if self.sinks is not None:
             need_sinks = sum(1 for s, k in zip(seqs, need, strict=True) if k > 0 and not s.page_ids)
         self._make_room(sum(need), need_sinks)
-        new_pages = []
-        for seq, k in zip(seqs, need, strict=True):
-            pages = self.pool.allocator.alloc(k)
-            if self.sinks is not None and pages and not seq.page_ids:
-                self.sinks.bind(pages[:1])
-            seq.page_ids.extend(pages)
-            seq.in_step = True
-            new_pages.append(pages)
-        return build_step(
-            seqs,
-            n_new,
-            new_pages,
-            page_size=P,
-            ring_capacity=self.ring.capacity,
-            window=self.recent_window,
-            sink_of=self.sinks.of_page if self.sinks is not None else None,
-            nulls=self.nulls,
-            device=self.device,
-        )
+        new_pages: list[list[int]] = []
+        try:
+            for seq, k in zip(seqs, need, strict=True):
+                pages = self.pool.allocator.alloc(k)
+                if self.sinks is not None and pages and not seq.page_ids:
+                    self.sinks.bind(pages[:1])
+                seq.page_ids.extend(pages)
+                seq.in_step = True
+                new_pages.append(pages)
+            return build_step(
+                seqs,
+                n_new,
+                new_pages,
+                page_size=P,
+                ring_capacity=self.ring.capacity,
+                window=self.recent_window,
+                sink_of=self.sinks.of_page if self.sinks is not None else None,
+                nulls=self.nulls,
+                device=self.device,
+            )
+        except BaseException:
+            # Planning failed (e.g. out of device memory while building the index tensors): no
+            # step is open, so nothing may stay attached to the sequences.
+            self._detach(seqs[: len(new_pages)], new_pages)
+            raise
+
+    def _detach(self, seqs: list[Sequence], new_pages: list[list[int]]) -> None:
+        """Take this step's pages back from ``seqs`` and free them; the sequences leave the step."""
+        for seq, pages in zip(seqs, new_pages, strict=True):
+            if pages:
+                del seq.page_ids[-len(pages) :]
+            self._free_pages(pages)
+            seq.in_step = False
 
     def _check_step_args(self, seqs: list[Sequence], n_new: list[int]) -> None:
         if len(seqs) != len(n_new) or not seqs:
@@ -231,7 +247,7 @@ class StratifiedKVCache:
             )
         if self.sinks is not None and sink_pages > self.sinks.allocator.num_free:
             sink_free = self.sinks.allocator.num_free
-            evictable = sum(self.sink_weight(n) for n in self.tree.nodes() if not n.protected)
+            evictable = self.tree.evictable_first_nodes
             if sink_pages > sink_free + evictable:
                 raise OutOfPages(
                     f"need {sink_pages} sink pages: {sink_free} free, {evictable} evictable "
@@ -290,6 +306,9 @@ class StratifiedKVCache:
         for seq, n, start, pages in zip(
             batch.seqs, batch.n_new, batch.new_ring_start, batch.new_pages, strict=True
         ):
+            if seq.length == seq.cached_tokens:  # its first step: the admission really used its match
+                self.matched_tokens += seq.cached_tokens
+                self.missed_tokens += len(seq.token_ids) - seq.cached_tokens
             seq.length += n
             seq.ring_start = start
             seq.in_step = False
@@ -314,11 +333,7 @@ class StratifiedKVCache:
             live = range(seq.ring_start, seq.length)
             if batch.layers_done and first <= last and first - R < live.stop and last - R >= live.start:
                 seq.ring_clobbered = True
-        for seq, pages in zip(batch.seqs, batch.new_pages, strict=True):
-            if pages:
-                del seq.page_ids[-len(pages) :]
-            self._free_pages(pages)
-            seq.in_step = False
+        self._detach(batch.seqs, batch.new_pages)
         batch.closed = True
 
     def cache_prefix(self, seq: Sequence) -> None:
@@ -361,6 +376,7 @@ class StratifiedKVCache:
             self.sinks.release(pages)
         for p in pages:
             self.written[p] = 0
+            self.page_checksums.pop(p, None)
         if evicted:
             self.evicted_pages += len(pages)
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import zlib
 from collections import Counter
 from typing import TYPE_CHECKING
+
+import torch
 
 from kvstrata.radix.errors import InvariantViolation
 from kvstrata.radix.pool import as_raw
@@ -22,6 +25,7 @@ def check_invariants(cache: StratifiedKVCache) -> None:
         + _pins_and_eviction(cache)
         + _bytes(cache)
         + _padding_rows(cache)
+        + _immutable_tree_pages(cache)
     )
     if errors:
         raise InvariantViolation("cache invariants violated:\n  " + "\n  ".join(errors))
@@ -172,6 +176,13 @@ def _pins_and_eviction(cache: StratifiedKVCache) -> list[str]:
         errors.append(f"tree counts {cache.tree.pinned_pages} pinned pages, nodes hold {pinned}")
     if evictable != cache.tree.evictable_pages:
         errors.append(f"tree counts {cache.tree.evictable_pages} evictable pages, nodes hold {evictable}")
+    firsts = [n for n in nodes if n.parent is not None and n.parent.is_root]
+    free_firsts = sum(1 for n in firsts if not n.protected)
+    if (len(firsts), free_firsts) != (cache.tree.first_nodes, cache.tree.evictable_first_nodes):
+        errors.append(
+            f"tree counts {cache.tree.first_nodes} first nodes ({cache.tree.evictable_first_nodes} "
+            f"evictable), it has {len(firsts)} ({free_firsts})"
+        )
     pinned_bytes = pinned * cache.pool.page_bytes
     if pinned_bytes > cache.pin_budget_bytes:
         errors.append(f"{pinned_bytes} pinned bytes exceed the pin budget of {cache.pin_budget_bytes}")
@@ -197,9 +208,32 @@ def _bytes(cache: StratifiedKVCache) -> list[str]:
     }
     if cache.sinks is not None:
         actual["sink"] = cache.sinks.k.nbytes + cache.sinks.v.nbytes - cache.sinks.padding_bytes
+    # Used pages counted from their holders, not from the allocator that reports ``free``.
+    tree_nodes = list(cache.tree.nodes())
+    held = {p for n in tree_nodes for p in n.pages} | {
+        p for s in cache.running.values() for p in s.private_pages
+    }
+    slot_pages = cache.ring.capacity // cache.page_size
+    first_nodes = [n for n in tree_nodes if n.parent is not None and n.parent.is_root]
+    counted = {
+        "cold": (len(held), sum(len(n.pages) for n in tree_nodes)),
+        "ring": (len(cache.running) * slot_pages, 0),
+    }
+    evictable = {"cold": sum(len(n.pages) for n in tree_nodes if not n.protected), "ring": 0}
+    if cache.sinks is not None:
+        counted["sink"] = (len(cache.sinks.of_page), len(first_nodes))
+        evictable["sink"] = sum(1 for n in first_nodes if not n.protected)
     for name, tier in stats.tiers.items():
-        if tier.free + tier.used != tier.total:
-            errors.append(f"tier {name}: free {tier.free} + used {tier.used} != total {tier.total}")
+        used, cached = counted[name]
+        if tier.free + used != tier.total:
+            errors.append(f"tier {name}: free {tier.free} + {used} held by owners != total {tier.total}")
+        if tier.used != used or tier.cached != cached:
+            errors.append(
+                f"tier {name}: reports used {tier.used}, cached {tier.cached}; owners hold {used}, "
+                f"the tree {cached}"
+            )
+        if tier.evictable != evictable[name]:
+            errors.append(f"tier {name}: reports {tier.evictable} evictable, the tree has {evictable[name]}")
         if tier.bytes("total") != actual[name]:
             errors.append(f"tier {name}: reports {tier.bytes('total')} bytes, buffers hold {actual[name]}")
         if tier.cached > tier.used or tier.pinned > tier.cached:
@@ -228,3 +262,26 @@ def _padding_rows(cache: StratifiedKVCache) -> list[str]:
             ("sink v", cache.sinks.v[:, cache.sinks.null_slot]),
         ]
     return [f"{name}: the padding row was written" for name, row in rows if bool(as_raw(row).any())]
+
+
+def _immutable_tree_pages(cache: StratifiedKVCache) -> list[str]:
+    """Tree pages never change: each one's checksum over every layer's buffers, recorded the first
+    time a check sees it in the tree, must hold at every later check (until the page is freed)."""
+    pages = sorted({p for n in cache.tree.nodes() for p in n.pages})
+    if not pages:
+        return []
+    index = torch.tensor(pages, dtype=torch.long, device=cache.device)
+    sums = [0] * len(pages)
+    for bufs in (*cache.pool.k, *cache.pool.v):
+        for buf in bufs.values():
+            rows = as_raw(buf).index_select(0, index).cpu().contiguous().view(torch.uint8)
+            rows = rows.reshape(len(pages), -1).numpy()
+            sums = [zlib.crc32(rows[i].tobytes(), sums[i]) for i in range(len(pages))]
+    errors = []
+    for page, crc in zip(pages, sums, strict=True):
+        seen = cache.page_checksums.setdefault(page, crc)
+        if seen != crc:
+            errors.append(
+                f"tree page {page} changed after it entered the tree (checksum {seen:#x} -> {crc:#x})"
+            )
+    return errors

@@ -43,8 +43,3 @@ class HotRing:
     @property
     def padding_bytes(self) -> int:
         return self.bytes_per_token
-
-    def rows(self, slot: int, start: int, stop: int) -> list[int]:
-        """Flat rows of positions ``[start, stop)`` of ``slot``."""
-        base, cap = slot * self.capacity, self.capacity
-        return [base + p % cap for p in range(start, stop)]

@@ -23,6 +23,7 @@ def snapshot(cache: StratifiedKVCache) -> CacheStats:
         cache.tree.total_pages,
         cache.tree.pinned_pages,
         cache.pool.page_bytes / P,
+        cache.tree.evictable_pages,
     )
     slot_pages = cache.ring.capacity // P
     ring = TierStats(
@@ -36,16 +37,16 @@ def snapshot(cache: StratifiedKVCache) -> CacheStats:
     tiers = {"cold": cold, "ring": ring}
     if cache.sinks is not None:
         s = cache.sinks.allocator
-        cached = sum(1 for n in cache.tree.nodes() if cache.sink_weight(n))
         tiers["sink"] = TierStats(
             "sink",
             cache.sinks.page_bytes,
             s.total,
             s.num_free,
             s.num_used,
-            cached,
+            cache.tree.first_nodes,  # each node at position 0 has the sink of its first page
             0,
             cache.sinks.page_bytes / P,
+            cache.tree.evictable_first_nodes,
         )
     return CacheStats(
         tiers=tiers,
@@ -56,6 +57,7 @@ def snapshot(cache: StratifiedKVCache) -> CacheStats:
         matched_tokens=cache.matched_tokens,
         missed_tokens=cache.missed_tokens,
         quantized_elements=cache.quantized_pages * P * cfg.kv_heads * cfg.head_dim,
+        recent_window=cache.recent_window,
         overflow_k=list(cache.overflow["k"]),
         overflow_v=list(cache.overflow["v"]),
         nonfinite_k=list(cache.nonfinite["k"]),

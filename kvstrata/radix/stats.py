@@ -10,7 +10,10 @@ class TierStats:
     """One tier counted in pages of ``page_size`` tokens; ``unit_bytes`` is one page's bytes.
 
     ``used`` = ``cached`` (held by the tree) + pages held only by running sequences; ``pinned`` is
-    the part of ``cached`` under a pin. The ring counts a slot as ``ring_tokens / page_size`` pages.
+    the part of ``cached`` under a pin; ``evictable`` the part of ``cached`` that no running
+    sequence locks and no pin protects: admission may take it back at once, so ``usage`` counts
+    it as available (SGLang's ``token_usage``). The ring counts a slot as ``ring_tokens /
+    page_size`` pages.
     """
 
     name: str
@@ -21,6 +24,7 @@ class TierStats:
     cached: int = 0
     pinned: int = 0
     bytes_per_token: float = 0.0
+    evictable: int = 0
 
     def pages(self, state: str) -> int:
         return int(getattr(self, state))
@@ -30,7 +34,8 @@ class TierStats:
 
     @property
     def usage(self) -> float:
-        return self.used / self.total if self.total else 0.0
+        """Share of the tier that is neither free nor evictable."""
+        return (self.used - self.evictable) / self.total if self.total else 0.0
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,7 @@ class CacheStats:
     matched_tokens: int
     missed_tokens: int
     quantized_elements: int  # per layer and kind: the denominator of the overflow ratio
+    recent_window: int = 0  # the BF16 window new steps use now (after any precision fallback)
     overflow_k: list[int] = field(default_factory=list)
     overflow_v: list[int] = field(default_factory=list)
     nonfinite_k: list[int] = field(default_factory=list)

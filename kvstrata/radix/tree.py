@@ -6,6 +6,12 @@ different namespaces never share pages. ``lock_ref`` and ``pin_ref`` count locks
 any descendant (a lock on a node protects its whole path to the root). Only nodes with both at 0
 are evictable, and only leaves are evicted, least recently used first. Timestamps come from a
 logical clock, so a parent is never older than its children.
+
+Eviction keeps one heap of candidate leaves across calls, keyed by last use. An entry is pushed
+whenever a node may have become an evictable leaf or was used again (insert, unlock/unpin, a
+match that touches it, its last child evicted); stale entries (evicted, protected, no longer a
+leaf, or used since) are skipped when popped, and the heap is rebuilt only when stale entries
+outnumber the nodes. An eviction costs O(log n) per leaf it takes, not a pass over the tree.
 """
 
 from __future__ import annotations
@@ -64,6 +70,13 @@ class RadixTree:
         self.total_pages = 0
         self.evictable_pages = 0
         self.pinned_pages = 0
+        # Nodes that start at position 0 (children of a namespace root), all and unprotected ones:
+        # with attention sinks each holds one sink page.
+        self.first_nodes = 0
+        self.evictable_first_nodes = 0
+        self.num_nodes = 0
+        self._heap: list[tuple[int, int, TreeNode]] = []  # (last_access, push order, leaf)
+        self._pushes = 0
 
     def _root(self, extra_key: Hashable, create: bool) -> TreeNode | None:
         root = self._roots.get(extra_key)
@@ -90,6 +103,7 @@ class RadixTree:
         (so handles stay valid) and becomes the lower part; counters do not change."""
         assert node.parent is not None and 0 < n_pages < len(node.pages)
         cut = n_pages * self.page_size
+        self.num_nodes += 1
         upper = TreeNode(
             tokens=node.tokens[:cut],
             pages=node.pages[:n_pages],
@@ -123,6 +137,23 @@ class RadixTree:
         self._clock += 1
         for n in node.path():
             n.last_access = self._clock
+        self._offer(node)  # only the deepest node of the path can be a leaf
+
+    def _offer(self, node: TreeNode) -> None:
+        """Push ``node`` as an eviction candidate if it is an evictable leaf now."""
+        if not self._evictable_leaf(node):
+            return
+        if len(self._heap) > 2 * self.num_nodes + 64:  # mostly stale entries: start afresh
+            self._heap = []
+            for n in self.nodes():
+                if self._evictable_leaf(n):
+                    self._push(n)
+            return
+        self._push(node)
+
+    def _push(self, node: TreeNode) -> None:
+        self._pushes += 1
+        heapq.heappush(self._heap, (node.last_access, self._pushes, node))
 
     def match_prefix(self, tokens: Sequence[int], extra_key: Hashable = None) -> TreeMatch:
         """Longest cached page-aligned prefix of ``tokens``; marks its path as used now."""
@@ -154,8 +185,12 @@ class RadixTree:
         if pos < n:
             leaf = TreeNode(tuple(tokens[pos:]), list(pages[present:]), node)
             node.children[leaf.tokens[: self.page_size]] = leaf
+            self.num_nodes += 1
             self.total_pages += len(leaf.pages)
             self.evictable_pages += len(leaf.pages)
+            if node.is_root:
+                self.first_nodes += 1
+                self.evictable_first_nodes += 1
             tree_pages.extend(leaf.pages)
             node = leaf
         self._touch(node)
@@ -193,34 +228,39 @@ class RadixTree:
             setattr(n, ref, getattr(n, ref) + delta)
             if was_protected != n.protected:
                 self.evictable_pages += len(n.pages) if was_protected else -len(n.pages)
+                if n.parent is not None and n.parent.is_root:
+                    self.evictable_first_nodes += 1 if was_protected else -1
             if was_pinned != (n.pin_ref > 0):
                 self.pinned_pages += -len(n.pages) if was_pinned else len(n.pages)
+            if was_protected and not n.protected:
+                self._offer(n)
 
     def evict(self, need: int, weight: Callable[[TreeNode], int] | None = None) -> list[int]:
         """Evict unprotected leaves in LRU order until their summed ``weight`` (default: pages)
         reaches ``need`` or nothing evictable is left; returns the freed page ids."""
         weight = weight or (lambda node: len(node.pages))
-        heap = [(n.last_access, i, n) for i, n in enumerate(self.nodes()) if self._evictable_leaf(n)]
-        heapq.heapify(heap)
-        tie = len(heap)
         freed: list[int] = []
         got = 0
-        while got < need and heap:
-            _, _, node = heapq.heappop(heap)
+        while got < need and self._heap:  # (_offer below may rebuild the heap: no local alias)
+            used, _, node = heapq.heappop(self._heap)
+            if node.evicted or used != node.last_access or not self._evictable_leaf(node):
+                continue  # stale: evicted, used again since, locked, pinned or no longer a leaf
             got += weight(node)
             freed.extend(node.pages)
             parent = node.parent
             assert parent is not None
             del parent.children[node.tokens[: self.page_size]]
             node.evicted = True
+            self.num_nodes -= 1
             self.total_pages -= len(node.pages)
             self.evictable_pages -= len(node.pages)
+            if parent.is_root:
+                self.first_nodes -= 1
+                self.evictable_first_nodes -= 1
             if parent.is_root and not parent.children:
                 # A namespace (image hash, adapter) whose last page went: forget its root too.
                 self._roots = {key: root for key, root in self._roots.items() if root is not parent}
-            if self._evictable_leaf(parent):
-                tie += 1
-                heapq.heappush(heap, (parent.last_access, tie, parent))
+            self._offer(parent)
         return freed
 
     @staticmethod
@@ -246,4 +286,6 @@ class RadixTree:
             pages.extend(node.pages)
         self._roots.clear()
         self.total_pages = self.evictable_pages = self.pinned_pages = 0
+        self.first_nodes = self.evictable_first_nodes = self.num_nodes = 0
+        self._heap = []
         return pages

@@ -17,6 +17,7 @@ from kvstrata.server.errors import APIError
 from kvstrata.server.snapshot import PAGE_STATES, DriftSnapshot, EngineSnapshot, TierSnapshot
 
 log = logging.getLogger("kvstrata.server")
+KV_POOL_FULL = "kv_pool_full"
 
 
 @dataclass
@@ -38,6 +39,9 @@ class Delta:
     completion_tokens: int
     cached_tokens: int
     error: str | None = None
+    # Why a "length" finish came early: "kv_pool_full" when the KV pool could not hold the sequence
+    # any longer (it ran alone and still could not grow), None when max_tokens or the context ended it.
+    length_cause: str | None = None
 
 
 def _finish_reason(raw: Any) -> tuple[str | None, str | None]:
@@ -79,7 +83,14 @@ def to_delta(chunk: dict[str, Any]) -> Delta:
         completion_tokens=int(meta.get("completion_tokens", 0)),
         cached_tokens=int(meta.get("cached_tokens", 0)),
         error=error,
+        length_cause=_length_cause(meta.get("finish_reason")),
     )
+
+
+def _length_cause(raw: Any) -> str | None:
+    if isinstance(raw, dict) and raw.get("type") == "length" and raw.get("pool") == "full":
+        return KV_POOL_FULL
+    return None
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -214,7 +225,8 @@ class EngineClient:
             prompt_tokens=stats.prompt_tokens_total,
             generation_tokens=stats.generation_tokens_total,
             cached_tokens=stats.cached_tokens_total,
-            cache_hit_rate=stats.cache.cache_hit_rate if stats.cache is not None else stats.cache_hit_rate,
+            # per request, at its first step (the cache's own counts include re-admissions)
+            cache_hit_rate=stats.cache_hit_rate,
             gen_throughput=stats.gen_throughput,
         )
         if stats.drift is not None:
@@ -228,7 +240,8 @@ class EngineClient:
                 level_changes=d.level_changes,
             )
         fill_cache_stats(snap, stats.cache)
-        snap.recent_window = int(stats.drift.window) if stats.drift is not None else self.recent_window
+        # the cache's window (what steps use), not the one the drift monitor asks for
+        snap.recent_window = int(stats.cache.recent_window) if stats.cache is not None else self.recent_window
         return snap
 
 

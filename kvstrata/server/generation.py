@@ -31,6 +31,7 @@ class Choice:
     completion_tokens: int = 0
     cached_tokens: int = 0
     text_offset: int = 0  # characters already streamed (completions' text_offset)
+    length_cause: str | None = None
 
 
 class Run:
@@ -67,6 +68,7 @@ class Run:
         if delta.finish_reason is not None:
             c.finish_reason = delta.finish_reason
             c.error = delta.error
+            c.length_cause = delta.length_cause
         return c
 
     @property
@@ -126,13 +128,10 @@ class Run:
             logprobs = self.logprobs(c, c.logprobs)
             if self.kind == "chat":
                 message = {"role": "assistant", "content": text, "refusal": None}
-                choices.append(
-                    {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish}
-                )
+                body = {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish}
             else:
-                choices.append(
-                    {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-                )
+                body = {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            choices.append(_with_details(body, c.length_cause))
         return {
             "id": self.id,
             "object": "chat.completion" if self.kind == "chat" else "text_completion",
@@ -174,5 +173,18 @@ class Run:
         logprobs = self.logprobs(choice, delta.logprobs) if delta.logprobs else None
         if self.kind == "chat":
             content = {"content": delta.text} if delta.text else {}
-            return {"index": choice.index, "delta": content, "logprobs": logprobs, "finish_reason": finish}
-        return {"index": choice.index, "text": delta.text, "logprobs": logprobs, "finish_reason": finish}
+            body = {"index": choice.index, "delta": content, "logprobs": logprobs, "finish_reason": finish}
+        else:
+            body = {"index": choice.index, "text": delta.text, "logprobs": logprobs, "finish_reason": finish}
+        return _with_details(body, delta.length_cause if finish is not None else None)
+
+
+def _with_details(choice: dict[str, Any], length_cause: str | None) -> dict[str, Any]:
+    """A "length" finish caused by a full KV pool says so (OpenAI has no finish_reason for it)."""
+    if length_cause is not None:
+        choice["finish_details"] = {
+            "type": "length",
+            "cause": length_cause,
+            "message": "the KV cache pool is full: the sequence could not grow, so generation stopped early",
+        }
+    return choice

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 TIERS = ("cold", "ring")
-PAGE_STATES = ("free", "used", "cached", "pinned")
+PAGE_STATES = ("free", "used", "cached", "pinned", "evictable")
 
 
 @dataclass
@@ -20,7 +20,7 @@ class TierSnapshot:
     total_pages: int = 0
     total_bytes: int = 0
     bytes_per_token: float = 0.0
-    usage: float = 0.0  # 0..1: share of the tier not free
+    usage: float = 0.0  # 0..1: share of the tier neither free nor evictable (SGLang token_usage)
 
 
 @dataclass

@@ -13,9 +13,10 @@ def test_score_exact_on_known_logits():
     ref_logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]] * 3)  # positions 1..3 predict tokens 2..4
     served = torch.log_softmax(torch.tensor([[0.0, 0.0, 0.0, 0.0]] * 2), dim=-1)
 
-    def dense_forward(ids):
+    def dense_forward(ids, logits_from=0):
         assert ids.tolist() == [[1, 2, 3]]  # prompt (2) + first generated token
-        return ref_logits.unsqueeze(0)
+        assert logits_from == 1  # only the positions that predict generated tokens
+        return ref_logits[logits_from:].unsqueeze(0)
 
     job = DriftJob("r", [1, 2, 3, 0], prompt_len=2, served=served)
     ratio, kl = score(dense_forward, job)
@@ -30,7 +31,8 @@ def test_score_exact_on_known_logits():
 def test_identical_distributions_give_ratio_one_kl_zero():
     logits = torch.randn(1, 6, 10)
     served = torch.log_softmax(logits[0, 2:5], dim=-1)
-    ratio, kl = score(lambda ids: logits[:, : ids.shape[1]], DriftJob("r", [1, 2, 3, 4, 5, 6], 3, served))
+    job = DriftJob("r", [1, 2, 3, 4, 5, 6], 3, served)
+    ratio, kl = score(lambda ids, logits_from=0: logits[:, logits_from : ids.shape[1]], job)
     assert ratio == pytest.approx(1.0, abs=1e-6)
     assert kl == pytest.approx(0.0, abs=1e-6)
 
@@ -52,8 +54,8 @@ def test_monitor_worker_changes_level_and_reports():
     levels = []
     samples = []
 
-    def dense_forward(ids):  # reference says token 0 is certain; served said uniform
-        logits = torch.full((1, ids.shape[1], 4), -20.0)
+    def dense_forward(ids, logits_from=0):  # reference says token 0 is certain; served said uniform
+        logits = torch.full((1, ids.shape[1] - logits_from, 4), -20.0)
         logits[..., 0] = 20.0
         return logits
 
@@ -71,3 +73,26 @@ def test_monitor_worker_changes_level_and_reports():
     assert stats.level == 2 and stats.window == 128 and stats.samples == 3
     assert stats.ppl_ratios[0] == pytest.approx(4.0, rel=1e-3)  # uniform over 4 vs certain
     assert [s.level for s in samples] == [1, 1, 2]
+
+
+def test_rescoring_a_long_prompt_computes_logits_of_the_scored_steps_only(default_model):
+    """A 16K-token prompt would need 16K x vocab float32 logits (3 GB for a 49K vocabulary); the
+    re-score computes the n rows it compares and gets the same numbers as the full computation."""
+    net = default_model.net
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, default_model.config.vocab_size, (300,), generator=g).tolist()
+    prompt_len, n = 290, 10
+    full = net.dense_forward(torch.tensor([ids[: prompt_len + n - 1]]))[0]
+    served = torch.log_softmax(full[prompt_len - 1 :] + 0.3 * torch.randn(n, full.shape[-1], generator=g), -1)
+    rows: list[int] = []
+
+    def recording(x, logits_from=0):
+        out = net.dense_forward(x, logits_from=logits_from)
+        rows.append(out.shape[1])
+        return out
+
+    job = DriftJob("r", ids, prompt_len, served)
+    ratio, kl = score(recording, job)
+    assert rows == [n]
+    ref_ratio, ref_kl = score(lambda x, logits_from=0: full[None, logits_from:], job)
+    assert ratio == pytest.approx(ref_ratio, rel=1e-4) and kl == pytest.approx(ref_kl, rel=1e-3, abs=1e-6)

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from kvstrata.engine import options
 from kvstrata.engine.inputs import normalize_inputs
 from kvstrata.engine.options import EngineArgs, load_plan, pool_pages
 
@@ -80,11 +81,12 @@ def test_plan_file_forms(tmp_path):
         load_plan(f)
 
 
-def test_pool_sizing():
+def test_pool_sizing(monkeypatch):
     assert pool_pages(EngineArgs(max_total_tokens=100, page_size=16), CPU, 1000) == 7
     assert pool_pages(EngineArgs(), CPU, 1000) == 16384 // 16
-    pages = pool_pages(EngineArgs(mem_fraction_static=0.01), CPU, 1 << 20)
-    assert pages >= 1
+    monkeypatch.setattr(options, "available_memory", lambda device: 10 << 30)
+    assert pool_pages(EngineArgs(mem_fraction_static=0.01), CPU, 1 << 20) == (10 << 30) // 100 // (1 << 20)
+    assert pool_pages(EngineArgs(mem_fraction_static=0.01), CPU, 1 << 40) == 1  # never an empty pool
 
 
 def test_inputs_normalisation():

@@ -281,3 +281,36 @@ def test_bf16_ring_rounds_the_recent_window() -> None:
     cache = small_cache(num_pages=16, ring_dtype=torch.bfloat16)
     assert cache.ring.k.dtype == torch.bfloat16
     assert cache.stats().tiers["ring"].bytes_per_token == 2 * 2 * 2 * 8 * 2
+
+
+def test_an_admission_rolled_back_before_its_first_step_counts_no_hit() -> None:
+    cache = small_cache(num_pages=64)
+    tokens = list(range(1, 30))
+    cache.finish(prefill(cache, tokens))  # 28 tokens (7 pages) enter the tree
+    seq = cache.admit(tokens)  # matches 7 pages ...
+    assert seq.cached_tokens == 28
+    cache.finish(seq, insert=False)  # ... but is rolled back (pressure) before it runs
+    stats = cache.stats()
+    assert (stats.matched_tokens, stats.missed_tokens) == (0, 29)
+    cache.finish(prefill(cache, tokens))  # the admission that runs counts once
+    stats = cache.stats()
+    assert (stats.matched_tokens, stats.missed_tokens) == (28, 29 + 1)
+
+
+def test_a_plan_that_fails_leaves_nothing_attached(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvstrata.radix.cache as cache_module
+
+    cache = small_cache(num_pages=16, sinks=True, sink_pages=4)
+    seq = cache.admit(list(range(1, 20)))
+
+    def failing(*args: object, **kwargs: object) -> None:
+        raise torch.OutOfMemoryError("injected")
+
+    monkeypatch.setattr(cache_module, "build_step", failing)
+    with pytest.raises(torch.OutOfMemoryError):
+        cache.begin_step([seq], [19])
+    assert not seq.in_step and seq.page_ids == []
+    assert cache.stats().tiers["cold"].used == 0 and cache.sinks is not None and not cache.sinks.of_page
+    cache.check_invariants()
+    cache.finish(seq)  # it can still end cleanly
+    cache.check_invariants()
