@@ -33,7 +33,7 @@ Sink = Callable[[dict[str, Any]], None]
 
 
 class EngineCore:
-    def __init__(self, args: EngineArgs, model: LoadedModel, attention_backend: str = "torch") -> None:
+    def __init__(self, args: EngineArgs, model: LoadedModel, attention_backend: str = "auto") -> None:
         from kvstrata.radix import CacheConfig, OutOfPages, OutOfSlots, StratifiedKVCache
         from kvstrata.radix.pool import cold_page_bytes
 

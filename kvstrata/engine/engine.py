@@ -34,7 +34,7 @@ class Engine:
     """
 
     def __init__(self, model: str | LoadedModel | None = None, **kwargs: Any) -> None:
-        attention_backend = kwargs.pop("attention_backend", "torch")
+        attention_backend = kwargs.pop("attention_backend", "auto")
         preloaded = model if isinstance(model, LoadedModel) else None
         self.args = args = EngineArgs(model=None if preloaded else model, **kwargs)
         args.validate()

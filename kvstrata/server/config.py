@@ -16,6 +16,7 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 30000
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 def _bool(text: str) -> bool:
@@ -66,6 +67,13 @@ def _log_level(text: str) -> str:
     value = text.strip().lower()
     if value not in LOG_LEVELS:
         raise argparse.ArgumentTypeError(f"one of {', '.join(LOG_LEVELS)}: {text!r}")
+    return value
+
+
+def _attention_backend(text: str) -> str:
+    value = text.strip().lower()
+    if value not in ATTENTION_BACKENDS:
+        raise argparse.ArgumentTypeError(f"one of {', '.join(ATTENTION_BACKENDS)}: {text!r}")
     return value
 
 
@@ -125,6 +133,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag("context_length", _positive_int, None, "cap on prompt + output tokens (default: the model's)"),
     Flag("max_request_bytes", _positive_int, DEFAULT_MAX_REQUEST_BYTES, "largest accepted request body"),
     Flag("protect_metrics", _bool, False, "require the API key on /metrics too"),
+    Flag(
+        "attention_backend",
+        _attention_backend,
+        None,
+        "attention kernels: auto (triton on CUDA, torch on CPU), torch, triton",
+        True,
+    ),
 )
 
 
@@ -149,6 +164,7 @@ class ServerConfig:
     context_length: int | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     protect_metrics: bool = False
+    attention_backend: str | None = None
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``kvstrata.Engine``: only the options that were set."""
