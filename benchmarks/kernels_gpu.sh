@@ -10,7 +10,7 @@ PY=${PYTHON:-python3}
 $PY -c "import torch, triton; print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__)" \
   | tee "$OUT/versions.txt"
 timeout "${TEST_TIMEOUT:-300}" $PY -m pytest -q -p no:cacheprovider --durations=5 \
-  tests/radix/test_kernels_attend.py tests/radix/test_kernels_page_quantize.py tests/engine/test_engine_triton.py \
+  ${TESTS:-tests/radix/test_kernels_attend.py tests/radix/test_kernels_page_quantize.py tests/engine/test_engine_triton.py} \
   >"$OUT/tests.log" 2>&1
 echo "tests exit $?"
 grep -E "passed|failed|error" "$OUT/tests.log" | tail -3

@@ -74,46 +74,52 @@ def load_decoded(
     h,
     d,
     valid,
+    row_ok,
     H,
     P: tl.constexpr,
     D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     FMT: tl.constexpr,
     CHANNEL: tl.constexpr,
 ):
     """float32 ``[N, BLOCK_D]`` tile of one head of cold pages.
 
-    ``page`` and ``tok`` (``[N, 1]`` int64) name a token of a page, ``d`` (``[1, BLOCK_D]``) the channel,
-    ``valid`` the elements to read (the rest decode to 0). ``CHANNEL``: scales per channel over the page
-    (keys) instead of per token (values). Parts are ``[pages, P, H, ...]`` as the codec lays them out.
+    ``page`` and ``tok`` (``[N, 1]`` int64) name a token of a page, ``d`` (``[1, BLOCK_D]``) the channel;
+    ``valid`` masks the elements to read and ``row_ok`` (``[N, 1]``) the tokens (the rest decode to 0).
+    ``CHANNEL``: scales per channel over the page (keys) instead of per token (values). Parts are
+    ``[pages, P, H, ...]`` as the codec lays them out. Per-token scales are loaded once per row.
     """
     row = (page * P + tok) * H + h  # the (page, token, head) row of a [pages, P, H, *] part
+    if CHANNEL:
+        srow = (page * H + h) * D + d  # [N, BLOCK_D]: the row's page's scale of each channel
+        s_ok = valid
+    else:
+        srow = row  # [N, 1]: the row's own scale
+        s_ok = row_ok
+    if FMT == 5 or FMT == 6:
+        # Each channel reads its byte (neighbours share it: one cache line) and takes its nibble.
+        # (Whole-byte loads unpacked with tl.interleave gave wrong BF16 results on Triton 3.6.)
+        byte = tl.load(p0 + row * (D // 2) + d // 2, mask=valid, other=0).to(tl.int32)
+        c = (byte >> ((d & 1) * 4)) & 15  # element 2i: low nibble
     if FMT == 0:
         x = tl.load(p0 + row * D + d, mask=valid, other=0.0).to(tl.float32)
     elif FMT == 1 or FMT == 2:
         x = fp8_value(tl.load(p0 + row * D + d, mask=valid, other=0), FMT == 2)
-        if CHANNEL:
-            e = tl.load(p1 + (page * H + h) * D + d, mask=valid, other=127)
-        else:
-            e = tl.load(p1 + row, mask=valid, other=127)
-        x = x * pow2_scale(e)
+        x = x * pow2_scale(tl.load(p1 + srow, mask=s_ok, other=127))
     elif FMT == 3 or FMT == 4 or FMT == 5:
-        if FMT == 5:
-            byte = tl.load(p0 + row * (D // 2) + d // 2, mask=valid, other=0).to(tl.int32)
-            c = ((byte >> ((d & 1) * 4)) & 15).to(tl.float32)
+        if FMT == 5:  # noqa: SIM108  (c exists only for the packed formats)
+            x = c.to(tl.float32)
         else:
-            c = tl.load(p0 + row * D + d, mask=valid, other=0).to(tl.float32)
-        srow = (page * H + h) * D + d if CHANNEL else row
-        x = c * tl.load(p1 + srow, mask=valid, other=0.0)
+            x = tl.load(p0 + row * D + d, mask=valid, other=0).to(tl.float32)
+        x = x * tl.load(p1 + srow, mask=s_ok, other=0.0)
         if FMT != 3:
-            x = x + tl.load(p2 + srow, mask=valid, other=0.0)
+            x = x + tl.load(p2 + srow, mask=s_ok, other=0.0)
     else:
-        byte = tl.load(p0 + row * (D // 2) + d // 2, mask=valid, other=0).to(tl.int32)
-        v = e2m1_value((byte >> ((d & 1) * 4)) & 15)
+        v = e2m1_value(c.to(tl.int32))
         if CHANNEL:
             bs = tl.load(p1 + ((page * (P // 16) + tok // 16) * H + h) * D + d, mask=valid, other=0)
-            gs = tl.load(p2 + page * H + h, mask=valid, other=0.0)
+            x = v * (fp8_value(bs, False) * tl.load(p2 + page * H + h, mask=row_ok, other=0.0))
         else:
             bs = tl.load(p1 + row * (D // 16) + d // 16, mask=valid, other=0)
-            gs = tl.load(p2 + row, mask=valid, other=0.0)
-        x = v * (fp8_value(bs, False) * gs)
+            x = v * (fp8_value(bs, False) * tl.load(p2 + row, mask=row_ok, other=0.0))
     return x

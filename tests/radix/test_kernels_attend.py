@@ -96,7 +96,7 @@ def test_split_kv_merge(splits, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("codec", ["bf16", "fp8_e4m3", "fp4_e2m1"])
+@pytest.mark.parametrize("codec", ["bf16", "fp8_e4m3", "int4", "fp4_e2m1"])
 def test_bfloat16_compute(codec, device):
     """BF16 q/k/v and ring (tensor cores in BF16, float32 accumulate): BF16-level error."""
     cache = make_cache(codec, device, dtype=torch.bfloat16)

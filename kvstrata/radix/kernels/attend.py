@@ -120,8 +120,9 @@ def _attend_kernel(
         page = tl.load(PT + b * pt_stride + j // P, mask=ok, other=0).to(tl.int64)
         tok = (j % P).to(tl.int64)
         valid = ok[:, None] & d_ok[None, :]
-        k = load_decoded(K0, K1, K2, page[:, None], tok[:, None], h, d[None, :], valid, H, P, D, FMT, True)
-        v = load_decoded(V0, V1, V2, page[:, None], tok[:, None], h, d[None, :], valid, H, P, D, FMT, False)
+        pg, tk, dd, rok = page[:, None], tok[:, None], d[None, :], ok[:, None]
+        k = load_decoded(K0, K1, K2, pg, tk, h, dd, valid, rok, H, P, D, BLOCK_D, FMT, True)
+        v = load_decoded(V0, V1, V2, pg, tk, h, dd, valid, rok, H, P, D, BLOCK_D, FMT, False)
         acc, m_i, l_i = _update(q, k, v, ok[None, :], acc, m_i, l_i, qk_scale, DOT_PREC)
 
     if split == num_splits - 1:
@@ -221,7 +222,9 @@ def attend_group(
     vp += [vp[0]] * (3 - len(vp))
     lengths = g.kernel_lengths
     n_pages = g.page_table.shape[1]
-    block_m = max(16, min(64, triton.next_power_of_2(T * group)))
+    # Decode: one tile of query rows; extend: wider tiles so each decoded key tile serves more rows.
+    block_m = max(16, min(128 if T > 1 else 64, triton.next_power_of_2(T * group)))
+    block_n = 64 if T > 1 else BLOCK_N
     m_blocks = triton.cdiv(T * group, block_m)
     if splits is None:
         splits = _num_splits(B * h * m_blocks, n_pages) if T == 1 else 1
@@ -268,11 +271,11 @@ def attend_group(
         HAS_SINKS=sinks is not None and g.sink_table is not None,
         SPLIT=splits > 1,
         BLOCK_M=block_m,
-        BLOCK_N=BLOCK_N,
+        BLOCK_N=block_n,
         DOT_PREC="ieee" if q.dtype == torch.float32 or interpreted else "tf32",
         # The interpreter's BF16 dot is wrong (Triton 3.9): on CPU the operands go float32.
         DOT_DTYPE=tl.float32 if interpreted else _DOT_DTYPES[q.dtype],
-        num_warps=4,
+        num_warps=8 if block_m >= 128 else 4,
     )
     if splits > 1:
         _merge_kernel[(B * T * hq,)](
