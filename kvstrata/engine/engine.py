@@ -151,6 +151,7 @@ class Engine:
             "max_total_tokens": self.capacity_tokens,
             "max_running_requests": c.max_running,
             "chunked_prefill_size": self.args.chunked_prefill_size,
+            "attention_backend": self.runner.backend.name,
             "context_length": self.max_context,
             "drift_sample_rate": self.args.drift_sample_rate,
             "drift_threshold": self.args.drift_threshold,

@@ -32,7 +32,7 @@ GREEDY = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}
 def _generate(model, backend: str, prompts, **kwargs) -> list[list[int]]:
     engine = Engine(model=model, attention_backend=backend, max_total_tokens=4096, **kwargs)
     try:
-        assert engine.runner.backend.name == backend
+        assert engine.get_server_info()["attention_backend"] == backend
         out = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=GREEDY)]
         stats = engine.check_invariants()
         assert stats.running == 0
