@@ -7,6 +7,7 @@ which reads cold pages (dequantized inside its loop) and the BF16 ring, and stor
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -41,10 +42,41 @@ class TorchCacheAttention:
         return attn
 
 
-BACKENDS: dict[str, type[TorchCacheAttention]] = {"torch": TorchCacheAttention}
+class TritonCacheAttention(TorchCacheAttention):
+    """Triton kernels over cold pages + ring (`kvstrata.radix.kernels`): codes decoded in registers,
+    no dequantized copy of the history. On CPU it needs ``TRITON_INTERPRET=1`` (slow; for tests)."""
+
+    name = "triton"
+
+    def bind(self, batch: Any) -> AttnFn:
+        attention, scale = self.cache.attention, self.scale
+
+        def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return attention(layer, batch, q, k, v, scale, kernels=True)
+
+        return attn
+
+
+BACKENDS: dict[str, type[TorchCacheAttention]] = {
+    "torch": TorchCacheAttention,
+    "triton": TritonCacheAttention,
+}
+BACKEND_CHOICES = ("auto", *BACKENDS)
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """``auto``: triton on CUDA, torch elsewhere; other names pass through (checked by `get_backend`)."""
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return name
 
 
 def get_backend(name: str, cache: Any, scale: float) -> AttentionBackend:
+    name = resolve_backend(name, cache.device)
+    if name == "triton" and cache.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "attention backend 'triton' on CPU needs TRITON_INTERPRET=1 (slow; for tests); use 'torch'"
+        )
     try:
         cls = BACKENDS[name]
     except KeyError:

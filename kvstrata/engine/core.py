@@ -37,7 +37,7 @@ NONFINITE_LOGITS = "the model produced non-finite logits (NaN or Inf) for this r
 
 
 class EngineCore:
-    def __init__(self, args: EngineArgs, model: LoadedModel, attention_backend: str = "torch") -> None:
+    def __init__(self, args: EngineArgs, model: LoadedModel, attention_backend: str = "auto") -> None:
         from kvstrata.radix import CacheConfig, OutOfPages, OutOfSlots, StratifiedKVCache
 
         self.args = args

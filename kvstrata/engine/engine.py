@@ -34,7 +34,7 @@ class Engine:
     """
 
     def __init__(self, model: str | LoadedModel | None = None, **kwargs: Any) -> None:
-        attention_backend = kwargs.pop("attention_backend", "torch")
+        attention_backend = kwargs.pop("attention_backend", "auto")
         preloaded = model if isinstance(model, LoadedModel) else None
         self.args = args = EngineArgs(model=None if preloaded else model, **kwargs)
         args.validate()
@@ -153,6 +153,7 @@ class Engine:
             "max_total_tokens": self.capacity_tokens,
             "max_running_requests": c.max_running,
             "chunked_prefill_size": self.args.chunked_prefill_size,
+            "attention_backend": self.runner.backend.name,
             "context_length": self.max_context,
             "drift_sample_rate": self.args.drift_sample_rate,
             "drift_threshold": self.args.drift_threshold,

@@ -206,6 +206,13 @@ def store(
         if sinks is not None and w.sink_pages.numel():
             sinks.k[layer, w.sink_slots] = pages_kv[0][w.sink_pages].to(sinks.k.dtype)
             sinks.v[layer, w.sink_slots] = pages_kv[1][w.sink_pages].to(sinks.v.dtype)
+    write_ring(layer, batch, k, v, ring)
+    return counts
+
+
+def write_ring(layer: int, batch: StepBatch, k: torch.Tensor, v: torch.Tensor, ring: HotRing) -> None:
+    """Put the step's new tokens that stay recent into their ring rows (after completed pages read
+    the ring)."""
+    w = batch.write
     ring.k[layer].index_copy_(0, w.ring_dst, k.index_select(0, w.ring_src).to(ring.k.dtype))
     ring.v[layer].index_copy_(0, w.ring_dst, v.index_select(0, w.ring_src).to(ring.v.dtype))
-    return counts

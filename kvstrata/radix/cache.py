@@ -265,10 +265,19 @@ class StratifiedKVCache:
         return int(node.parent is not None and node.parent.is_root and node.pages[0] in self.sinks.of_page)
 
     def attention(
-        self, layer: int, batch: StepBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self,
+        layer: int,
+        batch: StepBatch,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        kernels: bool = False,
     ) -> torch.Tensor:
         """Causal attention of the new tokens over cold pages + sinks + ring + themselves; then
-        stores k/v (ring, and completed pages quantized once). Returns ``[T, Hq, D]``."""
+        stores k/v (ring, and completed pages quantized once). Returns ``[T, Hq, D]``.
+
+        ``kernels``: the Triton kernels of `kvstrata.radix.kernels` instead of the torch reference."""
         if batch.closed:
             raise ValueError("attention: the step has ended")
         if layer in batch.layers_done:
@@ -283,10 +292,21 @@ class StratifiedKVCache:
             )
         if self._rotate is not None:
             q, k, v = self._rotate(q), self._rotate(k), self._rotate(v)
-        out = attention.attend(
-            layer, batch, q, k, v, scale, self.pool, self.ring, self.sinks, self.cfg.block_pages
-        )
-        counts = attention.store(layer, batch, k, v, self.pool, self.ring, self.sinks, self.clips[layer])
+        if kernels:
+            from kvstrata.radix.kernels import attend as kernel_attend
+
+            out = kernel_attend.attend(layer, batch, q, k, v, scale, self.pool, self.ring, self.sinks)
+        else:
+            out = attention.attend(
+                layer, batch, q, k, v, scale, self.pool, self.ring, self.sinks, self.cfg.block_pages
+            )
+        if kernels and all(c is None for c in self.clips[layer]):
+            from kvstrata.radix.kernels.page_quantize import quantize_pages
+
+            counts = quantize_pages(layer, batch.write, k, v, self.pool, self.ring, self.sinks)
+            attention.write_ring(layer, batch, k, v, self.ring)
+        else:
+            counts = attention.store(layer, batch, k, v, self.pool, self.ring, self.sinks, self.clips[layer])
         for kind in ("k", "v"):
             self.overflow[kind][layer] += getattr(counts, f"overflow_{kind}")
             self.nonfinite[kind][layer] += getattr(counts, f"nonfinite_{kind}")

@@ -80,6 +80,13 @@ class GroupPlan:
         return _bias(seen).unsqueeze(1).repeat(1, 1, group, 1)
 
     @cached_property
+    def kernel_lengths(self) -> torch.Tensor:
+        """[3, B] int32 on the plan's device: cold pages, ring rows and sink flag (0/1) of each
+        sequence, for the Triton kernels (lengths instead of masks)."""
+        rows = [self.cold_pages, self.ring_len, [int(s) for s in self.sink_valid]]
+        return torch.tensor(rows, dtype=torch.int32).to(self.device)
+
+    @cached_property
     def cold_bias(self) -> torch.Tensor:
         """[B, 1, 1, Np*P] additive mask of the cold keys (block-wise pass)."""
         P = self.page_size
@@ -111,6 +118,26 @@ class WritePlan:
     sink_slots: torch.Tensor  # [Ns]
     ring_dst: torch.Tensor  # ring rows receiving new tokens
     ring_src: torch.Tensor  # their rows in k/v
+
+    def kernel_sources(self, page_size: int) -> torch.Tensor:
+        """[Nw * P] int64, where each row of the completed pages comes from, for the Triton page
+        quantize: a ring row (>= 0), or new row ``r`` of k/v as ``-1 - r``."""
+        src = getattr(self, "_kernel_sources", None)
+        if src is None:
+            src = torch.empty(
+                self.page_ids.numel() * page_size, dtype=torch.long, device=self.page_ids.device
+            )
+            src.index_copy_(0, self.from_ring[0], self.from_ring[1])
+            src.index_copy_(0, self.from_new[0], -1 - self.from_new[1])
+            self._kernel_sources = src
+        return src
+
+    @cached_property
+    def kernel_sink_slots(self) -> torch.Tensor:
+        """[Nw] int64: the sink slot each completed page also fills, or -1."""
+        slots = torch.full_like(self.page_ids, -1)
+        slots.index_copy_(0, self.sink_pages, self.sink_slots)
+        return slots
 
 
 @dataclass(eq=False)

@@ -16,6 +16,7 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 30000
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 def _bool(text: str) -> bool:
@@ -73,6 +74,13 @@ def _load_format(text: str) -> str:
     value = text.strip().lower()
     if value not in ("auto", "dummy"):
         raise argparse.ArgumentTypeError(f"auto or dummy: {text!r}")
+    return value
+
+
+def _attention_backend(text: str) -> str:
+    value = text.strip().lower()
+    if value not in ATTENTION_BACKENDS:
+        raise argparse.ArgumentTypeError(f"one of {', '.join(ATTENTION_BACKENDS)}: {text!r}")
     return value
 
 
@@ -145,6 +153,13 @@ FLAGS: tuple[Flag, ...] = (
         "auto (read the weights) or dummy (random weights from the model directory's config.json)",
         True,
     ),
+    Flag(
+        "attention_backend",
+        _attention_backend,
+        None,
+        "attention kernels: auto (triton on CUDA, torch on CPU), torch, triton",
+        True,
+    ),
 )
 
 
@@ -170,6 +185,7 @@ class ServerConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     protect_metrics: bool = False
     load_format: str | None = None
+    attention_backend: str | None = None
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``kvstrata.Engine``: only the options that were set."""

@@ -1,0 +1,125 @@
+"""Triton device functions that decode a codec's page parts in registers (the attention kernels' view).
+
+This is the kernel twin of each codec's ``dequantize_parts``: the same parts, laid out as the codec's
+``page_parts`` says, decoded to float32 inside a kernel. The torch codecs stay the definition and the
+reference; ``tests/radix/test_kernels.py`` checks these functions against them for every codec.
+
+`kernel_format(codec)` gives the format id a kernel takes as a ``tl.constexpr`` and the order in which
+it wants the codec's parts (at most three). FP8 parts travel as uint8 (``as_raw``) and are bit-cast
+back in the kernel, so the same code runs on a GPU and under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kvstrata.quant.codec import Codec
+
+# Format ids: 0 raw values (bf16/fp32); 1/2 FP8 E4M3/E5M2 codes with an E8M0 scale exponent; 3 int8
+# codes * scale; 4 int8_asym and 5 int4 (nibbles) codes * scale + offset; 6 E2M1 nibbles * E4M3 block
+# scale * float32 global scale.
+_FORMATS: dict[str, tuple[int, tuple[str, ...]]] = {
+    "bf16": (0, ("values",)),
+    "fp32": (0, ("values",)),
+    "fp8_e4m3": (1, ("codes", "scale_exp")),
+    "fp8_e5m2": (2, ("codes", "scale_exp")),
+    "int8": (3, ("codes", "scale")),
+    "int8_asym": (4, ("codes", "scale", "offset")),
+    "int4": (5, ("codes", "scale", "offset")),
+    "fp4_e2m1": (6, ("codes", "block_scale", "global_scale")),
+}
+
+
+def kernel_format(codec: Codec) -> tuple[int, tuple[str, ...]]:
+    """``(format id, part names in kernel order)`` of ``codec``; ``ValueError`` if no kernel reads it."""
+    try:
+        return _FORMATS[codec.name]
+    except KeyError:
+        raise ValueError(f"no Triton kernel decodes codec {codec.name!r}") from None
+
+
+@triton.jit
+def fp8_value(c, E5M2: tl.constexpr):
+    """uint8 bit patterns of FP8 values (E4M3FN or E5M2) as float32."""
+    if E5M2:
+        return c.to(tl.float8e5, bitcast=True).to(tl.float32)
+    else:
+        return c.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def pow2_scale(e):
+    """The scale ``2 ** (e - 127)`` of a uint8 E8M0 exponent, built from its bits (no exp2)."""
+    bits = e.to(tl.int32) << 23
+    return tl.where(e == 0, 5.877471754111438e-39, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def e2m1_value(c):
+    """E2M1 codes (int32 nibbles, sign in bit 3) as float32: {0, .5, 1, 1.5, 2, 3, 4, 6} and negatives."""
+    i = c & 7
+    big = (2 + (i & 1)).to(tl.float32) * (1 << (i >> 1)).to(tl.float32) * 0.25
+    mag = tl.where(i < 2, i.to(tl.float32) * 0.5, big)
+    return tl.where((c & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def load_decoded(
+    p0,
+    p1,
+    p2,
+    page,
+    tok,
+    h,
+    d,
+    valid,
+    row_ok,
+    H,
+    P: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    FMT: tl.constexpr,
+    CHANNEL: tl.constexpr,
+):
+    """float32 ``[N, BLOCK_D]`` tile of one head of cold pages.
+
+    ``page`` and ``tok`` (``[N, 1]`` int64) name a token of a page, ``d`` (``[1, BLOCK_D]``) the channel;
+    ``valid`` masks the elements to read and ``row_ok`` (``[N, 1]``) the tokens (the rest decode to 0).
+    ``CHANNEL``: scales per channel over the page (keys) instead of per token (values). Parts are
+    ``[pages, P, H, ...]`` as the codec lays them out. Per-token scales are loaded once per row.
+    """
+    row = (page * P + tok) * H + h  # the (page, token, head) row of a [pages, P, H, *] part
+    if CHANNEL:
+        srow = (page * H + h) * D + d  # [N, BLOCK_D]: the row's page's scale of each channel
+        s_ok = valid
+    else:
+        srow = row  # [N, 1]: the row's own scale
+        s_ok = row_ok
+    if FMT == 5 or FMT == 6:
+        # Each channel reads its byte (neighbours share it: one cache line) and takes its nibble.
+        # (Whole-byte loads unpacked with tl.interleave gave wrong BF16 results on Triton 3.6.)
+        byte = tl.load(p0 + row * (D // 2) + d // 2, mask=valid, other=0).to(tl.int32)
+        c = (byte >> ((d & 1) * 4)) & 15  # element 2i: low nibble
+    if FMT == 0:
+        x = tl.load(p0 + row * D + d, mask=valid, other=0.0).to(tl.float32)
+    elif FMT == 1 or FMT == 2:
+        x = fp8_value(tl.load(p0 + row * D + d, mask=valid, other=0), FMT == 2)
+        x = x * pow2_scale(tl.load(p1 + srow, mask=s_ok, other=127))
+    elif FMT == 3 or FMT == 4 or FMT == 5:
+        if FMT == 5:  # noqa: SIM108  (c exists only for the packed formats)
+            x = c.to(tl.float32)
+        else:
+            x = tl.load(p0 + row * D + d, mask=valid, other=0).to(tl.float32)
+        x = x * tl.load(p1 + srow, mask=s_ok, other=0.0)
+        if FMT != 3:
+            x = x + tl.load(p2 + srow, mask=s_ok, other=0.0)
+    else:
+        v = e2m1_value(c.to(tl.int32))
+        if CHANNEL:
+            bs = tl.load(p1 + ((page * (P // 16) + tok // 16) * H + h) * D + d, mask=valid, other=0)
+            x = v * (fp8_value(bs, False) * tl.load(p2 + page * H + h, mask=row_ok, other=0.0))
+        else:
+            bs = tl.load(p1 + row * (D // 16) + d // 16, mask=valid, other=0)
+            x = v * (fp8_value(bs, False) * tl.load(p2 + row, mask=row_ok, other=0.0))
+    return x

@@ -1,0 +1,277 @@
+"""Triton device function that encodes one head of a page into a codec's parts (the page-quantize
+kernel's view), operation for operation as the torch codecs do, so the codes are bit-identical.
+
+The page arrives as two float32 tiles: even channels ``xe`` and odd channels ``xo`` (``[BLOCK_P,
+BLOCK_D2]``), which is how the 4-bit codecs pack a byte (low nibble: even channel). Rows past the page
+and channels past head_dim must be zeros (they never raise an absmax; their codes are not stored).
+Dynamic scales only: static clips (calibration files) stay on the torch path.
+
+The torch operations this mirrors: divisions are correctly rounded (``div_rn``), ``torch.round`` is
+round-half-to-even (``rint``), float casts to FP8 round to nearest even, and E2M1 codes round ties
+toward zero (``bucketize`` over the midpoints).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kvstrata.quant.kernel_decode import fp8_value
+
+
+@triton.jit
+def _amax(x, CHANNEL: tl.constexpr):
+    """absmax per channel (over tokens, ``[1, C]``) or per token (over channels, ``[P, 1]``)."""
+    if CHANNEL:
+        return tl.max(tl.abs(x), 0)[None, :]
+    else:
+        return tl.max(tl.abs(x), 1)[:, None]
+
+
+@triton.jit
+def _amin2(xe, xo, CHANNEL: tl.constexpr):
+    if CHANNEL:
+        return tl.min(xe, 0)[None, :], tl.min(xo, 0)[None, :]
+    else:
+        m = tl.minimum(tl.min(xe, 1), tl.min(xo, 1))[:, None]
+        return m, m
+
+
+@triton.jit
+def _amax2(xe, xo, CHANNEL: tl.constexpr):
+    if CHANNEL:
+        return tl.max(xe, 0)[None, :], tl.max(xo, 0)[None, :]
+    else:
+        m = tl.maximum(tl.max(xe, 1), tl.max(xo, 1))[:, None]
+        return m, m
+
+
+@triton.jit
+def _abs2(xe, xo, CHANNEL: tl.constexpr):
+    if CHANNEL:
+        return _amax(xe, True), _amax(xo, True)
+    else:
+        m = tl.maximum(_amax(xe, False), _amax(xo, False))
+        return m, m
+
+
+@triton.jit
+def _safe(s):
+    return tl.where(s > 0, s, 1.0)
+
+
+@triton.jit
+def _rint(x):
+    """Round half to even for ``|x| < 2**22`` (the codes here are below 2**9): adding 1.5 * 2**23
+    leaves no fraction bits, so the add rounds as IEEE does; the subtraction is exact."""
+    return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def fp8_bits(y, E5M2: tl.constexpr):
+    """float32 values within the format's finite range to FP8 bit patterns (uint8), round to nearest
+    even, as torch's cast does. Integer arithmetic: the interpreter's own FP8 cast does not round so."""
+    if E5M2:
+        M: tl.constexpr = 2
+        BIAS: tl.constexpr = 15
+    else:
+        M: tl.constexpr = 3
+        BIAS: tl.constexpr = 7
+    bits = y.to(tl.int32, bitcast=True)
+    a = tl.abs(y)
+    e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 255) - 127, 1 - BIAS)  # binade (>= min normal)
+    inv_quantum = ((127 - (e - M)) << 23).to(tl.float32, bitcast=True)  # exact power of two
+    n = _rint(a * inv_quantum).to(tl.int32)  # steps of the binade's quantum, 0..2**(M+1)
+    # Normal binades: exponent field e + BIAS, mantissa n - 2**M; a carry (n = 2**(M+1)) lands on the
+    # next binade by itself, and the lowest binade gives subnormal codes n < 2**M.
+    code = ((e + BIAS) << M) + n - (1 << M)
+    return (code | ((bits >> 31) & 1) << 7).to(tl.uint8)
+
+
+@triton.jit
+def to_storage(x, ty: tl.constexpr):
+    """float32 ``x`` cast to a raw storage dtype, rounding to nearest even as torch does. BF16 buffers
+    travel as int16 (`as_bits`) and get their bits here: the interpreter's BF16 cast truncates, and a
+    GPU cast would turn NaN into another NaN pattern than torch's 0x7FC0."""
+    if ty == tl.int16:
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return tl.where(x != x, 0x7FC0, rounded).to(tl.int16)
+    else:
+        return x.to(ty)
+
+
+@triton.jit
+def _pow2_exponent(absmax, FMAX: tl.constexpr):
+    """``ceil(log2(absmax / FMAX))`` clamped to [-127, 127], 0 for absmax 0 (`fp8.pow2_scale_exponent`)."""
+    ratio = tl.math.div_rn(absmax, tl.full(absmax.shape, FMAX, tl.float32))
+    small = ratio < 1.1754943508222875e-38  # subnormal: normalise exactly before reading the bits
+    r = tl.where(small, ratio * 18446744073709551616.0, ratio)
+    bits = r.to(tl.int32, bitcast=True)
+    biased = (bits >> 23) & 255
+    exact = (bits & 0x7FFFFF) == 0  # frexp mantissa 0.5: an exact power of two
+    e = biased - tl.where(exact, 127, 126) - tl.where(small, 64, 0)
+    e = tl.where(ratio == 0, 0, e)
+    return tl.minimum(tl.maximum(e, -127), 127)
+
+
+@triton.jit
+def _pow2(e):
+    """``2.0 ** e`` for int32 ``e`` in [-127, 127], exact (``2 ** -127`` is subnormal)."""
+    normal = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    return tl.where(e == -127, 5.877471754111438e-39, normal)
+
+
+@triton.jit
+def _e2m1_codes(y):
+    """E2M1 code of each element of ``y`` (within ±6): index = midpoints strictly below |y|, sign bit 3."""
+    a = tl.abs(y)
+    i = (
+        (a > 0.25).to(tl.int32)
+        + (a > 0.75).to(tl.int32)
+        + (a > 1.25).to(tl.int32)
+        + (a > 1.75).to(tl.int32)
+        + (a > 2.5).to(tl.int32)
+        + (a > 3.5).to(tl.int32)
+        + (a > 5.0).to(tl.int32)
+    )
+    return i | ((y < 0).to(tl.int32) << 3)
+
+
+@triton.jit
+def _block_amax(x, CHANNEL: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D2: tl.constexpr):
+    """absmax per 16-element block: 16 tokens per channel (``[BLOCK_P // 16, BLOCK_D2]``) or 16
+    channels per token; one half tile holds 8 of them (``[BLOCK_P, BLOCK_D2 // 8]``)."""
+    if CHANNEL:
+        return tl.max(tl.reshape(tl.abs(x), [BLOCK_P // 16, 16, BLOCK_D2]), 1)
+    else:
+        return tl.max(tl.reshape(tl.abs(x), [BLOCK_P, BLOCK_D2 // 8, 8]), 2)
+
+
+@triton.jit
+def _expand_blocks(s, CHANNEL: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D2: tl.constexpr):
+    """A per-block tensor broadcast back to ``[BLOCK_P, BLOCK_D2]``."""
+    if CHANNEL:
+        return tl.reshape(tl.broadcast_to(s[:, None, :], [BLOCK_P // 16, 16, BLOCK_D2]), [BLOCK_P, BLOCK_D2])
+    else:
+        return tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_P, BLOCK_D2 // 8, 8]), [BLOCK_P, BLOCK_D2])
+
+
+@triton.jit
+def encode_store(
+    xe,
+    xo,
+    p0,
+    p1,
+    p2,
+    page,
+    h,
+    H,
+    P: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_D2: tl.constexpr,
+    FMT: tl.constexpr,
+    CHANNEL: tl.constexpr,
+):
+    """Encode head ``h`` of page ``page`` (int64) from ``xe``/``xo`` and store every part."""
+    tok = tl.arange(0, BLOCK_P)[:, None]
+    i = tl.arange(0, BLOCK_D2)[None, :]
+    de = 2 * i
+    ok = (tok < P) & (de < D)
+    row = (page * P + tok) * H + h  # [BLOCK_P, 1]
+    if CHANNEL:
+        s_ok_e = (de < D) & (tok == 0)
+        se_off = (page * H + h) * D + de + 0 * tok  # scale of channel de, stored once per page
+        so_off = se_off + 1
+    else:
+        s_ok_e = (tok < P) & (i == 0)
+        se_off = row + 0 * i
+        so_off = se_off
+    if FMT == 0:
+        tl.store(p0 + row * D + de, to_storage(xe, p0.dtype.element_ty), mask=ok)
+        tl.store(p0 + row * D + de + 1, to_storage(xo, p0.dtype.element_ty), mask=ok)
+    elif FMT == 1 or FMT == 2:
+        if FMT == 2:
+            fmax: tl.constexpr = 57344.0
+        else:
+            fmax: tl.constexpr = 448.0
+        ae, ao = _abs2(xe, xo, CHANNEL)
+        ee = _pow2_exponent(ae, fmax)
+        eo = _pow2_exponent(ao, fmax)
+        ye = tl.minimum(tl.maximum(xe * _pow2(-ee), -fmax), fmax)
+        yo = tl.minimum(tl.maximum(xo * _pow2(-eo), -fmax), fmax)
+        tl.store(p0 + row * D + de, fp8_bits(ye, FMT == 2), mask=ok)
+        tl.store(p0 + row * D + de + 1, fp8_bits(yo, FMT == 2), mask=ok)
+        tl.store(p1 + se_off, (ee + 127).to(tl.uint8) + 0 * tok.to(tl.uint8), mask=s_ok_e)
+        if CHANNEL:
+            tl.store(p1 + so_off, (eo + 127).to(tl.uint8) + 0 * tok.to(tl.uint8), mask=s_ok_e)
+    elif FMT == 3:
+        ae, ao = _abs2(xe, xo, CHANNEL)
+        se = tl.math.div_rn(ae, tl.full(ae.shape, 127.0, tl.float32))
+        so = tl.math.div_rn(ao, tl.full(ao.shape, 127.0, tl.float32))
+        ce = _rint(tl.math.div_rn(xe, _safe(se) + 0.0 * xe))
+        co = _rint(tl.math.div_rn(xo, _safe(so) + 0.0 * xo))
+        ce = tl.minimum(tl.maximum(ce, -127.0), 127.0).to(tl.int8)
+        co = tl.minimum(tl.maximum(co, -127.0), 127.0).to(tl.int8)
+        tl.store(p0 + row * D + de, ce, mask=ok)
+        tl.store(p0 + row * D + de + 1, co, mask=ok)
+        tl.store(p1 + se_off, se + 0.0 * tok, mask=s_ok_e)
+        if CHANNEL:
+            tl.store(p1 + so_off, so + 0.0 * tok, mask=s_ok_e)
+    elif FMT == 4 or FMT == 5:
+        if FMT == 5:
+            levels: tl.constexpr = 15.0
+        else:
+            levels: tl.constexpr = 255.0
+        # Rows/channels past the page would join the min/max: take them from the page's own data.
+        lo_e, lo_o = _amin2(tl.where(ok, xe, float("inf")), tl.where(ok, xo, float("inf")), CHANNEL)
+        hi_e, hi_o = _amax2(tl.where(ok, xe, float("-inf")), tl.where(ok, xo, float("-inf")), CHANNEL)
+        se = tl.math.div_rn(hi_e - lo_e, tl.full(hi_e.shape, levels, tl.float32))
+        so = tl.math.div_rn(hi_o - lo_o, tl.full(hi_o.shape, levels, tl.float32))
+        ce = _rint(tl.math.div_rn(xe - lo_e, _safe(se) + 0.0 * xe))
+        co = _rint(tl.math.div_rn(xo - lo_o, _safe(so) + 0.0 * xo))
+        ce = tl.minimum(tl.maximum(ce, 0.0), levels).to(tl.int32)
+        co = tl.minimum(tl.maximum(co, 0.0), levels).to(tl.int32)
+        if FMT == 5:
+            tl.store(p0 + row * (D // 2) + i, (ce | (co << 4)).to(tl.uint8), mask=ok)
+        else:
+            tl.store(p0 + row * D + de, ce.to(tl.uint8), mask=ok)
+            tl.store(p0 + row * D + de + 1, co.to(tl.uint8), mask=ok)
+        tl.store(p1 + se_off, se + 0.0 * tok, mask=s_ok_e)
+        tl.store(p2 + se_off, lo_e + 0.0 * tok, mask=s_ok_e)
+        if CHANNEL:
+            tl.store(p1 + so_off, so + 0.0 * tok, mask=s_ok_e)
+            tl.store(p2 + so_off, lo_o + 0.0 * tok, mask=s_ok_e)
+    else:
+        ae, ao = _abs2(xe, xo, CHANNEL)
+        be = _block_amax(xe, CHANNEL, BLOCK_P, BLOCK_D2)
+        bo = _block_amax(xo, CHANNEL, BLOCK_P, BLOCK_D2)
+        if CHANNEL:  # global scale per page and head [1, 1]; blocks of 16 tokens per channel
+            amax = tl.max(tl.maximum(ae, ao), 1)[:, None]
+        else:  # global scale per token [BLOCK_P, 1]; a block of 16 channels spans both halves
+            amax = ae
+            be = tl.maximum(be, bo)
+            bo = be
+        gs = tl.math.div_rn(amax, tl.full(amax.shape, 2688.0, tl.float32))
+        sg = _safe(gs) * 6.0
+        bse = fp8_bits(tl.minimum(tl.maximum(tl.math.div_rn(be, sg + 0.0 * be), 0.0), 448.0), False)
+        bso = fp8_bits(tl.minimum(tl.maximum(tl.math.div_rn(bo, sg + 0.0 * bo), 0.0), 448.0), False)
+        de_ = _safe(fp8_value(_expand_blocks(bse, CHANNEL, BLOCK_P, BLOCK_D2), False) * gs)
+        do_ = _safe(fp8_value(_expand_blocks(bso, CHANNEL, BLOCK_P, BLOCK_D2), False) * gs)
+        ye = tl.minimum(tl.maximum(tl.math.div_rn(xe, de_), -6.0), 6.0)
+        yo = tl.minimum(tl.maximum(tl.math.div_rn(xo, do_), -6.0), 6.0)
+        packed = _e2m1_codes(ye) | (_e2m1_codes(yo) << 4)
+        tl.store(p0 + row * (D // 2) + i, packed.to(tl.uint8), mask=ok)
+        if CHANNEL:
+            bt = tl.arange(0, BLOCK_P // 16)[:, None]
+            b_ok = (bt < P // 16) & (de < D)
+            b_off = ((page * (P // 16) + bt) * H + h) * D + de
+            tl.store(p1 + b_off, bse, mask=b_ok)
+            tl.store(p1 + b_off + 1, bso, mask=b_ok)
+            tl.store(p2 + page * H + h + 0 * tok, gs + 0.0 * tok, mask=tok == 0)
+        else:
+            bj = tl.arange(0, BLOCK_D2 // 8)[None, :]
+            b_ok = (tok < P) & (bj < D // 16)
+            tl.store(p1 + row * (D // 16) + bj, bse, mask=b_ok)
+            tl.store(p2 + row, gs, mask=tok < P)

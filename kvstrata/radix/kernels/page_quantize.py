@@ -1,0 +1,240 @@
+"""Triton page quantize: the pages a step completes, encoded from ring rows + new rows straight into
+the pool's parts (and the sink store), one program per (page, KV head), no gathered float copy.
+
+Codes equal the torch codecs' (`kvstrata.quant.kernel_encode` mirrors them operation for operation).
+Each program also reports the finite absmax and the NaN/Inf count of its K and V rows, which the cache
+accumulates as the torch path does. Static clips (calibration scales) are not handled here: the cache
+keeps the torch path for them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvstrata.quant.kernel_encode import encode_store, to_storage
+from kvstrata.radix.plan import WritePlan
+from kvstrata.radix.pool import ColdPool, WriteCounts, as_raw
+from kvstrata.radix.ring import HotRing
+from kvstrata.radix.sinks import SinkStore
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """A buffer as the kernel writes it: BF16 as int16 bits (see `to_storage`), FP8 as uint8."""
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else as_raw(t)
+
+
+@triton.jit
+def _load_rows(RING, NEW, ring_row, new_row, from_ring, c, ok, H, h, D: tl.constexpr):
+    """float32 rows of one head, each from the ring or from the new K/V, and their NaN/Inf mask."""
+    r = tl.load(RING + (ring_row * H + h) * D + c, mask=ok & from_ring, other=0.0).to(tl.float32)
+    n = tl.load(NEW + (new_row * H + h) * D + c, mask=ok & (from_ring == 0), other=0.0).to(tl.float32)
+    x = tl.where(from_ring, r, n)
+    return x, ((x != x) | (tl.abs(x) > 3.4028234663852886e38)) & ok
+
+
+@triton.jit
+def _quantize_head(
+    RING,
+    NEW,
+    ring_row,
+    new_row,
+    from_ring,
+    tok,
+    i,
+    p0,
+    p1,
+    p2,
+    SINK,
+    sink_slot,
+    STATS,
+    stat_off,
+    page,
+    h,
+    H,
+    P: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_D2: tl.constexpr,
+    FMT: tl.constexpr,
+    CHANNEL: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+):
+    ok = (tok < P) & (2 * i < D)
+    xe, bad_e = _load_rows(RING, NEW, ring_row, new_row, from_ring, 2 * i, ok, H, h, D)
+    xo, bad_o = _load_rows(RING, NEW, ring_row, new_row, from_ring, 2 * i + 1, ok, H, h, D)
+    if FMT == 0:  # raw storage keeps NaN/Inf as they are, like the torch raw codecs
+        encode_store(xe, xo, p0, p1, p2, page, h, H, P, D, BLOCK_P, BLOCK_D2, FMT, CHANNEL)
+    else:  # the codecs' input preparation: NaN/Inf count and become 0 before any scale
+        encode_store(
+            tl.where(bad_e, 0.0, xe),
+            tl.where(bad_o, 0.0, xo),
+            p0,
+            p1,
+            p2,
+            page,
+            h,
+            H,
+            P,
+            D,
+            BLOCK_P,
+            BLOCK_D2,
+            FMT,
+            CHANNEL,
+        )
+    if HAS_SINKS:
+        s_ok = ok & (tok * 0 + sink_slot >= 0)  # (a scalar bool in a mask trips the interpreter)
+        off = ((sink_slot * P + tok) * H + h) * D + 2 * i
+        tl.store(SINK + off, to_storage(xe, SINK.dtype.element_ty), mask=s_ok)
+        tl.store(SINK + off + 1, to_storage(xo, SINK.dtype.element_ty), mask=s_ok)
+    amax = tl.max(
+        tl.max(tl.maximum(tl.abs(tl.where(bad_e, 0.0, xe)), tl.abs(tl.where(bad_o, 0.0, xo))), 1), 0
+    )
+    nonfinite = tl.sum(tl.sum(bad_e.to(tl.float32) + bad_o.to(tl.float32), 1), 0)
+    tl.store(STATS + stat_off, amax)
+    tl.store(STATS + stat_off + 1, nonfinite)
+
+
+@triton.jit
+def _page_quantize_kernel(
+    RK,
+    RV,
+    KN,
+    VN,
+    SRC,
+    PAGE_IDS,
+    SINK_SLOTS,
+    K0,
+    K1,
+    K2,
+    V0,
+    V1,
+    V2,
+    SK,
+    SV,
+    STATS,
+    H,
+    P: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_D2: tl.constexpr,
+    FMT: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+):
+    w = tl.program_id(0)
+    h = tl.program_id(1)
+    page = tl.load(PAGE_IDS + w).to(tl.int64)
+    tok = tl.arange(0, BLOCK_P)[:, None]
+    i = tl.arange(0, BLOCK_D2)[None, :]
+    # SRC: >= 0 a ring row, < 0 the new row -1 - SRC.
+    src = tl.load(SRC + w * P + tok, mask=tok < P, other=0)
+    from_ring = src >= 0
+    ring_row = tl.where(from_ring, src, 0)
+    new_row = tl.where(from_ring, 0, -1 - src)
+    sink_slot = tl.load(SINK_SLOTS + w).to(tl.int64)
+    stat = (w * H + h) * 4
+    _quantize_head(
+        RK,
+        KN,
+        ring_row,
+        new_row,
+        from_ring,
+        tok,
+        i,
+        K0,
+        K1,
+        K2,
+        SK,
+        sink_slot,
+        STATS,
+        stat,
+        page,
+        h,
+        H,
+        P,
+        D,
+        BLOCK_P,
+        BLOCK_D2,
+        FMT,
+        True,
+        HAS_SINKS,
+    )
+    _quantize_head(
+        RV,
+        VN,
+        ring_row,
+        new_row,
+        from_ring,
+        tok,
+        i,
+        V0,
+        V1,
+        V2,
+        SV,
+        sink_slot,
+        STATS,
+        stat + 2,
+        page,
+        h,
+        H,
+        P,
+        D,
+        BLOCK_P,
+        BLOCK_D2,
+        FMT,
+        False,
+        HAS_SINKS,
+    )
+
+
+def quantize_pages(
+    layer: int,
+    w: WritePlan,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pool: ColdPool,
+    ring: HotRing,
+    sinks: SinkStore | None,
+) -> WriteCounts:
+    """Encode the step's completed pages of ``layer`` into the pool (and sinks); ``k``/``v`` are the
+    step's new rows ``[T, H, D]``. Must run before the new rows are written to the ring."""
+    from kvstrata.quant.kernel_decode import kernel_format
+
+    n = w.page_ids.numel()
+    if n == 0:
+        return WriteCounts()
+    fmt, names = kernel_format(pool.codecs[layer])
+    kp = [as_bits(pool.k[layer][name]) for name in names]
+    vp = [as_bits(pool.v[layer][name]) for name in names]
+    kp += [kp[0]] * (3 - len(kp))
+    vp += [vp[0]] * (3 - len(vp))
+    P, (_, _, H, D) = pool.page_size, ring.k.shape
+    src, sink_slots = w.kernel_sources(P), w.kernel_sink_slots
+    has_sinks = sinks is not None and w.sink_pages.numel() > 0
+    sk, sv = (as_bits(sinks.k[layer]), as_bits(sinks.v[layer])) if has_sinks and sinks is not None else (k, v)
+    stats = torch.empty((n, H, 4), dtype=torch.float32, device=k.device)
+    _page_quantize_kernel[(n, H)](
+        ring.k[layer],
+        ring.v[layer],
+        k.contiguous(),
+        v.contiguous(),
+        src,
+        w.page_ids,
+        sink_slots,
+        *kp,
+        *vp,
+        sk,
+        sv,
+        stats,
+        H,
+        P=P,
+        D=D,
+        BLOCK_P=max(16, triton.next_power_of_2(P)),
+        BLOCK_D2=max(8, triton.next_power_of_2(D) // 2),
+        FMT=fmt,
+        HAS_SINKS=has_sinks,
+    )
+    amax = stats[..., 0::2].amax(dim=(0, 1)).tolist()
+    bad = stats[..., 1::2].sum(dim=(0, 1)).tolist()
+    return WriteCounts(0, 0, int(bad[0]), int(bad[1]), amax[0], amax[1])
