@@ -22,7 +22,7 @@ import torch
 from kvstrata.engine.attention import get_backend
 from kvstrata.engine.drift import DriftJob, DriftMonitor, fallback_window
 from kvstrata.engine.loader import LoadedModel
-from kvstrata.engine.options import EngineArgs, pool_pages
+from kvstrata.engine.options import EngineArgs, pin_budget_bytes, pool_pages
 from kvstrata.engine.request import Request, Status
 from kvstrata.engine.runner import StepRunner
 from kvstrata.engine.scheduler import Scheduler
@@ -73,6 +73,9 @@ class EngineCore:
             rotation=args.rotation,
             scales=scales,
             device=self.device,
+            pin_budget_bytes=pin_budget_bytes(
+                args, cold_page_bytes(codecs, args.page_size, cfg.kv_heads, cfg.head_dim)
+            ),
         )
         self.cache = StratifiedKVCache(self.cache_config)
         backend = get_backend(attention_backend, self.cache, cfg.attn_scale)
@@ -204,9 +207,30 @@ class EngineCore:
         if kind == "check":  # tests: invariants checked on the thread that owns the cache
             self.cache.check_invariants()
             return self.cache.stats()
+        if kind in ("pin", "unpin", "pins"):
+            return self._pin_command(kind, arg)
         raise ValueError(f"unknown command {kind!r}")
 
+    def _pin_command(self, kind: str, arg: Any) -> Any:
+        """Pins on the engine thread: ``pin`` {tokens, ttl_s, label} -> pin json; ``unpin`` id; ``pins``."""
+        pins = self.cache.pins
+        pins.expire()
+        if kind == "pin":
+            pin = pins.pin(arg["tokens"], kind=arg.get("kind", "prefix"), label=arg.get("label", ""),
+                           ttl_s=arg.get("ttl_s"))  # fmt: skip
+            return pin.to_json(self.cache.pool.page_bytes, self.cache.page_size, pins.clock())
+        if kind == "unpin":
+            pin = pins.unpin(arg)
+            return pin.to_json(self.cache.pool.page_bytes, self.cache.page_size, pins.clock())
+        return pins.to_json()
+
+    def _pin_images(self, req: Request) -> None:
+        """The prompt is computed: cache its pages and pin the prefix ending at each image span."""
+        self.cache.cache_prefix(req.seq)
+        req.mm.pin_spans(req.prompt_ids, self.cache.pins, self.args.pin_ttl)
+
     def _step(self) -> None:
+        self.cache.pins.expire()
         plan = self.scheduler.schedule()
         self.stats.queue_sizes(len(self.scheduler.running), len(self.scheduler.waiting))
         if plan is None:
@@ -217,6 +241,8 @@ class EngineCore:
             if req.leader is None and not req.prompt_cached and req.computed >= len(req.prompt_ids):
                 self.cache.cache_prefix(req.seq)  # n > 1: siblings now match the prompt's pages
                 req.prompt_cached = True
+            if req.mm is not None and not req.mm.pinned and req.computed >= len(req.prompt_ids):
+                self._pin_images(req)
         if out is None:
             self.stats.step(0, len(self.scheduler.running), len(self.scheduler.waiting))
             return
