@@ -135,6 +135,38 @@ class Engine:
         """``cache.stats()`` snapshot, taken on the engine thread."""
         return self.core.call("cache_stats", None)
 
+    def pin(
+        self,
+        prompt: str | None = None,
+        input_ids: list[int] | None = None,
+        image_data: Any = None,
+        ttl_s: float | None = None,
+        label: str = "",
+    ) -> dict[str, Any]:
+        """Pin a prompt's full pages (a text prefix, or one with images): they are computed first if
+        not cached (one greedy token), then pinned; returns the pin (``id``, ``tokens``, ``bytes``...).
+
+        Raises ``ValueError`` for a bad prompt or image and `PinBudgetExceeded` over the pin budget.
+        """
+        batch = normalize_inputs(prompt, input_ids, None, None, self.tokenizer)
+        if not batch.single:
+            raise ValueError("pin takes one prompt")
+        ids = batch.ids[0]
+        images = self._images_per_prompt(image_data, 1, True)[0]
+        self.generate(
+            input_ids=ids, image_data=images or None, sampling_params={"max_new_tokens": 1, "temperature": 0}
+        )
+        if images:
+            ids, _ = self.model.vision.build(ids, images)
+        return self.core.call("pin", {"tokens": ids, "ttl_s": ttl_s, "label": label})
+
+    def unpin(self, pin_id: str) -> dict[str, Any]:
+        """Release a pin by id (``KeyError`` when there is none); its pages become evictable."""
+        return self.core.call("unpin", pin_id)
+
+    def list_pins(self) -> list[dict[str, Any]]:
+        return self.core.call("pins", None)
+
     def check_invariants(self) -> Any:
         """``cache.check_invariants()`` on the engine thread (raises there, re-raised here); returns stats."""
         return self.core.call("check", None)

@@ -49,7 +49,7 @@ class Run:
             for j in range(job.n)
         ]
 
-        self.request = client.submit(job.prompts, job.params)  # raises APIError(400) on bad input
+        self.request = client.submit(job.prompts, job.params, job.images)  # raises APIError(400) on bad input
 
     def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
         return self.request.deltas()

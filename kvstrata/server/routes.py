@@ -21,8 +21,14 @@ from kvstrata.server.engine_client import EngineClient
 from kvstrata.server.errors import APIError
 from kvstrata.server.generation import Kind, Run
 from kvstrata.server.metrics import ServerMetrics
-from kvstrata.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelList
-from kvstrata.server.validation import Job, chat_job, check_model, completion_job, parse_body
+from kvstrata.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    ModelList,
+    PinRequest,
+)
+from kvstrata.server.validation import Job, chat_job, chat_prompt, check_model, completion_job, parse_body
 
 log = logging.getLogger("kvstrata.server")
 router = APIRouter()
@@ -202,3 +208,26 @@ async def cache_flush(request: Request) -> JSONResponse:
             status_code=409,
         )
     return JSONResponse({"flushed": True})
+
+
+@router.post("/v1/cache/pins", openapi_extra=_body_schema(PinRequest), responses=ERRORS)
+async def cache_pin(request: Request) -> dict[str, Any]:
+    """Pin a prompt's full pages (computed first when not cached): a text prefix, or chat messages
+    with images. 409 when the pinned-bytes budget cannot take it."""
+    req = await parse_body(request, PinRequest)
+    client = state(request).client
+
+    def pin() -> dict[str, Any]:
+        images: list[Any] = []
+        if req.messages is not None:
+            ids, images = chat_prompt(client, req.messages)
+        else:
+            ids = client.encode(req.prompt) if req.prompt is not None else list(req.input_ids or [])
+        return client.pin(ids, images, req.ttl_s, req.label)
+
+    return await asyncio.to_thread(pin)
+
+
+@router.delete("/v1/cache/pins/{pin_id}", responses=ERRORS)
+async def cache_unpin(request: Request, pin_id: str) -> dict[str, Any]:
+    return await asyncio.to_thread(state(request).client.unpin, pin_id)
