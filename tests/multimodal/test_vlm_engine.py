@@ -99,6 +99,7 @@ def test_bad_images_are_refused_before_the_cache_sees_them(loaded, image, messag
 
 
 def test_too_many_pixels_is_refused(loaded):
-    with Engine(loaded, kv_cache_dtype="auto", page_size=4, max_total_tokens=256, max_image_pixels=1000) as eng:
-        with pytest.raises(ImageError, match="more than the limit of 1000"):
-            eng.generate(input_ids=image_prompt(), image_data=[make_image(5, (40, 30))], sampling_params=GREEDY)
+    kw = dict(kv_cache_dtype="auto", page_size=4, max_total_tokens=256, max_image_pixels=1000)
+    too_big = make_image(5, (40, 30))
+    with Engine(loaded, **kw) as eng, pytest.raises(ImageError, match="more than the limit of 1000"):
+        eng.generate(input_ids=image_prompt(), image_data=[too_big], sampling_params=GREEDY)
