@@ -76,7 +76,8 @@ class Run:
     def usage(self) -> dict[str, Any]:
         prompt = cached = 0
         for p, ids in enumerate(self.job.prompts):
-            prompt += len(ids)
+            # the engine's count: image placeholder spans included
+            prompt += next((c.prompt_tokens for c in self.choices if c.job == p), len(ids))
             # The prompt is computed once, by its first choice; the others match the pages it cached.
             cached += next((c.cached_tokens for c in self.choices if c.job == p), 0)
         completion = sum(c.completion_tokens for c in self.choices)
