@@ -161,6 +161,7 @@ class EngineCore:
         if self._pending_window is not None:
             window, self._pending_window = self._pending_window, None
             self.cache.set_recent_window(window)
+        self.cache.pins.expire()  # also while idle: the loop wakes at least once a second
         if self.scheduler.has_work():
             self._step()
         else:
@@ -230,7 +231,6 @@ class EngineCore:
         req.mm.pin_spans(req.prompt_ids, self.cache.pins, self.args.pin_ttl)
 
     def _step(self) -> None:
-        self.cache.pins.expire()
         plan = self.scheduler.schedule()
         self.stats.queue_sizes(len(self.scheduler.running), len(self.scheduler.waiting))
         if plan is None:

@@ -35,7 +35,7 @@ from kvstrata.radix.errors import PinBudgetExceeded
 log = logging.getLogger("kvstrata.multimodal")
 
 TAIL_ROWS = 64  # feature rows kept per image: covers the unshared last page of any page size <= 64
-TAIL_ENTRIES = 512
+TAIL_ENTRIES = 128  # images remembered (LRU): 64 MiB at most for a 4096-wide bfloat16 model
 
 
 @dataclass

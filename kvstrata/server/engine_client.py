@@ -219,7 +219,7 @@ class EngineClient:
     def image_extra_tokens(self) -> int:
         """Tokens one image adds to the prompt beyond its image token (its span and wrap tokens)."""
         vision = self._vision()
-        return vision.cfg.tokens_per_image + 2 * len(vision.wrap) - 1
+        return vision.cfg.tokens_per_image + (len(vision.wrap) + 1 if vision.wrap else 0) - 1
 
     def load_image(self, url: str) -> Any:
         from kvstrata.multimodal.images import ImageError, load_image

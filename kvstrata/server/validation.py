@@ -181,7 +181,7 @@ def chat_prompt(client: EngineClient, messages: list[ChatMessage]) -> tuple[list
 def chat_job(client: EngineClient, req: ChatCompletionRequest) -> Job:
     ids, images = chat_prompt(client, req.messages)
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    length = len(ids) + len(images) * client.image_extra_tokens()
+    length = len(ids) + (len(images) * client.image_extra_tokens() if images else 0)
     max_new = _max_new_tokens(client, length, req.max_new_tokens, param, "messages")
     top = (req.top_logprobs or 0) if req.logprobs else None
     return Job([ids], _sampling(req, max_new, top), [images] if images else None)

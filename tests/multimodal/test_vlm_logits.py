@@ -123,3 +123,26 @@ def test_batch_of_different_images_and_two_images_in_one_prompt(vlm):
     # different images under the same text never share their spans
     assert not torch.allclose(spy.rows["b0"], spy.rows["b1"], atol=TOL)
     engine.check_invariants()
+
+
+def test_idefics3_wrap_tokens_around_each_image(tmp_path: Path):
+    model = hf_vlm("idefics3", "siglip", seed=3)
+    loaded = load_model(save_vlm(model, tmp_path))
+    vision = loaded.vision
+    n = vision.cfg.tokens_per_image
+    fake, glob = (
+        5,
+        6,
+    )  # stand-ins for <fake_token_around_image>, <global-img> (the tiny model has no tokenizer)
+    vision.wrap = (fake, glob)
+    ids = prompt(15, [4], seed=9)
+    image = make_image(31)
+    with Engine(loaded, **ENGINE) as engine:
+        spy = LogitSpy(engine)
+        out = run(engine, spy, ids, [image], "w0")
+    hf = []
+    for t in ids:
+        hf.extend([fake, glob, *[IMAGE_TOKEN] * n, fake] if t == IMAGE_TOKEN else [t])
+    assert out["meta_info"]["prompt_tokens"] == len(hf)
+    ref = hf_logits(model, hf, [vision.preprocess(image)], "idefics3")
+    torch.testing.assert_close(spy.rows["w0"], ref, atol=TOL, rtol=0)
