@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -20,7 +21,7 @@ IDEFICS3_WRAP = ("<fake_token_around_image>", "<global-img>")
 def load_vlm(
     model_dir: Path, name: str, dtype: torch.dtype, device: torch.device, limits: ImageLimits | None = None
 ) -> LoadedModel:
-    raw = json.loads((model_dir / "config.json").read_text())
+    raw = complete_config(model_dir, json.loads((model_dir / "config.json").read_text()))
     vlm = VLMConfig.from_hf(raw)
     text = dict(raw["text_config"])
     text.setdefault("model_type", "llama")
@@ -48,3 +49,18 @@ def load_vlm(
         limits=limits,
     )
     return LoadedModel(net=net, config=config, tokenizer=tokenizer, name=name, path=model_dir, vision=vision)
+
+
+def complete_config(model_dir: Path, raw: dict[str, Any]) -> dict[str, Any]:
+    """Published checkpoints list only the sub-config fields that differ from transformers' defaults
+    (``llava-hf/llava-1.5-7b-hf``'s ``text_config`` has no ``hidden_size``): fill them in from
+    transformers' config classes, which know those defaults."""
+    from transformers import AutoConfig
+
+    full = AutoConfig.from_pretrained(str(model_dir))
+    out = dict(raw)
+    for name in ("text_config", "vision_config"):
+        sub = getattr(full, name, None)
+        if sub is not None:
+            out[name] = {**sub.to_dict(), **raw.get(name, {})}
+    return out

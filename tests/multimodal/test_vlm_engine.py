@@ -103,3 +103,29 @@ def test_too_many_pixels_is_refused(loaded):
     too_big = make_image(5, (40, 30))
     with Engine(loaded, **kw) as eng, pytest.raises(ImageError, match="more than the limit of 1000"):
         eng.generate(input_ids=image_prompt(), image_data=[too_big], sampling_params=GREEDY)
+
+
+def test_sparse_published_config_gets_transformers_defaults(tmp_path: Path):
+    """A config.json that omits every field equal to transformers' default (as published LLaVA
+    checkpoints do; here the tower's image_size 224 and patch_size 32 among them) loads to the same
+    model as the complete one."""
+    import json
+
+    import transformers
+
+    full_dir = save_vlm(hf_vlm("llava", "clip", image_size=224, patch_size=32), tmp_path / "full")
+    full = load_model(full_dir)
+    cfg = json.loads((full_dir / "config.json").read_text())
+    defaults = {
+        "text_config": transformers.LlamaConfig().to_dict(),
+        "vision_config": transformers.CLIPVisionConfig().to_dict(),
+    }
+    for name, default in defaults.items():
+        sub = cfg[name]
+        for key in [k for k in sub if k != "model_type" and k in default and default[k] == sub[k]]:
+            del sub[key]
+    assert "image_size" not in cfg["vision_config"] and "patch_size" not in cfg["vision_config"]
+    (full_dir / "config.json").write_text(json.dumps(cfg))
+    sparse = load_model(full_dir)
+    assert sparse.config == full.config and sparse.vision.cfg == full.vision.cfg
+    assert sparse.vision.cfg.tokens_per_image == 49

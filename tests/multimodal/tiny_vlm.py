@@ -18,14 +18,14 @@ IMAGE_TOKEN = 299  # the last id of the tiny vocabulary
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, patch_size=7)
 
 
-def hf_vlm(family: str, vision_kind: str = "clip", seed: int = 0) -> torch.nn.Module:
+def hf_vlm(family: str, vision_kind: str = "clip", seed: int = 0, **vision_overrides: Any) -> torch.nn.Module:
     """``llava`` (CLIP or SigLIP tower, 16 image tokens) or ``idefics3`` (SigLIP, pixel shuffle: 4 tokens)."""
     import transformers
 
     text = transformers.LlamaConfig(**TINY, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     if family == "llava":
         vcls = transformers.CLIPVisionConfig if vision_kind == "clip" else transformers.SiglipVisionConfig
-        vision = vcls(**VISION, image_size=28)
+        vision = vcls(**{**VISION, "image_size": 28, **vision_overrides})
         cfg = transformers.LlavaConfig(
             vision_config=vision,
             text_config=text,
