@@ -139,3 +139,26 @@ def test_pin_api(server: str) -> None:
     gone = httpx.delete(f"{server}/v1/cache/pins/{pin['id']}")
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "pin_not_found"
     assert pin["id"] not in [p["id"] for p in httpx.get(server + "/v1/cache").json()["pins"]]
+
+
+def test_pin_api_with_an_image_and_over_budget(server: str) -> None:
+    image = {"type": "image_url", "image_url": {"url": data_url(make_image(33, (64, 64)))}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Keep this: "}, image]}]
+    created = httpx.post(
+        server + "/v1/cache/pins", json={"messages": messages, "label": "photo"}, timeout=120
+    )
+    assert created.status_code == 200, created.text
+    pin = created.json()
+    assert pin["kind"] == "prefix" and pin["tokens"] >= IMAGE_TOKENS and pin["ttl_s"] is None
+    cache = httpx.get(server + "/v1/cache").json()
+    assert cache["pinned_bytes"] <= cache["pin_budget_bytes"]
+    refused = metric(server, "kvstrata:pins_refused_total")
+    budget_tokens = cache["pin_budget_bytes"] // (pin["bytes"] // pin["tokens"])
+    long_prompt = "cat" + " cat" * (budget_tokens + 32)  # one token per word: more than the whole budget
+    over = httpx.post(server + "/v1/cache/pins", json={"prompt": long_prompt}, timeout=300)
+    assert over.status_code == 409, over.text
+    assert over.json()["error"]["code"] == "pin_budget_exceeded"
+    assert "over the pin budget" in over.json()["error"]["message"]
+    assert metric(server, "kvstrata:pins_refused_total") == refused + 1
+    assert httpx.get(server + "/v1/cache").json()["pinned_bytes"] == cache["pinned_bytes"]
+    assert httpx.delete(f"{server}/v1/cache/pins/{pin['id']}").status_code == 200
