@@ -217,8 +217,7 @@ class EngineCore:
         pins = self.cache.pins
         pins.expire()
         if kind == "pin":
-            pin = pins.pin(arg["tokens"], kind=arg.get("kind", "prefix"), label=arg.get("label", ""),
-                           ttl_s=arg.get("ttl_s"))  # fmt: skip
+            pin = pins.pin(arg["tokens"], label=arg.get("label", ""), ttl_s=arg.get("ttl_s"))
             return pin.to_json(self.cache.pool.page_bytes, self.cache.page_size, pins.clock())
         if kind == "unpin":
             pin = pins.unpin(arg)

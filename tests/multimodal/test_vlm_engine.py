@@ -62,6 +62,18 @@ def test_pinned_image_survives_text_pressure_and_unpin_releases_it(loaded):
         eng.check_invariants()
 
 
+def test_n_samples_with_an_image_encode_it_once(loaded):
+    with Engine(loaded, kv_cache_dtype="auto", page_size=4, recent_window=8, max_total_tokens=512) as eng:
+        image = make_image(9)
+        params = {"n": 3, "max_new_tokens": 3, "temperature": 0}
+        outs = eng.generate(input_ids=image_prompt(2), image_data=[image], sampling_params=params)
+        assert len(outs) == 3 and all(o["output_ids"] == outs[0]["output_ids"] for o in outs)
+        assert eng.vision_stats() == {"encoded_images": 1, "cached_images": 2}  # siblings match the span
+        single = eng.generate(input_ids=image_prompt(2), image_data=[image], sampling_params=GREEDY)
+        assert single["output_ids"] == outs[0]["output_ids"][:2]
+        eng.check_invariants()
+
+
 def test_pin_budget_refuses_clearly_and_requests_still_run(loaded):
     kw = dict(kv_cache_dtype="auto", page_size=4, recent_window=8, max_total_tokens=512, max_pinned_tokens=24)
     with Engine(loaded, **kw) as eng:
