@@ -28,7 +28,7 @@ from kvstrata.server.protocol import (
     ModelList,
     PinRequest,
 )
-from kvstrata.server.validation import Job, chat_job, chat_prompt, check_model, completion_job, parse_body
+from kvstrata.server.validation import Job, chat_job, check_model, completion_job, parse_body, pin_prompt
 
 log = logging.getLogger("kvstrata.server")
 router = APIRouter()
@@ -38,6 +38,11 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "Invalid request"},
     401: {"model": ErrorResponse, "description": "Missing or wrong API key"},
     404: {"model": ErrorResponse, "description": "Unknown model"},
+}
+PIN_ERRORS: dict[int | str, dict[str, Any]] = {
+    **ERRORS,
+    404: {"model": ErrorResponse, "description": "Unknown pin"},
+    409: {"model": ErrorResponse, "description": "The pinned-bytes budget cannot take the prefix"},
 }
 
 
@@ -210,7 +215,7 @@ async def cache_flush(request: Request) -> JSONResponse:
     return JSONResponse({"flushed": True})
 
 
-@router.post("/v1/cache/pins", openapi_extra=_body_schema(PinRequest), responses=ERRORS)
+@router.post("/v1/cache/pins", openapi_extra=_body_schema(PinRequest), responses=PIN_ERRORS)
 async def cache_pin(request: Request) -> dict[str, Any]:
     """Pin a prompt's full pages (computed first when not cached): a text prefix, or chat messages
     with images. 409 when the pinned-bytes budget cannot take it."""
@@ -218,16 +223,12 @@ async def cache_pin(request: Request) -> dict[str, Any]:
     client = state(request).client
 
     def pin() -> dict[str, Any]:
-        images: list[Any] = []
-        if req.messages is not None:
-            ids, images = chat_prompt(client, req.messages)
-        else:
-            ids = client.encode(req.prompt) if req.prompt is not None else list(req.input_ids or [])
+        ids, images = pin_prompt(client, req)
         return client.pin(ids, images, req.ttl_s, req.label)
 
     return await asyncio.to_thread(pin)
 
 
-@router.delete("/v1/cache/pins/{pin_id}", responses=ERRORS)
+@router.delete("/v1/cache/pins/{pin_id}", responses=PIN_ERRORS)
 async def cache_unpin(request: Request, pin_id: str) -> dict[str, Any]:
     return await asyncio.to_thread(state(request).client.unpin, pin_id)

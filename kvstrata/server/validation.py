@@ -16,7 +16,7 @@ from starlette.requests import Request
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.server.engine_client import EngineClient
 from kvstrata.server.errors import APIError, validation_error
-from kvstrata.server.protocol import MAX_N, ChatCompletionRequest, ChatMessage, CompletionRequest
+from kvstrata.server.protocol import MAX_N, ChatCompletionRequest, ChatMessage, CompletionRequest, PinRequest
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -175,6 +175,21 @@ def chat_prompt(client: EngineClient, messages: list[ChatMessage]) -> tuple[list
     image_text = client.image_text() if urls else ""
     images = [client.load_image(url) for url in urls]
     ids = client.chat_ids([{"role": m.role, "content": m.text(image_text)} for m in messages])
+    return ids, images
+
+
+def pin_prompt(client: EngineClient, req: PinRequest) -> tuple[list[int], list[Any]]:
+    """The ids (and images) of a ``POST /v1/cache/pins`` body, within the served context length."""
+    images: list[Any] = []
+    if req.messages is not None:
+        ids, images = chat_prompt(client, req.messages)
+        param = "messages"
+    elif req.prompt is not None:
+        ids, param = client.encode(req.prompt), "prompt"
+    else:
+        ids, param = list(req.input_ids or []), "input_ids"
+    length = len(ids) + (len(images) * client.image_extra_tokens() if images else 0)
+    _max_new_tokens(client, length, 1, param, param)
     return ids, images
 
 
