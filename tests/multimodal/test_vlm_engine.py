@@ -141,3 +141,19 @@ def test_sparse_published_config_gets_transformers_defaults(tmp_path: Path):
     sparse = load_model(full_dir)
     assert sparse.config == full.config and sparse.vision.cfg == full.vision.cfg
     assert sparse.vision.cfg.tokens_per_image == 49
+
+
+def test_image_pin_expires_after_its_ttl(loaded):
+    kw = dict(kv_cache_dtype="auto", page_size=4, recent_window=8, max_total_tokens=256, pin_ttl=30.0)
+    with Engine(loaded, **kw) as eng:
+        now = [1000.0]
+        eng.cache.pins.clock = lambda: now[0]  # a fake clock the engine thread reads
+        eng.generate(input_ids=image_prompt(), image_data=[make_image(8)], sampling_params=GREEDY)
+        (pin,) = eng.list_pins()
+        assert pin["ttl_s"] == 30.0
+        now[0] += 29.0
+        assert [p["id"] for p in eng.list_pins()] == [pin["id"]]
+        now[0] += 1.5
+        assert eng.list_pins() == []
+        stats = eng.check_invariants()
+        assert (stats.pins_created, stats.pins_expired, stats.pinned_pages) == (1, 1, 0)
