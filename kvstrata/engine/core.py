@@ -25,11 +25,12 @@ from kvstrata.engine.attention import get_backend
 from kvstrata.engine.drift import DriftJob, DriftMonitor, fallback_window
 from kvstrata.engine.loader import LoadedModel
 from kvstrata.engine.memory import plan_memory, weight_bytes
-from kvstrata.engine.options import EngineArgs
+from kvstrata.engine.options import EngineArgs, pin_budget_bytes
 from kvstrata.engine.request import Request, Status
 from kvstrata.engine.runner import StepRunner
 from kvstrata.engine.scheduler import Scheduler, StepPlan
 from kvstrata.engine.stats import RequestFinished, StatsCollector
+from kvstrata.radix.pool import cold_page_bytes
 
 log = logging.getLogger("kvstrata.engine")
 ResultCallback = Callable[[dict[str, Any]], None]  # receives a request's chunks and final result
@@ -74,6 +75,9 @@ class EngineCore:
             rotation=args.rotation,
             scales=scales,
             device=self.device,
+            pin_budget_bytes=pin_budget_bytes(
+                args, cold_page_bytes(codecs, args.page_size, cfg.kv_heads, cfg.head_dim)
+            ),
         )
         self.memory_plan = plan_memory(
             args, cfg, self.cache_config, weight_bytes(model.net), self.dtype, self.device
@@ -165,6 +169,7 @@ class EngineCore:
             window = self.drift.window()
             if window != self.cache.recent_window:
                 self.cache.set_recent_window(window)
+        self.cache.pins.expire()  # also while idle: the loop wakes at least once a second
         if self.scheduler.has_work():
             self._step()
         else:
@@ -211,7 +216,26 @@ class EngineCore:
         if kind == "check":  # tests: invariants checked on the thread that owns the cache
             self.cache.check_invariants()
             return self.cache.stats()
+        if kind in ("pin", "unpin", "pins"):
+            return self._pin_command(kind, arg)
         raise ValueError(f"unknown command {kind!r}")
+
+    def _pin_command(self, kind: str, arg: Any) -> Any:
+        """Pins on the engine thread: ``pin`` {tokens, ttl_s, label} -> pin json; ``unpin`` id; ``pins``."""
+        pins = self.cache.pins
+        pins.expire()
+        if kind == "pin":
+            pin = pins.pin(arg["tokens"], label=arg.get("label", ""), ttl_s=arg.get("ttl_s"))
+            return pin.to_json(self.cache.pool.page_bytes, self.cache.page_size, pins.clock())
+        if kind == "unpin":
+            pin = pins.unpin(arg)
+            return pin.to_json(self.cache.pool.page_bytes, self.cache.page_size, pins.clock())
+        return pins.to_json()
+
+    def _pin_images(self, req: Request) -> None:
+        """The prompt is computed: cache its pages and pin the prefix ending at each image span."""
+        self.cache.cache_prefix(req.seq)
+        req.mm.pin_spans(req.prompt_ids, self.cache.pins, self.args.pin_ttl)
 
     def _step(self) -> None:
         try:
@@ -236,6 +260,8 @@ class EngineCore:
             if req.leader is None and not req.prompt_cached and req.computed >= len(req.prompt_ids):
                 self.cache.cache_prefix(req.seq)  # n > 1: siblings now match the prompt's pages
                 req.prompt_cached = True
+            if req.mm is not None and not req.mm.pinned and req.computed >= len(req.prompt_ids):
+                self._pin_images(req)
         if out is None:
             self.stats.step(0, len(self.scheduler.running), len(self.scheduler.waiting))
             return

@@ -18,7 +18,7 @@ from typing import Any
 from kvstrata.engine.core import EngineCore, ResultCallback
 from kvstrata.engine.inputs import normalize_inputs
 from kvstrata.engine.loader import LoadedModel, load_model
-from kvstrata.engine.options import EngineArgs
+from kvstrata.engine.options import EngineArgs, image_hosts
 from kvstrata.engine.request import Request
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.engine.stats import EngineEvent, EngineStats
@@ -44,6 +44,10 @@ class Engine:
                 model, dtype=args.resolve_dtype(device), device=device, load_format=args.load_format
             )
         self.model = preloaded
+        if preloaded.vision is not None:
+            preloaded.vision.set_limits(
+                args.max_image_bytes, args.max_image_pixels, args.image_fetch_timeout, image_hosts(args)
+            )
         self.config = self.model.config
         self.tokenizer = self.model.tokenizer
         self.core = core = EngineCore(args, self.model, attention_backend)
@@ -65,15 +69,20 @@ class Engine:
         rid: str | list[str] | None = None,
         return_logprob: bool | None = None,
         top_logprobs_num: int | None = None,
+        image_data: Any = None,
     ) -> Any:
         """One prompt -> a result dict (a list of n with n > 1); a list of prompts -> a list.
 
         With ``stream=True``: an iterator of chunks with incremental ``text`` (``index`` in a batch).
+        ``image_data`` (vision-language models, as SGLang): for one prompt an image or a list of images,
+        for a batch one such entry per prompt; an image is a ``data:`` URL, an allow-listed http(s) URL,
+        bytes or a PIL image, and the prompt holds one image token per image.
         """
         sink_q: queue.Queue[dict[str, Any]] = queue.Queue()
         reqs, single = self._submit(
-            prompt, input_ids, sampling_params, rid, return_logprob, top_logprobs_num, stream, sink_q.put
-        )
+            prompt, input_ids, sampling_params, rid, return_logprob, top_logprobs_num, stream, sink_q.put,
+            image_data,
+        )  # fmt: skip
         if stream:
             return self._stream_sync(reqs, sink_q)
         results = self._collect_sync(reqs, sink_q)
@@ -88,6 +97,7 @@ class Engine:
         rid: str | list[str] | None = None,
         return_logprob: bool | None = None,
         top_logprobs_num: int | None = None,
+        image_data: Any = None,
     ) -> Any:
         """``await engine.async_generate(...)``; ``async for c in engine.async_generate(..., stream=True)``.
 
@@ -100,7 +110,15 @@ class Engine:
             loop.call_soon_threadsafe(aq.put_nowait, chunk)
 
         reqs, single = self._submit(
-            prompt, input_ids, sampling_params, rid, return_logprob, top_logprobs_num, stream, sink
+            prompt,
+            input_ids,
+            sampling_params,
+            rid,
+            return_logprob,
+            top_logprobs_num,
+            stream,
+            sink,
+            image_data,
         )
         if stream:
             return self._stream_async(reqs, aq)
@@ -118,6 +136,38 @@ class Engine:
     def cache_stats(self) -> Any:
         """``cache.stats()`` snapshot, taken on the engine thread."""
         return self.core.call("cache_stats", None)
+
+    def pin(
+        self,
+        prompt: str | None = None,
+        input_ids: list[int] | None = None,
+        image_data: Any = None,
+        ttl_s: float | None = None,
+        label: str = "",
+    ) -> dict[str, Any]:
+        """Pin a prompt's full pages (a text prefix, or one with images): they are computed first if
+        not cached (one greedy token), then pinned; returns the pin (``id``, ``tokens``, ``bytes``...).
+
+        Raises ``ValueError`` for a bad prompt or image and `PinBudgetExceeded` over the pin budget.
+        """
+        batch = normalize_inputs(prompt, input_ids, None, None, self.tokenizer)
+        if not batch.single:
+            raise ValueError("pin takes one prompt")
+        ids = batch.ids[0]
+        images = self._images_per_prompt(image_data, 1, True)[0]
+        self.generate(
+            input_ids=ids, image_data=images or None, sampling_params={"max_new_tokens": 1, "temperature": 0}
+        )
+        if images:
+            ids, _ = self.model.vision.build(ids, images)
+        return self.core.call("pin", {"tokens": ids, "ttl_s": ttl_s, "label": label})
+
+    def unpin(self, pin_id: str) -> dict[str, Any]:
+        """Release a pin by id (``KeyError`` when there is none); its pages become evictable."""
+        return self.core.call("unpin", pin_id)
+
+    def list_pins(self) -> list[dict[str, Any]]:
+        return self.core.call("pins", None)
 
     def check_invariants(self) -> Any:
         """``cache.check_invariants()`` on the engine thread (raises there, re-raised here); returns stats."""
@@ -197,12 +247,17 @@ class Engine:
         top_logprobs_num: int | None,
         stream: bool,
         sink: ResultCallback,
+        image_data: Any = None,
     ) -> tuple[list[Request], bool]:
         if self._closed or self.core.stopping:
             raise RuntimeError("engine is shut down")
         batch = normalize_inputs(prompt, input_ids, sampling_params, rid, self.tokenizer)
+        images = self._images_per_prompt(image_data, len(batch.ids), batch.single)
         reqs: list[Request] = []
-        for ids, raw, req_id in zip(batch.ids, batch.params, batch.rids, strict=True):
+        for ids, raw, req_id, imgs in zip(batch.ids, batch.params, batch.rids, images, strict=True):
+            mm = None
+            if imgs:
+                ids, mm = self.model.vision.build(ids, imgs)
             params = SamplingParams.from_dict(raw)
             if return_logprob is not None:
                 params.return_logprob = return_logprob
@@ -210,7 +265,7 @@ class Engine:
                 params.top_logprobs_num = top_logprobs_num
                 params.return_logprob = params.return_logprob or top_logprobs_num > 0
             params.validate()
-            self._check_length(ids, params)
+            self._check_length(ids, params, mm.pad_ids if mm is not None else frozenset())
             group = req_id or uuid.uuid4().hex
             leader: Request | None = None
             for i in range(params.n):
@@ -220,8 +275,10 @@ class Engine:
                     rid_i, ids, params, self.tokenizer, self.eos_ids, self.config.vocab_size,
                     sink=sink, stream=stream, group=group, seed=seed, leader=leader, device=self.device,
                 )  # fmt: skip
-                if self.drift is not None and self.drift.should_sample():
-                    req.drift_logprobs = []
+                if mm is not None:
+                    self._attach_images(req, mm if leader is None else mm.fork())
+                elif self.drift is not None and self.drift.should_sample():
+                    req.drift_logprobs = []  # the drift monitor re-scores text only
                 if params.n > 1 and leader is None:
                     leader = req
                 reqs.append(req)
@@ -233,10 +290,46 @@ class Engine:
         self.core.post("add", reqs)
         return reqs, batch.single
 
-    def _check_length(self, ids: list[int], params: SamplingParams) -> None:
+    def _images_per_prompt(self, image_data: Any, n_prompts: int, single: bool) -> list[list[Any]]:
+        if image_data is None or (isinstance(image_data, list) and not image_data):
+            return [[] for _ in range(n_prompts)]
+        if self.model.vision is None:
+            raise ValueError(
+                f"the model {self.model.name!r} takes no images (it is not a vision-language model)"
+            )
+        if single:
+            return [image_data if isinstance(image_data, list) else [image_data]]
+        if not isinstance(image_data, list) or len(image_data) != n_prompts:
+            raise ValueError(
+                f"image_data for a batch needs one entry (an image or a list) per prompt ({n_prompts})"
+            )
+        return [[] if x is None else x if isinstance(x, list) else [x] for x in image_data]
+
+    def _attach_images(self, req: Request, mm: Any) -> None:
+        """Placeholder pad ids are not text: the detokenizer and penalties see the text ids only."""
+        from kvstrata.engine.detokenizer import IncrementalDetokenizer
+        from kvstrata.engine.sampler import PenaltyState, SampleRow
+
+        req.mm = mm
+        text = mm.text_ids(req.prompt_ids)
+        req.detok = IncrementalDetokenizer(self.tokenizer, text, req.params.skip_special_tokens)
+        if req.penalties is not None:
+            req.penalties = PenaltyState(self.config.vocab_size, text, self.device)
+            req.row = SampleRow(req.params, req.generator, req.penalties)
+
+    def vision_stats(self) -> dict[str, int]:
+        """Images encoded by the vision tower and images whose tower run was skipped (span cached)."""
+        vision = self.model.vision
+        if vision is None:
+            return {"encoded_images": 0, "cached_images": 0}
+        return {"encoded_images": vision.stats.encoded_images, "cached_images": vision.stats.cached_images}
+
+    def _check_length(
+        self, ids: list[int], params: SamplingParams, pad_ids: frozenset[int] = frozenset()
+    ) -> None:
         if not ids:
             raise ValueError("the prompt is empty")
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size and t not in pad_ids]
         if bad:
             raise ValueError(f"token id {bad[0]} is out of range [0, {self.config.vocab_size})")
         limit = min(self.max_context, self.capacity_tokens)

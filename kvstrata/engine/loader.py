@@ -48,6 +48,7 @@ class LoadedModel:
     tokenizer: Any  # transformers PreTrainedTokenizerFast with chat template; None if the directory has none
     name: str
     path: Path  # what was loaded: the GGUF file or the model directory
+    vision: Any = None  # vision-language models: the image side (kvstrata.multimodal.VisionLanguage)
 
     def __post_init__(self) -> None:
         # Used by the engine thread, callers' threads and the server's event loop at once.
@@ -93,6 +94,11 @@ def load_model(
             raise ValueError(f"{source} has no config.json and {len(ggufs)} .gguf files; pass one file")
         source = ggufs[0]
     model_dir = converted_dir(source) if source.suffix == ".gguf" else source
+    if "vision_config" in json.loads((model_dir / "config.json").read_text()):
+        # A vision-language directory (LLaVA, Idefics3): the one place the engine reaches up, lazily.
+        from kvstrata.multimodal.loader import load_vlm
+
+        return load_vlm(model_dir, name, dtype, device)
     config = read_config(model_dir)
     net = build_model(config, read_safetensors(model_dir), dtype, device)
     return LoadedModel(net=net, config=config, tokenizer=load_tokenizer(model_dir), name=name, path=source)
@@ -178,9 +184,10 @@ def converted_dir(gguf_path: Path) -> Path:
 
 
 # ---------------------------------------------------------------------------------------- HF directory
-def read_config(model_dir: Path) -> ModelConfig:
-    """config.json, with eos ids from generation_config.json added (instruct models often list several)."""
-    config = ModelConfig.from_hf(model_dir / "config.json")
+def read_config(model_dir: Path, hf_config: dict[str, Any] | None = None) -> ModelConfig:
+    """config.json (or ``hf_config``, e.g. a VLM's ``text_config``), with eos ids from
+    generation_config.json added (instruct models often list several)."""
+    config = ModelConfig.from_hf(hf_config if hf_config is not None else model_dir / "config.json")
     gen_file = model_dir / "generation_config.json"
     if gen_file.is_file():
         eos = json.loads(gen_file.read_text()).get("eos_token_id")

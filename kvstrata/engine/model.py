@@ -161,10 +161,18 @@ class Transformer(nn.Module):
         return cos.to(self.dtype), sin.to(self.dtype)
 
     def forward(
-        self, input_ids: Tensor, positions: Tensor, attn: AttnFn, logits_at: Tensor | None = None
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        attn: AttnFn,
+        logits_at: Tensor | None = None,
+        embeds: Tensor | None = None,
     ) -> Tensor:
-        """input_ids, positions [T] (a flattened varlen batch) -> float32 logits [len(logits_at) or T, V]."""
-        x = self.embed(input_ids)
+        """input_ids, positions [T] (a flattened varlen batch) -> float32 logits [len(logits_at) or T, V].
+
+        ``embeds`` [T, hidden] replaces the token embeddings (image features spliced in by the caller).
+        """
+        x = self.embed(input_ids) if embeds is None else embeds
         cos, sin = self.rope(positions)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, i, attn)

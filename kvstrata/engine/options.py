@@ -51,6 +51,16 @@ class EngineArgs:
     seed: int | None = None  # seeds the unseeded sampling rows (torch default generator)
     load_format: str = "auto"  # "dummy": random weights from the model directory's config.json alone
     extra: dict[str, Any] = field(default_factory=dict)
+    # Pinned prefixes (image spans, POST /v1/cache/pins): budget in tokens (None: a quarter of the
+    # pool) and the time-to-live of image pins in seconds (None: until unpinned or flushed).
+    max_pinned_tokens: int | None = None
+    pin_ttl: float | None = 3600.0
+    # Images (vision-language models): http(s) fetching only from these hosts (empty: off).
+    allowed_image_hosts: list[str] | str | None = None
+    max_image_bytes: int = 20 * 1024 * 1024
+    max_image_pixels: int = 4096 * 4096
+    image_fetch_timeout: float = 10.0
+    vision_kv_dtype: str = "auto"  # codec of image-token history; only "auto" (the pool's codec) today
 
     def __post_init__(self) -> None:
         """Fill the window, rotation and sinks left unset from the shipped defaults (or the plan file)."""
@@ -87,6 +97,15 @@ class EngineArgs:
             raise ValueError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError(f"max_total_tokens must be >= page_size, got {self.max_total_tokens}")
+        if self.max_pinned_tokens is not None and self.max_pinned_tokens < 0:
+            raise ValueError(f"max_pinned_tokens must be >= 0, got {self.max_pinned_tokens}")
+        if self.pin_ttl is not None and self.pin_ttl <= 0:
+            raise ValueError(f"pin_ttl must be > 0 seconds, got {self.pin_ttl}")
+        if self.vision_kv_dtype != "auto":
+            raise ValueError(
+                f"vision_kv_dtype {self.vision_kv_dtype!r}: only 'auto' (image pages use the pool's codec) "
+                "is supported; see docs/multimodal.md"
+            )
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         if not 0.0 <= self.drift_sample_rate <= 1.0:
@@ -171,3 +190,17 @@ def pool_pages(args: EngineArgs, device: torch.device, bytes_per_page: int) -> i
         return DEFAULT_CPU_TOTAL_TOKENS // args.page_size  # 16,384 tokens: 0.75 GB in fp32, 0.2 GB in fp8
     fraction = args.mem_fraction_static if args.mem_fraction_static is not None else 0.8
     return max(1, int(available_memory(device) * fraction) // max(1, bytes_per_page))
+
+
+def pin_budget_bytes(args: EngineArgs, bytes_per_page: int) -> int | None:
+    """``max_pinned_tokens`` as cold bytes (whole pages); None leaves the cache's default (a quarter)."""
+    if args.max_pinned_tokens is None:
+        return None
+    return args.max_pinned_tokens // args.page_size * bytes_per_page
+
+
+def image_hosts(args: EngineArgs) -> frozenset[str]:
+    hosts = args.allowed_image_hosts or []
+    if isinstance(hosts, str):
+        hosts = hosts.split(",")
+    return frozenset(h.strip().lower() for h in hosts if h.strip())

@@ -45,6 +45,7 @@ class Request:
         self.output_ids: list[int] = []
         self.status = Status.WAITING
         self.seq: Any = None  # the cache's sequence while admitted
+        self.mm: Any = None  # images: a kvstrata.multimodal MultimodalInput (feature rows, pins)
         self.leader = leader  # n > 1: siblings wait until the leader's prompt is in the tree
         self.prompt_cached = leader is None and params.n == 1
         self.sink = sink

@@ -43,9 +43,12 @@ class StepRunner:
         positions: list[int] = []
         logits_at: list[int] = []
         sampled: list[Request] = []
+        images: list[tuple[int, torch.Tensor]] = []  # (row in the batch, feature rows) to splice
         for req, n in zip(plan.reqs, plan.n_new, strict=True):
             start = req.computed
             end = start + n
+            if req.mm is not None and start < len(req.prompt_ids):
+                images.extend((len(ids) + i, rows) for i, rows in req.mm.rows(start, end))
             p = len(req.prompt_ids)
             if end <= p:
                 ids.extend(req.prompt_ids[start:end])
@@ -62,5 +65,15 @@ class StepRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
         at = torch.tensor(logits_at, dtype=torch.long, device=dev)
-        logits = self.net(input_ids, pos, attn=self.backend.bind(plan.batch), logits_at=at)
+        embeds = self._splice(input_ids, images) if images else None
+        logits = self.net(input_ids, pos, attn=self.backend.bind(plan.batch), logits_at=at, embeds=embeds)
         return logits, sampled
+
+    def _splice(self, input_ids: torch.Tensor, images: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+        """Token embeddings with image feature rows in place of the placeholders (pad ids lie
+        outside the vocabulary, so they are clamped before the lookup and then overwritten)."""
+        embed = self.net.embed
+        x = embed(input_ids.clamp(max=embed.num_embeddings - 1))
+        for row, feats in images:
+            x[row : row + feats.shape[0]] = feats.to(device=x.device, dtype=x.dtype)
+        return x

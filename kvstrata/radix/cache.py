@@ -17,6 +17,7 @@ import torch
 from kvstrata.radix import attention
 from kvstrata.radix.config import CacheConfig
 from kvstrata.radix.errors import OutOfPages, OutOfSlots, PinBudgetExceeded
+from kvstrata.radix.pins import PinTable
 from kvstrata.radix.plan import NullRows, StepBatch, build_step
 from kvstrata.radix.pool import ColdPool, cold_page_bytes
 from kvstrata.radix.ring import HotRing
@@ -56,6 +57,7 @@ class StratifiedKVCache:
             if cfg.pin_budget_bytes is not None
             else num_pages * self.pool.page_bytes // 4
         )
+        self.pins = PinTable(self)  # named pins with TTL over `pin` / `unpin`
         self.clips = self._load_clips(cfg)
         self._rotate = None
         if cfg.rotation:
@@ -413,6 +415,7 @@ class StratifiedKVCache:
         if self.running:
             raise RuntimeError(f"reset: {len(self.running)} sequences are still running")
         self._free_pages(self.tree.reset())
+        self.pins.clear()
 
     def set_recent_window(self, window: int) -> None:
         """Precision fallback hook: the BF16 window for the steps that follow (no allocation)."""

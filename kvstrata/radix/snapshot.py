@@ -66,6 +66,12 @@ def snapshot(cache: StratifiedKVCache) -> CacheStats:
         absmax_v=list(cache.absmax["v"]),
         absmax_ratio_k=_absmax_ratio(cache, "k"),
         absmax_ratio_v=_absmax_ratio(cache, "v"),
+        pinned_bytes=cache.pins.pinned_bytes,
+        pin_budget_bytes=cache.pin_budget_bytes,
+        pins_created=cache.pins.created,
+        pins_expired=cache.pins.expired,
+        pins_refused=cache.pins.refused,
+        pins=cache.pins.to_json(),
     )
 
 

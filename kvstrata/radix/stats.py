@@ -57,6 +57,12 @@ class CacheStats:
     absmax_v: list[float] = field(default_factory=list)
     absmax_ratio_k: list[float] = field(default_factory=list)  # absmax / calibration clip (static scales)
     absmax_ratio_v: list[float] = field(default_factory=list)
+    pinned_bytes: int = 0
+    pin_budget_bytes: int = 0
+    pins_created: int = 0
+    pins_expired: int = 0
+    pins_refused: int = 0
+    pins: list[dict] = field(default_factory=list)  # `PinTable.to_json()`: id, kind, tokens, bytes, ttl
 
     @property
     def cache_hit_rate(self) -> float:

@@ -16,7 +16,7 @@ from kvstrata.server.engine_client import EngineClient
 from kvstrata.server.errors import install_handlers
 from kvstrata.server.metrics import ServerMetrics
 from kvstrata.server.middleware import AuthMiddleware, BodyLimitMiddleware
-from kvstrata.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvstrata.server.protocol import ChatCompletionRequest, CompletionRequest, PinRequest
 from kvstrata.server.routes import ServerState, router
 
 
@@ -52,7 +52,7 @@ def _install_openapi(app: FastAPI) -> None:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             components = schema.setdefault("components", {}).setdefault("schemas", {})
-            for model in (CompletionRequest, ChatCompletionRequest):
+            for model in (CompletionRequest, ChatCompletionRequest, PinRequest):
                 body = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 components.update(body.pop("$defs", {}))
                 components[model.__name__] = body

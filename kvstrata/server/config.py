@@ -160,6 +160,43 @@ FLAGS: tuple[Flag, ...] = (
         "attention kernels: auto (triton on CUDA, torch on CPU), torch, triton",
         True,
     ),
+    Flag(
+        "max_pinned_tokens",
+        _non_negative_int,
+        None,
+        "pinned-prefix budget in tokens (default: 1/4 of the pool)",
+        True,
+    ),
+    Flag("pin_ttl", _positive_float, None, "seconds an image-span pin lives (engine default 3600)", True),
+    Flag(
+        "allowed_image_hosts",
+        str,
+        None,
+        "comma-separated hosts image_url may fetch from (default: none, off)",
+        True,
+    ),
+    Flag(
+        "max_image_bytes",
+        _positive_int,
+        None,
+        "largest accepted image in bytes (engine default 20 MiB)",
+        True,
+    ),
+    Flag(
+        "max_image_pixels",
+        _positive_int,
+        None,
+        "largest accepted image in pixels (engine default 4096^2)",
+        True,
+    ),
+    Flag("image_fetch_timeout", _positive_float, None, "seconds allowed to fetch one image URL", True),
+    Flag(
+        "vision_kv_dtype",
+        str,
+        None,
+        "codec of image-token history: auto (the pool's; the only one today)",
+        True,
+    ),
 )
 
 
@@ -186,6 +223,13 @@ class ServerConfig:
     protect_metrics: bool = False
     load_format: str | None = None
     attention_backend: str | None = None
+    max_pinned_tokens: int | None = None
+    pin_ttl: float | None = None
+    allowed_image_hosts: str | None = None
+    max_image_bytes: int | None = None
+    max_image_pixels: int | None = None
+    image_fetch_timeout: float | None = None
+    vision_kv_dtype: str | None = None
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``kvstrata.Engine``: only the options that were set."""

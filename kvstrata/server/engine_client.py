@@ -114,7 +114,13 @@ class EngineRequest:
     client gone, task cancelled) aborts every unfinished one; the engine returns their pages and
     ring slots."""
 
-    def __init__(self, engine: Any, prompts: list[list[int]], params: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        prompts: list[list[int]],
+        params: dict[str, Any],
+        images: list[list[Any]] | None = None,
+    ) -> None:
         self.engine = engine
         self.id = uuid.uuid4().hex
         self.rids = [f"{self.id}-p{i}" for i in range(len(prompts))]
@@ -123,7 +129,7 @@ class EngineRequest:
         self.aborted = False
         try:
             self.gen = engine.async_generate(
-                input_ids=prompts, sampling_params=params, stream=True, rid=self.rids
+                input_ids=prompts, sampling_params=params, stream=True, rid=self.rids, image_data=images
             )
         except ValueError as exc:
             raise APIError(400, str(exc), code="invalid_value") from exc
@@ -201,10 +207,54 @@ class EngineClient:
         return self._token_text(token_id)[1]
 
     # --- generation -------------------------------------------------------------------------------
-    def submit(self, prompts: list[list[int]], params: dict[str, Any]) -> EngineRequest:
+    def submit(
+        self, prompts: list[list[int]], params: dict[str, Any], images: list[list[Any]] | None = None
+    ) -> EngineRequest:
         """Submit the choices of one API request (call on the event loop). The engine checks inputs
         at submission, so its ValueError becomes a 400 before any response has started."""
-        return EngineRequest(self.engine, prompts, params)
+        return EngineRequest(self.engine, prompts, params, images)
+
+    # --- images and pins --------------------------------------------------------------------------
+    def _vision(self) -> Any:
+        vision = self.engine.model.vision
+        if vision is None:
+            raise APIError(
+                400, f"the model {self.model_name!r} takes no images", param="messages", code="invalid_image"
+            )
+        return vision
+
+    def image_text(self) -> str:
+        """The image token as text, which the chat template and tokenizer turn back into its id."""
+        return str(self.tokenizer.convert_ids_to_tokens([self._vision().image_token_id])[0])
+
+    def image_extra_tokens(self) -> int:
+        """Tokens one image adds to the prompt beyond its image token (its span and wrap tokens)."""
+        vision = self._vision()
+        return vision.cfg.tokens_per_image + (len(vision.wrap) + 1 if vision.wrap else 0) - 1
+
+    def load_image(self, url: str) -> Any:
+        from kvstrata.multimodal.images import ImageError, load_image
+
+        try:
+            return load_image(url, self._vision().limits)
+        except ImageError as exc:
+            raise APIError(400, f"image_url: {exc}", param="messages", code="invalid_image") from exc
+
+    def pin(self, ids: list[int], images: list[Any], ttl_s: float | None, label: str) -> dict[str, Any]:
+        from kvstrata.radix.errors import PinBudgetExceeded
+
+        try:
+            return self.engine.pin(input_ids=ids, image_data=images or None, ttl_s=ttl_s, label=label)
+        except PinBudgetExceeded as exc:
+            raise APIError(409, f"pin refused: {exc}", code="pin_budget_exceeded") from exc
+        except ValueError as exc:
+            raise APIError(400, str(exc), code="invalid_value") from exc
+
+    def unpin(self, pin_id: str) -> dict[str, Any]:
+        try:
+            return self.engine.unpin(pin_id)
+        except KeyError as exc:
+            raise APIError(404, f"no pin with id {pin_id!r}", param="pin_id", code="pin_not_found") from exc
 
     def flush_cache(self) -> bool:
         return bool(self.engine.flush_cache())
@@ -242,6 +292,11 @@ class EngineClient:
         fill_cache_stats(snap, stats.cache)
         # the cache's window (what steps use), not the one the drift monitor asks for
         snap.recent_window = int(stats.cache.recent_window) if stats.cache is not None else self.recent_window
+        vision = self.engine.vision_stats()
+        snap.vision_encoded_images, snap.vision_cached_images = (
+            vision["encoded_images"],
+            vision["cached_images"],
+        )
         return snap
 
 
@@ -262,6 +317,11 @@ def fill_cache_stats(snap: EngineSnapshot, cache: Any) -> None:
     snap.quantized_pages = cache.quantized_pages
     snap.evicted_pages = cache.evicted_pages
     snap.pinned_pages = cache.pinned_pages
+    snap.pinned_bytes = cache.pinned_bytes
+    snap.pin_budget_bytes = cache.pin_budget_bytes
+    snap.pins_created, snap.pins_expired = cache.pins_created, cache.pins_expired
+    snap.pins_refused = cache.pins_refused
+    snap.pins = list(cache.pins)
     snap.tree_pages = cold.cached if cold is not None else 0
     snap.in_use_pages = cold.used if cold is not None else 0
     denominator = cache.quantized_elements

@@ -50,7 +50,7 @@ class Run:
             for j in range(job.n)
         ]
 
-        self.request = client.submit(job.prompts, job.params)  # raises APIError(400) on bad input
+        self.request = client.submit(job.prompts, job.params, job.images)  # raises APIError(400) on bad input
 
     def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
         return self.request.deltas()
@@ -78,7 +78,8 @@ class Run:
     def usage(self) -> dict[str, Any]:
         prompt = cached = 0
         for p, ids in enumerate(self.job.prompts):
-            prompt += len(ids)
+            # the engine's count: image placeholder spans included
+            prompt += next((c.prompt_tokens for c in self.choices if c.job == p), len(ids))
             # The prompt is computed once, by its first choice; the others match the pages it cached.
             cached += next((c.cached_tokens for c in self.choices if c.job == p), 0)
         completion = sum(c.completion_tokens for c in self.choices)

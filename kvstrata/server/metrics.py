@@ -56,6 +56,12 @@ METRIC_NAMES = (
     "ppl_drift_ewma",
     "kl_divergence",
     "fallback_level",
+    "pinned_bytes",
+    "pins_created_total",
+    "pins_expired_total",
+    "pins_refused_total",
+    "vision_encoded_images_total",
+    "vision_cached_images_total",
 )
 
 
@@ -112,6 +118,18 @@ class EngineCollector(Collector):
         yield counter("quantized_pages", "Pages quantized into the cold pool.", s.quantized_pages)
         yield counter("evicted_pages", "Pages evicted from the prefix tree.", s.evicted_pages)
         yield gauge("pinned_pages", "Pages pinned in the prefix tree.", s.pinned_pages)
+        yield gauge("pinned_bytes", "Cold bytes pinned in the prefix tree.", s.pinned_bytes)
+        yield counter("pins_created", "Pins created (image spans and POST /v1/cache/pins).", s.pins_created)
+        yield counter("pins_expired", "Pins released by their time-to-live.", s.pins_expired)
+        yield counter("pins_refused", "Pins refused by the pinned-bytes budget.", s.pins_refused)
+        yield counter(
+            "vision_encoded_images", "Images run through the vision tower.", s.vision_encoded_images
+        )
+        yield counter(
+            "vision_cached_images",
+            "Images whose span was cached (vision tower skipped).",
+            s.vision_cached_images,
+        )
         yield _layer_kind("quant_overflow_ratio", "Share of elements clipped.", s.overflow_ratio)
         yield _layer_kind(
             "quant_nonfinite", "NaN/Inf elements met while quantizing.", dict(s.nonfinite), counter=True

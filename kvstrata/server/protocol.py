@@ -92,9 +92,22 @@ class TextPart(_Strict):
     text: str
 
 
+class ImageURL(_Strict):
+    url: Annotated[str, Field(min_length=1)]
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | Annotated[list[TextPart], Field(min_length=1)] | None = None
+    content: str | Annotated[list[ContentPart], Field(min_length=1)] | None = None
     name: str | None = None
 
     @model_validator(mode="after")
@@ -103,12 +116,18 @@ class ChatMessage(_Strict):
             raise ValueError(f"a {self.role!r} message needs content")
         return self
 
-    def text(self) -> str:
+    def text(self, image_text: str = "") -> str:
+        """The message as text; each image part becomes ``image_text`` (the model's image token)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text if isinstance(part, TextPart) else image_text for part in self.content)
+
+    def image_urls(self) -> list[str]:
+        if not isinstance(self.content, list):
+            return []
+        return [part.image_url.url for part in self.content if isinstance(part, ImagePart)]
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -127,6 +146,23 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class PinRequest(_Strict):
+    """``POST /v1/cache/pins``: one of prompt, input_ids, messages (chat template; images allowed)."""
+
+    prompt: Annotated[str, Field(min_length=1)] | None = None
+    input_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    ttl_s: float | None = Field(default=None, gt=0.0)
+    label: Annotated[str, Field(max_length=200)] = ""
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> PinRequest:
+        given = [name for name in ("prompt", "input_ids", "messages") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"pass exactly one of prompt, input_ids, messages (got {given or 'none'})")
+        return self
 
 
 # ---- responses documented in /openapi.json (bodies are built as plain dicts in generation.py) ----

@@ -21,8 +21,14 @@ from kvstrata.server.engine_client import EngineClient
 from kvstrata.server.errors import APIError
 from kvstrata.server.generation import Kind, Run
 from kvstrata.server.metrics import ServerMetrics
-from kvstrata.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelList
-from kvstrata.server.validation import Job, chat_job, check_model, completion_job, parse_body
+from kvstrata.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    ModelList,
+    PinRequest,
+)
+from kvstrata.server.validation import Job, chat_job, check_model, completion_job, parse_body, pin_prompt
 
 log = logging.getLogger("kvstrata.server")
 router = APIRouter()
@@ -32,6 +38,11 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "Invalid request"},
     401: {"model": ErrorResponse, "description": "Missing or wrong API key"},
     404: {"model": ErrorResponse, "description": "Unknown model"},
+}
+PIN_ERRORS: dict[int | str, dict[str, Any]] = {
+    **ERRORS,
+    404: {"model": ErrorResponse, "description": "Unknown pin"},
+    409: {"model": ErrorResponse, "description": "The pinned-bytes budget cannot take the prefix"},
 }
 
 
@@ -202,3 +213,22 @@ async def cache_flush(request: Request) -> JSONResponse:
             status_code=409,
         )
     return JSONResponse({"flushed": True})
+
+
+@router.post("/v1/cache/pins", openapi_extra=_body_schema(PinRequest), responses=PIN_ERRORS)
+async def cache_pin(request: Request) -> dict[str, Any]:
+    """Pin a prompt's full pages (computed first when not cached): a text prefix, or chat messages
+    with images. 409 when the pinned-bytes budget cannot take it."""
+    req = await parse_body(request, PinRequest)
+    client = state(request).client
+
+    def pin() -> dict[str, Any]:
+        ids, images = pin_prompt(client, req)
+        return client.pin(ids, images, req.ttl_s, req.label)
+
+    return await asyncio.to_thread(pin)
+
+
+@router.delete("/v1/cache/pins/{pin_id}", responses=PIN_ERRORS)
+async def cache_unpin(request: Request, pin_id: str) -> dict[str, Any]:
+    return await asyncio.to_thread(state(request).client.unpin, pin_id)

@@ -57,6 +57,14 @@ class EngineSnapshot:
     absmax_ratio: dict[tuple[int, str], float] = field(default_factory=dict)
     drift: DriftSnapshot = field(default_factory=DriftSnapshot)
     recent_window: int = 0
+    pinned_bytes: int = 0
+    pin_budget_bytes: int = 0
+    pins_created: int = 0
+    pins_expired: int = 0
+    pins_refused: int = 0
+    pins: list[dict[str, Any]] = field(default_factory=list)
+    vision_encoded_images: int = 0  # vision tower runs (per image)
+    vision_cached_images: int = 0  # images whose span was cached: tower skipped
 
     @property
     def ppl_drift_ewma(self) -> float:
@@ -71,6 +79,13 @@ class EngineSnapshot:
             "pages_in_use": self.in_use_pages,
             "pages_in_tree": self.tree_pages,
             "pinned_pages": self.pinned_pages,
+            "pinned_bytes": self.pinned_bytes,
+            "pin_budget_bytes": self.pin_budget_bytes,
+            "pins": self.pins,
+            "vision": {
+                "encoded_images": self.vision_encoded_images,
+                "cached_images": self.vision_cached_images,
+            },
             "quantized_pages": self.quantized_pages,
             "evicted_pages": self.evicted_pages,
             "hit_rate": self.cache_hit_rate,

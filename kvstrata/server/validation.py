@@ -16,7 +16,7 @@ from starlette.requests import Request
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.server.engine_client import EngineClient
 from kvstrata.server.errors import APIError, validation_error
-from kvstrata.server.protocol import MAX_N, ChatCompletionRequest, CompletionRequest
+from kvstrata.server.protocol import MAX_N, ChatCompletionRequest, ChatMessage, CompletionRequest, PinRequest
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -75,6 +75,7 @@ class Job:
 
     prompts: list[list[int]]
     params: dict[str, Any]
+    images: list[list[Any]] | None = None  # per prompt: decoded images (PIL), vision-language models
 
     @property
     def n(self) -> int:
@@ -167,10 +168,35 @@ def completion_job(client: EngineClient, req: CompletionRequest) -> Job:
     return Job(id_lists, _sampling(req, max_new, req.logprobs))
 
 
+def chat_prompt(client: EngineClient, messages: list[ChatMessage]) -> tuple[list[int], list[Any]]:
+    """Chat template ids and the decoded images of ``image_url`` parts (a bad image is a 400 here,
+    before the engine or its cache sees anything). Length: with each image's placeholder span."""
+    urls = [url for m in messages for url in m.image_urls()]
+    image_text = client.image_text() if urls else ""
+    images = [client.load_image(url) for url in urls]
+    ids = client.chat_ids([{"role": m.role, "content": m.text(image_text)} for m in messages])
+    return ids, images
+
+
+def pin_prompt(client: EngineClient, req: PinRequest) -> tuple[list[int], list[Any]]:
+    """The ids (and images) of a ``POST /v1/cache/pins`` body, within the served context length."""
+    images: list[Any] = []
+    if req.messages is not None:
+        ids, images = chat_prompt(client, req.messages)
+        param = "messages"
+    elif req.prompt is not None:
+        ids, param = client.encode(req.prompt), "prompt"
+    else:
+        ids, param = list(req.input_ids or []), "input_ids"
+    length = len(ids) + (len(images) * client.image_extra_tokens() if images else 0)
+    _max_new_tokens(client, length, 1, param, param)
+    return ids, images
+
+
 def chat_job(client: EngineClient, req: ChatCompletionRequest) -> Job:
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-    ids = client.chat_ids(messages)
+    ids, images = chat_prompt(client, req.messages)
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_new = _max_new_tokens(client, len(ids), req.max_new_tokens, param, "messages")
+    length = len(ids) + (len(images) * client.image_extra_tokens() if images else 0)
+    max_new = _max_new_tokens(client, length, req.max_new_tokens, param, "messages")
     top = (req.top_logprobs or 0) if req.logprobs else None
-    return Job([ids], _sampling(req, max_new, top))
+    return Job([ids], _sampling(req, max_new, top), [images] if images else None)

@@ -1,0 +1,228 @@
+"""Image-hash tokens and per-request image features.
+
+`VisionLanguage` is what the engine holds for a vision-language model: it turns ``image_data`` into
+placeholder spans and runs the encoder. Each image's placeholder tokens are replaced by a *pad id*
+derived from the SHA-256 of its preprocessed pixels (``vocab_size + 56 bits of the hash``, so it
+never equals a real token): two requests with the same image share the span's pages through the
+radix tree, and different images never do (as SGLang's ``pad_value``).
+
+`MultimodalInput` belongs to one request. The step runner asks it for the feature rows of the
+positions a step computes (``rows``). On its first step it decides, per image: a span that the
+prefix match already covers needs nothing (its K/V is cached); a span whose only missing rows are
+its tail (the last page of a cached image is shared with the text that follows it, so the tree holds
+only the full pages before it) takes those rows from the encoder's small tail store; everything else
+runs the tower, once per batch of images. Counters: ``encoded_images`` (tower runs, per image) and
+``cached_images`` (images whose tower run was skipped).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kvstrata.multimodal.images import ImageLimits, load_image
+from kvstrata.multimodal.model import VisionEncoder, VLMConfig
+from kvstrata.multimodal.preprocess import Preprocessor, content_hash
+from kvstrata.radix.errors import PinBudgetExceeded
+
+log = logging.getLogger("kvstrata.multimodal")
+
+TAIL_ROWS = 64  # feature rows kept per image: covers the unshared last page of any page size <= 64
+TAIL_ENTRIES = 128  # images remembered (LRU): 64 MiB at most for a 4096-wide bfloat16 model
+
+
+@dataclass
+class ImageSpan:
+    digest: bytes
+    pad_id: int
+    start: int  # first placeholder position in the prompt
+    length: int
+    pixels: Tensor | None
+    offset: int = 0  # features cover span rows [offset, length)
+    features: Tensor | None = None
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+@dataclass
+class VisionStats:
+    encoded_images: int = 0
+    cached_images: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, encoded: int, cached: int) -> None:
+        with self.lock:
+            self.encoded_images += encoded
+            self.cached_images += cached
+
+
+class VisionLanguage:
+    def __init__(
+        self,
+        cfg: VLMConfig,
+        encoder: VisionEncoder,
+        preprocess: Preprocessor,
+        vocab_size: int,
+        extra_tokens: Sequence[int] = (),
+        limits: ImageLimits | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.encoder = encoder
+        self.preprocess = preprocess
+        self.vocab_size = vocab_size
+        self.wrap = tuple(extra_tokens)  # idefics3: (fake, global-img) around each span
+        self.limits = limits or ImageLimits()
+        self.stats = VisionStats()
+        self._tails: OrderedDict[int, Tensor] = OrderedDict()
+
+    def set_limits(
+        self, max_bytes: int, max_pixels: int, fetch_timeout_s: float, hosts: frozenset[str]
+    ) -> None:
+        self.limits = ImageLimits(max_bytes, max_pixels, fetch_timeout_s, hosts)
+
+    @property
+    def image_token_id(self) -> int:
+        return self.cfg.image_token_id
+
+    def pad_id(self, digest: bytes) -> int:
+        return self.vocab_size + int.from_bytes(digest[:7], "big")
+
+    # --- request side (caller thread) -------------------------------------------------------------
+    def build(self, ids: list[int], image_data: Sequence[Any]) -> tuple[list[int], MultimodalInput]:
+        """Expand each ``<image>`` token of ``ids`` into its span of pad ids; one image per token.
+
+        Raises ``ValueError`` (``ImageError`` for a bad image) when the counts differ or an image fails.
+        """
+        slots = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        if len(slots) != len(image_data):
+            raise ValueError(
+                f"the prompt has {len(slots)} image tokens (id {self.image_token_id}) "
+                f"for {len(image_data)} images"
+            )
+        pixels = [self.preprocess(load_image(src, self.limits)) for src in image_data]
+        out: list[int] = []
+        spans: list[ImageSpan] = []
+        prev = 0
+        n = self.cfg.tokens_per_image
+        for slot, px in zip(slots, pixels, strict=True):
+            out.extend(ids[prev:slot])
+            digest = content_hash(px)
+            pad = self.pad_id(digest)
+            if self.wrap:
+                out.extend(self.wrap)
+            spans.append(ImageSpan(digest, pad, len(out), n, px))
+            out.extend([pad] * n)
+            if self.wrap:
+                out.append(self.wrap[0])
+            prev = slot + 1
+        out.extend(ids[prev:])
+        return out, MultimodalInput(self, spans)
+
+    # --- engine thread --------------------------------------------------------------------------------
+    def encode(self, pixels: list[Tensor]) -> Tensor:
+        """[B, tokens_per_image, text_hidden] features, in the encoder's dtype."""
+        p = next(self.encoder.parameters())
+        with torch.inference_mode():
+            return self.encoder(torch.stack(pixels).to(device=p.device, dtype=p.dtype))
+
+    def remember_tail(self, pad: int, features: Tensor) -> None:
+        self._tails[pad] = features[-TAIL_ROWS:].clone()
+        self._tails.move_to_end(pad)
+        while len(self._tails) > TAIL_ENTRIES:
+            self._tails.popitem(last=False)
+
+    def tail(self, pad: int) -> Tensor | None:
+        return self._tails.get(pad)
+
+
+class MultimodalInput:
+    def __init__(self, owner: VisionLanguage, spans: list[ImageSpan]) -> None:
+        self.owner = owner
+        self.spans = spans
+        self.started = False
+        self.pinned = False  # pin_spans ran (pins made, or refused and counted)
+
+    def fork(self) -> MultimodalInput:
+        """The same images for another request (n > 1): pixels shared, features its own."""
+        return MultimodalInput(
+            self.owner, [ImageSpan(s.digest, s.pad_id, s.start, s.length, s.pixels) for s in self.spans]
+        )
+
+    @property
+    def pad_ids(self) -> frozenset[int]:
+        return frozenset(s.pad_id for s in self.spans)
+
+    def text_ids(self, ids: Sequence[int]) -> list[int]:
+        vocab = self.owner.vocab_size
+        return [t for t in ids if t < vocab]
+
+    def _plan(self, computed: int) -> None:
+        """First step: decide per image whether the tower must run (see the module docstring)."""
+        self.started = True
+        todo: list[ImageSpan] = []
+        cached = 0
+        for span in self.spans:
+            if span.end <= computed:
+                cached += 1
+                continue
+            need_from = max(computed - span.start, 0)
+            tail = self.owner.tail(span.pad_id)
+            if need_from > 0 and tail is not None and need_from >= span.length - len(tail):
+                span.offset, span.features = span.length - len(tail), tail
+                cached += 1
+            else:
+                todo.append(span)
+        self._encode(todo)
+        self.owner.stats.add(0, cached)
+
+    def _encode(self, todo: list[ImageSpan]) -> None:
+        if not todo:
+            return
+        features = self.owner.encode([s.pixels for s in todo])  # type: ignore[misc]
+        for span, f in zip(todo, features, strict=True):
+            span.offset, span.features = 0, f
+            self.owner.remember_tail(span.pad_id, f)
+        self.owner.stats.add(len(todo), 0)
+
+    def rows(self, start: int, end: int) -> list[tuple[int, Tensor]]:
+        """Feature rows for prompt positions [start, end): (index from ``start``, rows) per image."""
+        if not self.started:
+            self._plan(start)
+        out = []
+        for span in self.spans:
+            lo, hi = max(start, span.start), min(end, span.end)
+            if lo >= hi:
+                continue
+            if span.features is None or lo - span.start < span.offset:  # e.g. its pages were evicted
+                self._encode([span])
+            assert span.features is not None
+            first = lo - span.start - span.offset
+            out.append((lo - start, span.features[first : first + hi - lo]))
+        return out
+
+    def pin_spans(self, prompt_ids: Sequence[int], pins: Any, ttl_s: float | None) -> None:
+        """Pin the cached prefix ending at each image span (its full pages; a span inside the first
+        page has none). A full pin budget refuses the pin (counted by the table); the request goes on."""
+        self.pinned = True
+        for span in self.spans:
+            if span.end < pins.cache.page_size:
+                continue
+            try:
+                pins.pin(prompt_ids[: span.end], kind="image", label=span.digest.hex()[:16], ttl_s=ttl_s)
+            except (PinBudgetExceeded, ValueError) as exc:
+                log.warning("image %s not pinned: %s", span.digest.hex()[:16], exc)
+        self.release()
+
+    def release(self) -> None:
+        """Drop pixels and features once the prompt is computed (the K/V holds what they gave)."""
+        for span in self.spans:
+            span.features = None
