@@ -10,6 +10,7 @@ image hash) is pinned when the budget allows, so a repeated image's KV stays cac
 from __future__ import annotations
 
 import logging
+from array import array
 
 from sglang.srt.managers.schedule_batch import MM_PAD_SHIFT_VALUE
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, MatchPrefixParams
@@ -117,7 +118,9 @@ class KvstrataRadixCache(RadixCache):
             aligned = end // P * P
             if aligned == 0:
                 continue
-            key = RadixKey(token_ids[:aligned], req.extra_key, cache_salt=getattr(req, "cache_salt", None))
+            key = RadixKey(
+                array("q", token_ids[:aligned]), req.extra_key, cache_salt=getattr(req, "cache_salt", None)
+            )
             node = self.match_prefix(MatchPrefixParams(key=key)).last_device_node
             if node is self.root_node or node.id in self.pinned:
                 continue
