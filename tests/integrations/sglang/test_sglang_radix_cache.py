@@ -19,7 +19,7 @@ class Harness:
     """Requests as SGLang's scheduler runs them: a ``ReqToTokenPool`` row, paged slots from the
     allocator, then the page-aligned prefix inserted into the tree and duplicate slots freed."""
 
-    def __init__(self, options: PluginOptions) -> None:
+    def __init__(self, options: PluginOptions, metrics=None) -> None:
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
         from kvstrata.integrations.sglang.radix_cache import KvstrataRadixCache
@@ -31,7 +31,7 @@ class Harness:
             token_to_kv_pool_allocator=self.allocator,
             page_size=PAGE,
         )
-        self.cache = KvstrataRadixCache(params, options)
+        self.cache = KvstrataRadixCache(params, options, metrics)
         self.held: dict[int, torch.Tensor] = {}
 
     def key(self, tokens):
@@ -170,4 +170,30 @@ def test_invariants_catch_a_leaked_page(h):
     row, _ = h.start(a)
     with pytest.raises(InvariantViolation, match="leaked"):
         h.cache.check_invariants()  # the running request's slots are not declared
+    h.check()
+
+
+def test_metrics_follow_pins_and_evictions():
+    from prometheus_client import CollectorRegistry
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    from kvstrata.integrations.sglang.metrics import CacheMetrics
+
+    registry = CollectorRegistry()
+    h = Harness(PluginOptions(codec="int8", recent_window=PAGE), CacheMetrics(registry))
+    h.run(tokens(0, 5 * PAGE))
+    node = h.cache.pin_prefix(h.key(tokens(0, 2 * PAGE)))
+
+    def sample(name, **labels):
+        return registry.get_sample_value(name, labels)
+
+    assert sample("kvstrata:pinned_bytes") == 2 * h.cache.page_bytes
+    assert sample("kvstrata:pages", tier="cold", state="pinned") == 2
+    assert sample("kvstrata:pages", tier="cold", state="tree") == 3
+    assert sample("kvstrata:pages", tier="cold", state="free") == 64 - 5
+    assert sample("kvstrata:bytes", tier="cold") == 65 * h.cache.page_bytes
+    h.cache.evict(EvictParams(num_tokens=100 * PAGE))
+    assert sample("kvstrata:evicted_pages_total") == 3
+    h.cache.unpin(node)
+    assert sample("kvstrata:pinned_bytes") == 0
     h.check()
