@@ -185,3 +185,20 @@ def test_attention_matches_dense(codec, bound):
     print(f"{codec}: worst relative RMSE of attention vs dense {max(worst):.5f}")
     assert max(worst) < bound
     assert w.pool.quantized_pages > 0
+
+
+def test_refusals_are_clear():
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    from kvstrata.integrations.sglang.attention_backend import KvstrataAttnBackend
+
+    w = World("fp8_e4m3")
+    with pytest.raises(NotImplementedError, match="only --attention-backend kvstrata"):
+        w.pool.get_key_buffer(0)
+    req_pool, bf16_pool, _ = make_pools(MHATokenToKVPool)
+    with pytest.raises(ValueError, match="--radix-cache-backend kvstrata"):
+        KvstrataAttnBackend(SimpleNamespace(token_to_kv_pool=bf16_pool, req_to_token_pool=req_pool))
+    row = w.req_pool.alloc_rows(1)[0]
+    # A new request whose cached prefix ends mid-page: the page's first tokens are nowhere.
+    with pytest.raises(ValueError, match="not page aligned"):
+        w.pool.plan_step([row], [PAGE + 1], [1])
