@@ -19,15 +19,18 @@ BACKEND_NAME = "kvstrata"
 
 
 def step_lengths(forward_batch) -> tuple[list[int], list[int], list[int]]:
-    """(request rows, cached prefix lengths, new-token counts) of a decode or extend batch."""
+    """(request rows, cached prefix lengths, new-token counts) of a decode, extend or mixed batch.
+    Speculative verify and draft modes would commit tokens that may be rejected: refused."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    mode = forward_batch.forward_mode
     rows = [int(r) for r in forward_batch.req_pool_indices.tolist()]
-    if forward_batch.forward_mode.is_decode():
+    if mode == ForwardMode.DECODE:
         seq_lens = forward_batch.seq_lens_cpu
         seq_lens = forward_batch.seq_lens.tolist() if seq_lens is None else seq_lens.tolist()
         return rows, [int(s) - 1 for s in seq_lens], [1] * len(rows)
-    if not forward_batch.forward_mode.is_extend():
-        mode = forward_batch.forward_mode
-        raise NotImplementedError(f"kvstrata attention: forward mode {mode} is not supported")
+    if mode not in (ForwardMode.EXTEND, ForwardMode.MIXED):
+        raise NotImplementedError(f"kvstrata attention: forward mode {mode.name} is not supported")
     prefix = [int(n) for n in forward_batch.extend_prefix_lens_cpu]
     return rows, prefix, [int(n) for n in forward_batch.extend_seq_lens_cpu]
 
@@ -47,6 +50,9 @@ class KvstrataAttnBackend(AttentionBackend):
         pool.bind_requests(model_runner.req_to_token_pool)
 
     def init_forward_metadata(self, forward_batch) -> None:
+        if forward_batch.forward_mode.is_idle():
+            self.pool.step = None
+            return
         self.pool.plan_step(*step_lengths(forward_batch))
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:

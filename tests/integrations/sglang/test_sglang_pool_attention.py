@@ -198,6 +198,11 @@ def test_refusals_are_clear():
     req_pool, bf16_pool, _ = make_pools(MHATokenToKVPool)
     with pytest.raises(ValueError, match="--radix-cache-backend kvstrata"):
         KvstrataAttnBackend(SimpleNamespace(token_to_kv_pool=bf16_pool, req_to_token_pool=req_pool))
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    verify = SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY, req_pool_indices=torch.tensor([1]))
+    with pytest.raises(NotImplementedError, match="TARGET_VERIFY"):
+        w.backend.init_forward_metadata(verify)
     row = w.req_pool.alloc_rows(1)[0]
     # A new request whose cached prefix ends mid-page: the page's first tokens are nowhere.
     with pytest.raises(ValueError, match="not page aligned"):
