@@ -67,6 +67,7 @@ def test_create_tree_cache_builds_kvstrata_cache(published, monkeypatch):
     from sglang.srt.plugins import load_plugins
 
     from kvstrata.integrations.sglang.radix_cache import KvstrataRadixCache
+    from kvstrata.radix.pool import cold_page_bytes
 
     monkeypatch.setenv("KVSTRATA_KV_CODEC", "int4")
     load_plugins()
@@ -90,9 +91,9 @@ def test_create_tree_cache_builds_kvstrata_cache(published, monkeypatch):
     cache = create_tree_cache(ctx)
     assert isinstance(cache, KvstrataRadixCache)
     assert kv.options.codec == "int4"
-    # int4 codes: 2 layers x (K + V) x 4 tokens x 2 heads x 16 dims / 2 bytes, plus scales.
-    codes = LAYERS_KV = 2 * 2 * PAGE * 2 * 16 // 2
-    assert cache.page_bytes == kv.cold.page_bytes > LAYERS_KV == codes
+    # int4 codes alone: 2 layers x (K + V) x 4 tokens x 2 heads x 16 dims, two per byte; scales on top.
+    codes = 2 * 2 * PAGE * 2 * 16 // 2
+    assert cache.page_bytes == kv.cold.page_bytes == cold_page_bytes(["int4"] * 2, PAGE, 2, 16) > codes
     assert cache.pin_budget_bytes == 64 * cache.page_bytes // 4
     assert kv.get_kv_size_bytes()[0] + kv.get_kv_size_bytes()[1] == 65 * cache.page_bytes
     assert torch.equal(allocator.get_all_free_pages(), torch.arange(1, 65))
