@@ -58,12 +58,15 @@ def load_model(
     dtype: torch.dtype | str = torch.float32,
     device: str | torch.device = "cpu",
 ) -> LoadedModel:
+    from kvstrata import resources
+
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
+    alias = resources.model_alias_path(str(path)) if path is not None else None
     if path is None:
-        from kvstrata import resources
-
         source, name = resources.default_model_path(), resources.DEFAULT_MODEL_NAME
+    elif alias is not None:
+        source, name = alias, alias.stem
     else:
         source = Path(path).expanduser()
         name = source.stem if source.is_file() else source.name
