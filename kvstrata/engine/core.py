@@ -21,6 +21,7 @@ import torch
 
 from kvstrata.engine.attention import get_backend
 from kvstrata.engine.drift import DriftJob, DriftMonitor, fallback_window
+from kvstrata.engine.kvplan import resolve_plan
 from kvstrata.engine.loader import LoadedModel
 from kvstrata.engine.options import EngineArgs, pool_pages
 from kvstrata.engine.request import Request, Status
@@ -47,6 +48,7 @@ class EngineCore:
         cfg = model.config
         self.max_context = cfg.max_position_embeddings
         codecs = args.resolve_layer_codecs(cfg.num_layers, self.dtype)
+        codecs, self.kv_plan = resolve_plan(args, model, codecs)
         scales = None
         if args.kv_scales:
             from kvstrata.quant.scales import ScalesFile

@@ -56,6 +56,7 @@ METRIC_NAMES = (
     "ppl_drift_ewma",
     "kl_divergence",
     "fallback_level",
+    "kv_layer_bits",
 )
 
 
@@ -123,6 +124,15 @@ class EngineCollector(Collector):
             s.ppl_drift_ewma,
         )
         yield gauge("fallback_level", "Precision fallback level (0 = configured precision).", s.drift.level)
+        bits = GaugeMetricFamily(
+            P + "kv_layer_bits",
+            "Stored bits per element of new cold pages, per layer and K/V (label codec: its codec).",
+            labels=["layer", "kind", "codec"],
+        )
+        for layer, (codecs, widths) in enumerate(zip(s.layer_codecs, s.layer_bits, strict=True)):
+            for kind, codec, width in zip("kv", codecs, widths, strict=True):
+                bits.add_metric([str(layer), kind, codec], float(width))
+        yield bits
 
 
 class ServerMetrics:

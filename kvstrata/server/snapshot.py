@@ -57,6 +57,10 @@ class EngineSnapshot:
     absmax_ratio: dict[tuple[int, str], float] = field(default_factory=dict)
     drift: DriftSnapshot = field(default_factory=DriftSnapshot)
     recent_window: int = 0
+    # Per layer: (key codec, value codec) of new cold pages, and the load-time plan that chose them
+    layer_codecs: list[tuple[str, str]] = field(default_factory=list)
+    layer_bits: list[tuple[int, int]] = field(default_factory=list)  # stored bits per element, K and V
+    kv_plan: dict[str, Any] | None = None
 
     @property
     def ppl_drift_ewma(self) -> float:
@@ -80,4 +84,6 @@ class EngineSnapshot:
             "fallback_level": self.drift.level,
             "ppl_drift_ewma": self.ppl_drift_ewma,
             "drift": asdict(self.drift),
+            "layer_codecs": [{"layer": i, "k": k, "v": v} for i, (k, v) in enumerate(self.layer_codecs)],
+            "kv_plan": self.kv_plan,
         }
