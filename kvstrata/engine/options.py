@@ -54,7 +54,7 @@ class EngineArgs:
     kv_plan: str = "auto"
     kv_plan_out: str | None = None  # also write the chosen plan here (reuse: --kv-cache-dtype plan.json)
     kv_plan_tokens: int = 256  # corpus tokens of the pass
-    kv_plan_kl_budget: float = 0.02  # KL (nats/token, window 0 + sinks) a plan must stay within
+    kv_plan_kl_budget: float | None = None  # KL (nats/token, window 0 + sinks); None: by codec width
     kv_plan_extra_bytes: float = 0.02  # cold bytes/token a plan may add, as a share of BF16's
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -107,7 +107,7 @@ class EngineArgs:
             raise ValueError(f"kv_plan must be 'auto' or 'off', got {self.kv_plan!r}")
         if self.kv_plan_tokens < 2 * self.page_size:
             raise ValueError(f"kv_plan_tokens must be >= 2 pages, got {self.kv_plan_tokens}")
-        if self.kv_plan_kl_budget < 0 or self.kv_plan_extra_bytes < 0:
+        if (self.kv_plan_kl_budget or 0) < 0 or self.kv_plan_extra_bytes < 0:
             raise ValueError("kv_plan_kl_budget and kv_plan_extra_bytes must be >= 0")
 
     # --- resolution ---------------------------------------------------------------------------
