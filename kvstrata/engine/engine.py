@@ -17,6 +17,7 @@ from typing import Any
 
 from kvstrata.engine.core import EngineCore, ResultCallback
 from kvstrata.engine.inputs import normalize_inputs
+from kvstrata.engine.kvplan import plan_summary
 from kvstrata.engine.loader import LoadedModel, load_model
 from kvstrata.engine.options import EngineArgs, image_hosts
 from kvstrata.engine.request import Request
@@ -186,6 +187,10 @@ class Engine:
         """Call ``fn(event)`` for each RequestFinished / DriftSample; returns an unsubscribe function."""
         return self.stats.subscribe(fn)
 
+    def layer_codecs(self) -> list[str]:
+        """Per layer, the codec name new cold pages are written in (``"k/v"`` when K and V differ)."""
+        return list(self.cache.pool.codec_names)
+
     def get_server_info(self) -> dict[str, Any]:
         c = self.cache_config
         return {
@@ -194,7 +199,8 @@ class Engine:
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "kv_cache_dtype": self.args.kv_cache_dtype,
-            "layer_codecs": list(c.layer_codecs),
+            "layer_codecs": self.layer_codecs(),
+            "kv_plan": plan_summary(self.core.kv_plan),
             "sinks": c.sinks,
             "page_size": c.page_size,
             "recent_window": self.args.recent_window,

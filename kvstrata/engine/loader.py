@@ -73,16 +73,19 @@ def load_model(
     device: str | torch.device = "cpu",
     load_format: str = "auto",
 ) -> LoadedModel:
+    from kvstrata import resources
+
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; use {' or '.join(LOAD_FORMATS)}")
     if load_format == "dummy":
         return load_dummy(path, dtype, device)
+    alias = resources.model_alias_path(str(path)) if path is not None else None
     if path is None:
-        from kvstrata import resources
-
         source, name = resources.default_model_path(), resources.DEFAULT_MODEL_NAME
+    elif alias is not None:
+        source, name = alias, alias.stem
     else:
         source = Path(path).expanduser()
         name = source.stem if source.is_file() else source.name

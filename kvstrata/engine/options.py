@@ -50,6 +50,13 @@ class EngineArgs:
     drift_cooldown: int = 4  # consecutive low samples before stepping down
     seed: int | None = None  # seeds the unseeded sampling rows (torch default generator)
     load_format: str = "auto"  # "dummy": random weights from the model directory's config.json alone
+    # Load-time precision plan (kvstrata/engine/kvplan.py): "auto" runs the sensitivity pass when one
+    # quantized codec covers every layer and keeps the layers that fail it at a wider codec; "off".
+    kv_plan: str = "auto"
+    kv_plan_out: str | None = None  # also write the chosen plan here (reuse: --kv-cache-dtype plan.json)
+    kv_plan_tokens: int = 256  # corpus tokens of the pass
+    kv_plan_kl_budget: float | None = None  # KL (nats/token, window 0 + sinks); None: by codec width
+    kv_plan_extra_bytes: float = 0.02  # cold bytes/token a plan may add, as a share of BF16's
     extra: dict[str, Any] = field(default_factory=dict)
     # Pinned prefixes (image spans, POST /v1/cache/pins): budget in tokens (None: a quarter of the
     # pool) and the time-to-live of image pins in seconds (None: until unpinned or flushed).
@@ -118,6 +125,12 @@ class EngineArgs:
             raise ValueError(f"drift_max_level must be >= 0, got {self.drift_max_level}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.kv_plan not in ("auto", "off"):
+            raise ValueError(f"kv_plan must be 'auto' or 'off', got {self.kv_plan!r}")
+        if self.kv_plan_tokens < 2 * self.page_size:
+            raise ValueError(f"kv_plan_tokens must be >= 2 pages, got {self.kv_plan_tokens}")
+        if (self.kv_plan_kl_budget or 0) < 0 or self.kv_plan_extra_bytes < 0:
+            raise ValueError("kv_plan_kl_budget and kv_plan_extra_bytes must be >= 0")
 
     # --- resolution ---------------------------------------------------------------------------
     def resolve_device(self) -> torch.device:
@@ -147,6 +160,7 @@ class EngineArgs:
 
     def resolve_layer_codecs(self, num_layers: int, compute: torch.dtype) -> list[str]:
         from kvstrata.quant import get_codec
+        from kvstrata.radix.pool import split_layer_codec
 
         if self.layer_plan is not None:
             codecs = load_plan(self.layer_plan)
@@ -157,7 +171,8 @@ class EngineArgs:
         else:
             codecs = [self.kv_cache_dtype] * num_layers
         for name in set(codecs):
-            get_codec(name)  # raises listing the known codecs
+            for part in split_layer_codec(name):
+                get_codec(part)  # raises listing the known codecs
         return codecs
 
 

@@ -40,6 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-dense-check", action="store_true", help="skip the dense_forward comparison")
     parser.add_argument("--markdown", default=None, help="also write the table as Markdown here")
     parser.add_argument(
+        "--kv-plan",
+        default="auto",
+        choices=["auto", "off"],
+        help="auto: measure each bare codec with the plan the engine's load-time pass picks (as served)",
+    )
+    parser.add_argument(
         "--rows-per-step",
         type=int,
         default=None,
@@ -98,6 +104,7 @@ def options_from_args(args: argparse.Namespace) -> Any:
         bootstrap=args.bootstrap,
         dense_check=not args.no_dense_check,
         rows_per_step=args.rows_per_step or (1024 if args.device == "cpu" else 16384),
+        kv_plan=args.kv_plan,
     )
 
 

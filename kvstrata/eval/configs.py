@@ -18,6 +18,7 @@ from kvstrata.engine.defaults import (
     plan_defaults,
     read_plan_file,
 )
+from kvstrata.radix.pool import split_layer_codec
 
 __all__ = ["PLAN_DEFAULTS", "SHIPPED_DEFAULTS", "Defaults", "EvalConfig", "build_grid", "load_plan"]
 
@@ -101,11 +102,12 @@ def build_grid(
         if is_plan_path(name):
             plan = load_plan(name)
             base = plan_defaults(plan)
-            for codec in plan["layer_codecs"]:  # type: ignore[union-attr]
-                if codec not in known_codecs:
-                    raise ValueError(
-                        f"plan {name}: unknown codec {codec!r}; known: {', '.join(known_codecs)}"
-                    )
+            for layer_codec in plan["layer_codecs"]:  # type: ignore[union-attr]
+                for codec in split_layer_codec(layer_codec):
+                    if codec not in known_codecs:
+                        raise ValueError(
+                            f"plan {name}: unknown codec {codec!r}; known: {', '.join(known_codecs)}"
+                        )
         elif name in UNQUANTIZED:
             if name != REFERENCE:
                 out.append(EvalConfig(name, None, 0, False, False))

@@ -47,6 +47,7 @@ class LabOptions:
     bootstrap: int = 2000
     dense_check: bool = True
     rows_per_step: int = 1024
+    kv_plan: str = "auto"  # "auto": a bare codec is measured with the engine's load-time plan; "off"
 
 
 class Reporter(Protocol):
@@ -111,6 +112,41 @@ def run_sensitivity(
     )
 
 
+def with_load_plans(grid: list[EvalConfig], model: Any, reporter: Reporter) -> tuple[list[EvalConfig], dict]:
+    """The grid with each bare quantized codec replaced by the plan the engine would serve for it.
+
+    The engine runs its load-time pass (kvstrata/engine/kvplan.py) whenever one codec covers every layer;
+    this runs the same pass with the engine's defaults, so the lab measures what is served. A plan that
+    raises nothing leaves the configuration as it was; one that does is labelled ``codec+plan``.
+    """
+    from kvstrata.engine.kvplan import WIDER_K, PlanSettings, build_plan, corpus_ids
+
+    settings = PlanSettings()
+    ids = corpus_ids(model, settings.tokens)
+    plans: dict[tuple[str, bool], dict[str, Any]] = {}
+    out = []
+    mc = model.config
+    geometry = {"num_layers": mc.num_layers, "kv_heads": mc.kv_heads, "head_dim": mc.head_dim}
+    for cfg in grid:
+        if ids is None or cfg.layer_codecs is not None or cfg.rotation or cfg.kv_cache_dtype not in WIDER_K:
+            out.append(cfg)
+            continue
+        key = (cfg.kv_cache_dtype, cfg.sinks)
+        if key not in plans:
+            reporter.stage(f"load-time plan pass for {cfg.kv_cache_dtype}")
+            geometry["page_size"] = 16
+            plans[key] = build_plan(
+                model.net, ids, cfg.kv_cache_dtype, geometry, mc.attn_scale, cfg.sinks, settings
+            )
+        doc = plans[key]
+        if not doc["raised"]:
+            out.append(cfg)
+            continue
+        name = f"{cfg.kv_cache_dtype}+plan"
+        out.append(EvalConfig(name, tuple(doc["layer_codecs"]), cfg.recent_window, False, cfg.sinks))
+    return out, {f"{codec}{' sinks' if sinks else ''}": doc for (codec, sinks), doc in plans.items()}
+
+
 def run_lab(opts: LabOptions, reporter: Reporter) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Returns (results document, plan document or None)."""
     import torch
@@ -138,6 +174,9 @@ def run_lab(opts: LabOptions, reporter: Reporter) -> tuple[dict[str, Any], dict[
             Path(opts.emit_plan).write_text(json.dumps(plan_doc, indent=2) + "\n")
             names.append(str(opts.emit_plan))
     grid = build_grid(names, opts.recent_windows, opts.rotations, opts.sinks, list_codecs())
+    load_plans: dict[str, Any] = {}
+    if opts.kv_plan == "auto" and opts.page_size == 16:
+        grid, load_plans = with_load_plans(grid, model, reporter)
     chunks = -(-opts.context // opts.page_size)
     reporter.start(f"{len(grid)} configurations", len(windows) * chunks * len(grid))
     scores, check = evaluate(
@@ -156,6 +195,8 @@ def run_lab(opts: LabOptions, reporter: Reporter) -> tuple[dict[str, Any], dict[
     }
     if check is not None:
         extra["reference_check"] = check.to_json()
+    if load_plans:
+        extra["load_plans"] = load_plans
     if plan_doc is not None:
         extra["sensitivity"] = {
             "codec": opts.sensitivity_codec,

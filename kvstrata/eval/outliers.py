@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -61,6 +62,38 @@ def plant_key_outliers(
                         state[prefix + name][q_rows] /= scale
 
 
+def low_frequency_channels(head_dim: int, pairs: int) -> list[int]:
+    """The channels of the ``pairs`` lowest-frequency RoPE pairs (last of each half), with partners."""
+    half = head_dim // 2
+    return sorted(c for i in range(pairs) for c in (half - 1 - i, head_dim - 1 - i))
+
+
+@torch.no_grad()
+def plant_key_offsets(
+    state: dict[str, torch.Tensor],
+    layers: list[int],
+    kv_heads: int,
+    head_dim: int,
+    offset: float,
+    pairs: int = 2,
+) -> None:
+    """Add ``offset`` to the key bias of the lowest-frequency RoPE channels of ``layers``, in place.
+
+    This is what Qwen2.5 checkpoints carry (docs/eval.md): k_proj biases of 100-200 on channels
+    29-31 and 61-63 of layers 0, 1 and 8, hundreds of times the keys' variation there. A constant key
+    offset shifts every logit of a query by the same amount (softmax ignores it) as long as RoPE does
+    not rotate it: at the lowest frequencies (rope_theta 1e6: ~1e-5 rad per position) it barely does,
+    so the model's function is kept to within that rotation. Per-channel absmax scales then spend a
+    4-bit float grid's coarse top steps on the offset: fp4 E2M1's top step is a third of the range,
+    so the channel's variation is lost, while int4's min/max affine grid keeps it.
+    """
+    chans = torch.tensor(low_frequency_channels(head_dim, pairs))
+    for layer in layers:
+        bias = state[f"model.layers.{layer}.self_attn.k_proj.bias"]
+        for kv in range(kv_heads):
+            bias[kv * head_dim + chans] += offset
+
+
 def _train_tokenizer(text: str, vocab_size: int):  # -> PreTrainedTokenizerFast
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -91,11 +124,16 @@ def build_tiny_outlier_model(
     channels: tuple[int, ...] = DEFAULT_CHANNELS,
     scale: float = DEFAULT_SCALE,
     seed: int = 0,
+    key_offset: float = 0.0,
+    offset_layers: tuple[int, ...] = (0,),
+    rope_theta: float = 10000.0,
 ) -> Path:
     """A small random Qwen2-style model (q/k/v biases) with planted key outliers, as safetensors.
 
     ``init_std`` is larger than the usual 0.02 so that attention is peaked rather than uniform and
     the KV cache's errors reach the logits. The tokenizer is a byte-level BPE trained on ``text``.
+    ``key_offset`` plants Qwen2.5's real outlier, a large key bias on the lowest-frequency RoPE channels of
+    ``offset_layers`` (`plant_key_offsets`; use it with ``rope_theta`` 1e6, Qwen2.5's).
     """
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -110,6 +148,7 @@ def build_tiny_outlier_model(
         num_attention_heads=q_heads,
         num_key_value_heads=kv_heads,
         max_position_embeddings=8192,
+        rope_theta=rope_theta,
         initializer_range=init_std,
         tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id,
@@ -123,10 +162,56 @@ def build_tiny_outlier_model(
             layer.self_attn.q_proj.bias.normal_(0.0, 0.5)
     state = model.state_dict()
     plant_key_outliers(state, num_layers, q_heads, kv_heads, hidden // q_heads, channels, scale)
+    if key_offset:
+        plant_key_offsets(state, list(offset_layers), kv_heads, hidden // q_heads, key_offset)
     model.load_state_dict(state)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out
+
+
+@torch.no_grad()
+def capture_kv(model: Any, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the (K, V) ``[T, H, D]`` the cache would store for ``ids`` (post-RoPE keys)."""
+    captured: list[tuple[torch.Tensor, torch.Tensor]] = []
+    dense = model.net.dense_attn_for([ids.shape[0]])
+
+    def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        captured.append((k.float().cpu(), v.float().cpu()))
+        return dense(layer, q, k, v)
+
+    with torch.inference_mode():
+        model.net(ids.to(model.net.device), torch.arange(ids.shape[0], device=model.net.device), attn=attn)
+    return captured
+
+
+def channel_statistics(x: torch.Tensor, skip: int = 1) -> dict[str, Any]:
+    """Outlier statistics of one layer's keys or values ``[T, H, D]``, first ``skip`` tokens left out.
+
+    ``channel_ratio``: the largest channel's absmax over the median channel's (per head, max over
+    heads); ``offset_ratio``: the largest |mean| / std of a channel (a large constant offset is what
+    coarse 4-bit grids lose); ``sink_ratio``: the first token's absmax over the rest's.
+    """
+    body = x[skip:]
+    absmax = body.abs().amax(dim=0)  # [H, D]
+    ratio = absmax.amax(-1) / absmax.median(-1).values.clamp_min(1e-12)
+    offset = (body.mean(0).abs() / body.std(0).clamp_min(1e-12)).amax()
+    top = absmax.amax(0).topk(min(4, absmax.shape[-1])).indices.tolist()
+    return {
+        "channel_ratio": round(float(ratio.amax()), 2),
+        "top_channels": top,
+        "absmax": round(float(absmax.amax()), 2),
+        "offset_ratio": round(float(offset), 2),
+        "sink_ratio": round(float(x[:skip].abs().amax() / body.abs().amax().clamp_min(1e-12)), 2),
+    }
+
+
+def kv_statistics(model: Any, ids: torch.Tensor) -> list[dict[str, Any]]:
+    """``channel_statistics`` of keys and values, per layer."""
+    return [
+        {"layer": i, "k": channel_statistics(k), "v": channel_statistics(v)}
+        for i, (k, v) in enumerate(capture_kv(model, ids))
+    ]
 
 
 def hf_directory(src: str | Path | None) -> Path:
@@ -169,6 +254,28 @@ def plant_outliers_in_model(
     return out
 
 
+def print_statistics(model_path: str | None, tokens: int, out: str) -> int:
+    """Write (JSON to ``out``) and print the per-layer K/V statistics of a model over corpus tokens."""
+    import json
+
+    from kvstrata.engine.loader import load_model
+    from kvstrata.eval.corpus import read_corpus, tokenize_windows
+
+    model = load_model(model_path)
+    ids = torch.tensor(tokenize_windows(read_corpus(None), model.tokenizer, tokens, tokens)[0])
+    stats = kv_statistics(model, ids)
+    doc = {"model": model.name, "tokens": tokens, "layers": stats}
+    Path(out).write_text(json.dumps(doc, indent=1) + "\n")
+    print("layer | K channel max/median | K top channels | K |mean|/std | K sink | V max/median | V sink")
+    for row in stats:
+        k, v = row["k"], row["v"]
+        print(
+            f"{row['layer']} | {k['channel_ratio']} | {k['top_channels']} | {k['offset_ratio']} | "
+            f"{k['sink_ratio']} | {v['channel_ratio']} | {v['sink_ratio']}"
+        )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir")
@@ -176,8 +283,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="a small random Qwen2-style model instead")
     parser.add_argument("--scale", type=float, default=DEFAULT_SCALE)
     parser.add_argument("--channels", default=",".join(map(str, DEFAULT_CHANNELS)))
+    parser.add_argument("--stats", type=int, default=0, help="print K/V statistics over N corpus tokens")
     args = parser.parse_args(argv)
     channels = tuple(int(c) for c in args.channels.split(","))
+    if args.stats:
+        return print_statistics(args.model, args.stats, args.out_dir)
     if args.tiny:
         from kvstrata.resources import load_corpus_text
 

@@ -3,6 +3,8 @@
 Page ids are shared by all layers: page ``p`` is row ``p`` of every buffer. Keys are stored with
 per-channel scales over the page's tokens (KIVI), values with per-token scales. Only the codec
 (`kvstrata.quant`) knows what the parts mean; the pool only allocates ``page_parts`` and copies.
+A layer may store keys and values in different codecs (``"int4/fp4_e2m1"``: keys int4, values fp4),
+which is how a per-layer precision plan treats keys and values separately.
 """
 
 from __future__ import annotations
@@ -17,15 +19,29 @@ from kvstrata.radix.allocator import IdAllocator
 
 KEY_GRANULARITY = "channel"
 VALUE_GRANULARITY = "token"
+KV_SEPARATOR = "/"  # a layer codec "int4/fp4_e2m1" stores keys in int4 and values in fp4_e2m1
+
+
+def split_layer_codec(name: str) -> tuple[str, str]:
+    """(key codec, value codec) of a layer codec name: ``"fp8_e4m3"`` or ``"int4/fp4_e2m1"``."""
+    k, sep, v = name.partition(KV_SEPARATOR)
+    if sep and (not k or not v or KV_SEPARATOR in v):
+        raise ValueError(f"layer codec {name!r}: expected KEY{KV_SEPARATOR}VALUE codec names")
+    return (k, v) if sep else (name, name)
+
+
+def layer_codec_name(k: str, v: str) -> str:
+    """The layer codec name storing keys in ``k`` and values in ``v`` (one name when they agree)."""
+    return k if k == v else f"{k}{KV_SEPARATOR}{v}"
 
 
 def cold_page_bytes(codecs: list[str], page_size: int, heads: int, head_dim: int) -> int:
     """Exact bytes of one cold page summed over layers, K and V, scales included."""
     total = 0
     for name in codecs:
-        codec = get_codec(name)
-        total += codec.page_bytes(page_size, heads, head_dim, KEY_GRANULARITY)
-        total += codec.page_bytes(page_size, heads, head_dim, VALUE_GRANULARITY)
+        k, v = split_layer_codec(name)
+        total += get_codec(k).page_bytes(page_size, heads, head_dim, KEY_GRANULARITY)
+        total += get_codec(v).page_bytes(page_size, heads, head_dim, VALUE_GRANULARITY)
     return total
 
 
@@ -72,15 +88,18 @@ class ColdPool:
     ) -> None:
         self.page_size, self.head_dim = page_size, head_dim
         self.codec_names = list(codecs)
-        self.codecs: list[Codec] = [get_codec(name) for name in codecs]
+        pairs = [split_layer_codec(name) for name in codecs]
+        self.k_codecs: list[Codec] = [get_codec(k) for k, _ in pairs]
+        self.v_codecs: list[Codec] = [get_codec(v) for _, v in pairs]
         self.allocator = IdAllocator(num_pages, "cold pages")
         self.k: list[dict[str, torch.Tensor]] = []
         self.v: list[dict[str, torch.Tensor]] = []
         # Row ``num_pages`` of every buffer is the null page: never allocated, never written, all
         # zero bytes, which every codec decodes to finite zeros. Padded page tables point at it.
         self.null_page = num_pages
-        for codec in self.codecs:
-            for bufs, gran in ((self.k, KEY_GRANULARITY), (self.v, VALUE_GRANULARITY)):
+        for k_codec, v_codec in zip(self.k_codecs, self.v_codecs, strict=True):
+            parts = ((self.k, k_codec, KEY_GRANULARITY), (self.v, v_codec, VALUE_GRANULARITY))
+            for bufs, codec, gran in parts:
                 spec = codec.page_parts(page_size, heads, head_dim, gran)
                 bufs.append(
                     {
@@ -110,9 +129,8 @@ class ColdPool:
         v_clip: torch.Tensor | None = None,
     ) -> WriteCounts:
         """Quantize ``[n, page_size, H, D]`` pages of K and V into ``page_ids`` of ``layer``."""
-        codec = self.codecs[layer]
-        qk = codec.quantize(k_pages, granularity=KEY_GRANULARITY, static_absmax=k_clip)
-        qv = codec.quantize(v_pages, granularity=VALUE_GRANULARITY, static_absmax=v_clip)
+        qk = self.k_codecs[layer].quantize(k_pages, granularity=KEY_GRANULARITY, static_absmax=k_clip)
+        qv = self.v_codecs[layer].quantize(v_pages, granularity=VALUE_GRANULARITY, static_absmax=v_clip)
         for bufs, q in ((self.k[layer], qk), (self.v[layer], qv)):
             for name, part in q.parts.items():
                 buf = bufs[name]
@@ -130,9 +148,8 @@ class ColdPool:
         self, layer: int, page_table: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K and V of ``page_table`` (any shape ``S``): ``[*S, page_size, H, D]`` each."""
-        codec = self.codecs[layer]
         k_parts = {name: _gather(buf, page_table) for name, buf in self.k[layer].items()}
         v_parts = {name: _gather(buf, page_table) for name, buf in self.v[layer].items()}
-        k = codec.dequantize_parts(k_parts, KEY_GRANULARITY, self.head_dim, dtype)
-        v = codec.dequantize_parts(v_parts, VALUE_GRANULARITY, self.head_dim, dtype)
+        k = self.k_codecs[layer].dequantize_parts(k_parts, KEY_GRANULARITY, self.head_dim, dtype)
+        v = self.v_codecs[layer].dequantize_parts(v_parts, VALUE_GRANULARITY, self.head_dim, dtype)
         return k, v

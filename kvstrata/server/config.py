@@ -142,6 +142,20 @@ FLAGS: tuple[Flag, ...] = (
         "smoothed drift (perplexity ratio - 1) that raises precision",
         True,
     ),
+    Flag(
+        "kv_plan",
+        str,
+        None,
+        "auto (default): at load, layers whose K or V fail a short sensitivity pass keep a wider codec; off",
+        True,
+    ),
+    Flag(
+        "kv_plan_out",
+        str,
+        None,
+        "write the chosen per-layer plan here (serve it: --kv-cache-dtype FILE)",
+        True,
+    ),
     Flag("log_level", _log_level, "info", "critical, error, warning, info, debug"),
     Flag("context_length", _positive_int, None, "cap on prompt + output tokens (default: the model's)"),
     Flag("max_request_bytes", _positive_int, DEFAULT_MAX_REQUEST_BYTES, "largest accepted request body"),
@@ -217,6 +231,8 @@ class ServerConfig:
     api_key: str | None = None
     drift_sample_rate: float | None = None
     drift_threshold: float | None = None
+    kv_plan: str | None = None
+    kv_plan_out: str | None = None
     log_level: str = "info"
     context_length: int | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES

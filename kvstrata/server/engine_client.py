@@ -297,7 +297,19 @@ class EngineClient:
             vision["encoded_images"],
             vision["cached_images"],
         )
+        fill_layer_codecs(snap, self.engine)
         return snap
+
+
+def fill_layer_codecs(snap: EngineSnapshot, engine: Any) -> None:
+    """The per-layer K/V codecs of new cold pages and the load-time plan (kvstrata/engine/kvplan.py)."""
+    from kvstrata.engine.kvplan import codec_bits, plan_summary
+    from kvstrata.radix.pool import split_layer_codec
+
+    snap.layer_codecs = [split_layer_codec(name) for name in engine.layer_codecs()]
+    geometry = (engine.cache_config.page_size, engine.config.kv_heads, engine.config.head_dim)
+    snap.layer_bits = [(codec_bits(k, *geometry), codec_bits(v, *geometry)) for k, v in snap.layer_codecs]
+    snap.kv_plan = plan_summary(engine.core.kv_plan)
 
 
 def fill_cache_stats(snap: EngineSnapshot, cache: Any) -> None:

@@ -62,6 +62,7 @@ METRIC_NAMES = (
     "pins_refused_total",
     "vision_encoded_images_total",
     "vision_cached_images_total",
+    "kv_layer_bits",
 )
 
 
@@ -141,6 +142,15 @@ class EngineCollector(Collector):
             s.ppl_drift_ewma,
         )
         yield gauge("fallback_level", "Precision fallback level (0 = configured precision).", s.drift.level)
+        bits = GaugeMetricFamily(
+            P + "kv_layer_bits",
+            "Stored bits per element of new cold pages, per layer and K/V (label codec: its codec).",
+            labels=["layer", "kind", "codec"],
+        )
+        for layer, (codecs, widths) in enumerate(zip(s.layer_codecs, s.layer_bits, strict=True)):
+            for kind, codec, width in zip("kv", codecs, widths, strict=True):
+                bits.add_metric([str(layer), kind, codec], float(width))
+        yield bits
 
 
 class ServerMetrics:

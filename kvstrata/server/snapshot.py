@@ -65,6 +65,10 @@ class EngineSnapshot:
     pins: list[dict[str, Any]] = field(default_factory=list)
     vision_encoded_images: int = 0  # vision tower runs (per image)
     vision_cached_images: int = 0  # images whose span was cached: tower skipped
+    # Per layer: (key codec, value codec) of new cold pages, and the load-time plan that chose them
+    layer_codecs: list[tuple[str, str]] = field(default_factory=list)
+    layer_bits: list[tuple[int, int]] = field(default_factory=list)  # stored bits per element, K and V
+    kv_plan: dict[str, Any] | None = None
 
     @property
     def ppl_drift_ewma(self) -> float:
@@ -95,4 +99,6 @@ class EngineSnapshot:
             "fallback_level": self.drift.level,
             "ppl_drift_ewma": self.ppl_drift_ewma,
             "drift": asdict(self.drift),
+            "layer_codecs": [{"layer": i, "k": k, "v": v} for i, (k, v) in enumerate(self.layer_codecs)],
+            "kv_plan": self.kv_plan,
         }
