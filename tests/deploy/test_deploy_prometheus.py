@@ -44,6 +44,8 @@ MAIN_PANELS = (
     "Quantization overflow ratio per layer",
     "Perplexity drift",
     "KL divergence",
+    "Pinned bytes and pins",  # zero-valued series with a text model: present, finite
+    "Vision tower runs and skips",
 )
 NO_DATA_EXPECTED = {"Absmax vs calibration per layer", "Non-finite K/V elements"}
 PROMPT_PREFIX = (
