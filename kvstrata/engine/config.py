@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kvstrata import geometry
+
 # Hugging Face architecture name -> (model_type, qkv bias, q/k RMSNorm)
 ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     "LlamaForCausalLM": ("llama", False, False),
@@ -105,18 +107,18 @@ class ModelConfig:
                 "original_max_position_embeddings",
                 d.get("original_max_position_embeddings") or d["max_position_embeddings"],
             )
-        q_heads = d["num_attention_heads"]
+        geo = geometry.from_hf(d)
         bias = bool(d.get("attention_bias", False))
         eos = d.get("eos_token_id")
         uses_window = d.get("use_sliding_window", arch == "MistralForCausalLM")
         return cls(
             architecture=arch,
-            num_layers=d["num_hidden_layers"],
+            num_layers=geo.layers,
             hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"],
-            q_heads=q_heads,
-            kv_heads=d.get("num_key_value_heads") or q_heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // q_heads,
+            q_heads=geo.q_heads,
+            kv_heads=geo.kv_heads,
+            head_dim=geo.head_dim,
             vocab_size=d["vocab_size"],
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
@@ -182,8 +184,8 @@ class ModelConfig:
         if "rope_freqs.weight" in tensor_names:
             raise ValueError("GGUF files with a rope_freqs tensor (llama3 RoPE factors) are not supported")
         hidden = key("embedding_length")
-        q_heads = key("attention.head_count")
-        head_dim = key("attention.key_length") or hidden // q_heads
+        geo = geometry.from_gguf(meta)
+        head_dim = geo.head_dim
         if key("rope.dimension_count", head_dim) != head_dim:
             raise ValueError("partial rotary embeddings are not supported")
         rope_scaling = None
@@ -206,11 +208,11 @@ class ModelConfig:
         _, qkv_bias, qk_norm = ARCHITECTURES[architecture]
         return cls(
             architecture=architecture,
-            num_layers=key("block_count"),
+            num_layers=geo.layers,
             hidden_size=hidden,
             intermediate_size=key("feed_forward_length"),
-            q_heads=q_heads,
-            kv_heads=key("attention.head_count_kv") or q_heads,
+            q_heads=geo.q_heads,
+            kv_heads=geo.kv_heads,
             head_dim=head_dim,
             vocab_size=key("vocab_size") or len(tokens),
             rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),

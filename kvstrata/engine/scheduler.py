@@ -82,11 +82,12 @@ class Scheduler:
         return True
 
     def future_tokens(self, req: Request) -> float:
-        """Tokens ``req`` is expected to add to the cache: its unread prompt and ``new_token_ratio``
-        of its remaining output (capped by the pool)."""
-        pool_tokens = self.cache.num_pages * self.cache.page_size
-        left = min(req.params.max_new_tokens - len(req.output_ids), pool_tokens)
-        return req.tokens_len - req.computed + left * self.new_token_ratio
+        """Tokens ``req`` is expected to add to the cold pool: those not yet in a full page (its
+        unread prompt, and computed tokens still waiting in the ring for their page to complete)
+        and ``new_token_ratio`` of its remaining output (capped by the pool)."""
+        P = self.cache.page_size
+        left = min(req.params.max_new_tokens - len(req.output_ids), self.cache.num_pages * P)
+        return req.tokens_len - req.computed // P * P + left * self.new_token_ratio
 
     def available_tokens(self) -> int:
         """Tokens the pool can still take: free pages and pages the tree may evict."""

@@ -9,21 +9,18 @@ has no ring at all.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvstrata import geometry
+from kvstrata.geometry import Geometry
+
 HELP = "How many history tokens fit in a KV memory budget (cold pages after the BF16 rings)."
 GIB = 1 << 30
 RING_BYTES = 2  # the hot ring is BF16
-
-
-@dataclass(frozen=True)
-class Geometry:
-    layers: int
-    kv_heads: int
-    head_dim: int
 
 
 @dataclass(frozen=True)
@@ -57,38 +54,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def model_geometry(path: str | Path) -> Geometry:
-    """Layers, KV heads and head dim from a HF ``config.json`` (file or directory) or a GGUF file."""
+    """Layers, KV heads and head dim from a HF ``config.json`` (file or directory) or a GGUF file
+    (parsed by `kvstrata.geometry`, which the engine's model configuration uses too)."""
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"no model config at {path}")
     if path.suffix == ".gguf":
-        return _gguf_geometry(path)
-    cfg = json.loads(path.read_text())
-    cfg = cfg.get("text_config", cfg)
-    heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    return Geometry(cfg["num_hidden_layers"], cfg.get("num_key_value_heads") or heads, head_dim)
+        geo = geometry.from_gguf(_gguf_metadata(path))
+    else:
+        geo = geometry.from_hf(json.loads(path.read_text()))
+    return dataclasses.replace(geo, q_heads=None)  # only the KV side sizes the cache
 
 
-def _gguf_geometry(path: Path) -> Geometry:
+def _gguf_metadata(path: Path) -> dict[str, object]:
+    """The architecture and its ``<arch>.*`` keys (not the tokenizer's large arrays)."""
     from gguf import GGUFReader
 
     fields = GGUFReader(str(path)).fields
-
-    def get(key: str) -> int | str | None:
-        field = fields.get(key)
-        return None if field is None else field.contents()
-
-    arch = get("general.architecture") or "llama"
-    heads = get(f"{arch}.attention.head_count")
-    layers = get(f"{arch}.block_count")
-    if heads is None or layers is None:
-        raise ValueError(f"{path}: GGUF metadata lacks {arch}.block_count or {arch}.attention.head_count")
-    kv_heads = get(f"{arch}.attention.head_count_kv") or heads
-    head_dim = get(f"{arch}.attention.key_length") or int(get(f"{arch}.embedding_length")) // int(heads)
-    return Geometry(int(layers), int(kv_heads), int(head_dim))
+    arch_field = fields.get("general.architecture")
+    arch = arch_field.contents() if arch_field is not None else "llama"
+    meta: dict[str, object] = {"general.architecture": arch}
+    for key, field in fields.items():
+        if key.startswith(f"{arch}."):
+            meta[key] = field.contents()
+    return meta
 
 
 def plan_capacity(

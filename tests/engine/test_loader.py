@@ -209,8 +209,11 @@ def hf_tokenizer():
 def test_default_tokenizer_matches_transformers(default_model, hf_tokenizer):
     from transformers import PreTrainedTokenizerFast
 
+    from kvstrata.engine.tokenizer import LockedTokenizer
+
     tok = default_model.tokenizer
-    assert isinstance(tok, PreTrainedTokenizerFast)
+    assert isinstance(tok, LockedTokenizer)  # shared by threads: every call under one lock
+    assert isinstance(tok.inner, PreTrainedTokenizerFast)
     assert (tok.bos_token_id, tok.eos_token_id) == (1, 2)
     for text in TEXTS:
         ids = tok.encode(text)
