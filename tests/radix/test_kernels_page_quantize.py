@@ -27,6 +27,8 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 CODECS = ["fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int8_asym", "int4", "fp4_e2m1"]
+# A layer of a precision plan may store keys and values in different codecs.
+CODECS += ["int4/fp4_e2m1", "int8_asym/fp8_e4m3"]
 HKV, HQ, D, P = 2, 4, 32, 16
 
 

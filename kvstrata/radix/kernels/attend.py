@@ -81,7 +81,8 @@ def _attend_kernel(
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     P: tl.constexpr,
-    FMT: tl.constexpr,
+    K_FMT: tl.constexpr,
+    V_FMT: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -121,8 +122,8 @@ def _attend_kernel(
         tok = (j % P).to(tl.int64)
         valid = ok[:, None] & d_ok[None, :]
         pg, tk, dd, rok = page[:, None], tok[:, None], d[None, :], ok[:, None]
-        k = load_decoded(K0, K1, K2, pg, tk, h, dd, valid, rok, H, P, D, BLOCK_D, FMT, True)
-        v = load_decoded(V0, V1, V2, pg, tk, h, dd, valid, rok, H, P, D, BLOCK_D, FMT, False)
+        k = load_decoded(K0, K1, K2, pg, tk, h, dd, valid, rok, H, P, D, BLOCK_D, K_FMT, True)
+        v = load_decoded(V0, V1, V2, pg, tk, h, dd, valid, rok, H, P, D, BLOCK_D, V_FMT, False)
         acc, m_i, l_i = _update(q, k, v, ok[None, :], acc, m_i, l_i, qk_scale, DOT_PREC)
 
     if split == num_splits - 1:
@@ -215,9 +216,11 @@ def attend_group(
     _, hq, d = q.shape
     h = k.shape[1]
     group = hq // h
-    fmt, names = kernel_format(pool.codecs[layer])
-    kp = [as_raw(pool.k[layer][name]) for name in names]
-    vp = [as_raw(pool.v[layer][name]) for name in names]
+    # A layer may store keys and values in different codecs (a precision plan's "int4/fp4_e2m1").
+    k_fmt, k_names = kernel_format(pool.k_codecs[layer])
+    v_fmt, v_names = kernel_format(pool.v_codecs[layer])
+    kp = [as_raw(pool.k[layer][name]) for name in k_names]
+    vp = [as_raw(pool.v[layer][name]) for name in v_names]
     kp += [kp[0]] * (3 - len(kp))
     vp += [vp[0]] * (3 - len(vp))
     lengths = g.kernel_lengths
@@ -267,7 +270,8 @@ def attend_group(
         D=d,
         BLOCK_D=block_d,
         P=pool.page_size,
-        FMT=fmt,
+        K_FMT=k_fmt,
+        V_FMT=v_fmt,
         HAS_SINKS=sinks is not None and g.sink_table is not None,
         SPLIT=splits > 1,
         BLOCK_M=block_m,

@@ -119,7 +119,8 @@ def _page_quantize_kernel(
     D: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_D2: tl.constexpr,
-    FMT: tl.constexpr,
+    K_FMT: tl.constexpr,
+    V_FMT: tl.constexpr,
     HAS_SINKS: tl.constexpr,
 ):
     w = tl.program_id(0)
@@ -156,7 +157,7 @@ def _page_quantize_kernel(
         D,
         BLOCK_P,
         BLOCK_D2,
-        FMT,
+        K_FMT,
         True,
         HAS_SINKS,
     )
@@ -182,7 +183,7 @@ def _page_quantize_kernel(
         D,
         BLOCK_P,
         BLOCK_D2,
-        FMT,
+        V_FMT,
         False,
         HAS_SINKS,
     )
@@ -204,9 +205,10 @@ def quantize_pages(
     n = w.page_ids.numel()
     if n == 0:
         return WriteCounts()
-    fmt, names = kernel_format(pool.codecs[layer])
-    kp = [as_bits(pool.k[layer][name]) for name in names]
-    vp = [as_bits(pool.v[layer][name]) for name in names]
+    k_fmt, k_names = kernel_format(pool.k_codecs[layer])
+    v_fmt, v_names = kernel_format(pool.v_codecs[layer])
+    kp = [as_bits(pool.k[layer][name]) for name in k_names]
+    vp = [as_bits(pool.v[layer][name]) for name in v_names]
     kp += [kp[0]] * (3 - len(kp))
     vp += [vp[0]] * (3 - len(vp))
     P, (_, _, H, D) = pool.page_size, ring.k.shape
@@ -232,7 +234,8 @@ def quantize_pages(
         D=D,
         BLOCK_P=max(16, triton.next_power_of_2(P)),
         BLOCK_D2=max(8, triton.next_power_of_2(D) // 2),
-        FMT=fmt,
+        K_FMT=k_fmt,
+        V_FMT=v_fmt,
         HAS_SINKS=has_sinks,
     )
     amax = stats[..., 0::2].amax(dim=(0, 1)).tolist()
