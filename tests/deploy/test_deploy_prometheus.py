@@ -44,6 +44,7 @@ MAIN_PANELS = (
     "Quantization overflow ratio per layer",
     "Perplexity drift",
     "KL divergence",
+    "Stored bits per element per layer",
     "Pinned bytes and pins",  # zero-valued series with a text model: present, finite
     "Vision tower runs and skips",
 )
