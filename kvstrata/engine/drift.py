@@ -177,10 +177,6 @@ class DriftMonitor:
         self.thread = threading.Thread(target=self._run, name="kvstrata-drift", daemon=True)
         self.thread.start()
 
-    @property
-    def max_window(self) -> int:
-        return self.window(self.policy.max_level)
-
     def window(self, level: int | None = None) -> int:
         lvl = self.policy.level if level is None else level
         return fallback_window(self.base_window, self.page_size, lvl)

@@ -95,27 +95,43 @@ def test_quantized_batch_with_preemption_and_abort_stays_clean(tiny, kv_cache_dt
         ps = prompts(6, seed=2)
         params = {"temperature": 0.8, "top_p": 0.9, "max_new_tokens": 40, "ignore_eos": True, "seed": 3}
         results: list[dict] = []
+        aborted: list[dict] = []
+
+        def run_and_abort() -> None:
+            """r5 streams; it is aborted after its third chunk, so the abort always finds it running."""
+            chunks = []
+            long = {**params, "max_new_tokens": 200}
+            for chunk in engine.generate(input_ids=ps[5], sampling_params=long, rid="r5", stream=True):
+                chunks.append(chunk)
+                if len(chunks) == 3:
+                    engine.abort("r5")
+            aborted.append(chunks[-1])
+
         workers = [
             threading.Thread(
                 target=lambda p=p, i=i: results.append(
                     engine.generate(input_ids=p, sampling_params=params, rid=f"r{i}")
                 )
             )
-            for i, p in enumerate(ps)
+            for i, p in enumerate(ps[:5])
         ]
+        workers.append(threading.Thread(target=run_and_abort))
         for w in workers:
             w.start()
-        engine.abort("r5")
         for w in workers:
             w.join()
-        assert len(results) == 6
-        done = [r for r in results if r["meta_info"]["finish_reason"]["type"] == "length"]
-        assert len(done) >= 5
-        for r in done:
+        assert len(results) == 5 and len(aborted) == 1
+        assert aborted[0]["meta_info"]["finish_reason"]["type"] == "abort"
+        assert 3 <= aborted[0]["meta_info"]["completion_tokens"] < 200
+        for r in results:
+            assert r["meta_info"]["finish_reason"]["type"] == "length"
             if "pool" not in r["meta_info"]["finish_reason"]:
                 assert len(r["output_ids"]) == 40
             assert all(0 <= t < 300 for t in r["output_ids"])
         clean(engine)
-        assert engine.get_stats().cache.tiers["cold"].used <= 16
+        # Every page comes back once the tree lets go: nothing leaked to the aborted or preempted requests.
+        assert engine.flush_cache()
+        cold = engine.check_invariants().tiers["cold"]
+        assert cold.used == 0 and cold.free == cold.total == 16
     finally:
         engine.shutdown()
