@@ -109,7 +109,9 @@ def test_a_forward_pass_that_fails_ends_its_requests_and_the_next_ones_are_serve
 def test_nan_logits_end_only_the_affected_request(engine):
     net = engine.runner.net
 
-    def poisoned(input_ids: torch.Tensor, positions: torch.Tensor, attn: Any, logits_at: Any, **kw: Any) -> Any:
+    def poisoned(
+        input_ids: torch.Tensor, positions: torch.Tensor, attn: Any, logits_at: Any, **kw: Any
+    ) -> Any:
         logits = net(input_ids, positions, attn=attn, logits_at=logits_at, **kw)
         bad = input_ids[logits_at] == POISON
         return logits.masked_fill(bad.unsqueeze(1), float("nan"))

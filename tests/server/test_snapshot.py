@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 from kvstrata.engine.drift import DriftStats
@@ -23,6 +24,17 @@ class RecordedEngine:
 
     def get_stats(self) -> EngineStats:
         return self.stats
+
+    # What the snapshot also reads: vision counters and the per-layer codecs of a one-layer fp8 model.
+    cache_config = SimpleNamespace(page_size=16)
+    config = SimpleNamespace(kv_heads=2, head_dim=64)
+    core = SimpleNamespace(kv_plan=None)
+
+    def vision_stats(self) -> dict[str, int]:
+        return {"encoded_images": 0, "cached_images": 0}
+
+    def layer_codecs(self) -> list[str]:
+        return ["fp8_e4m3"]
 
 
 def cache_stats(window: int, used: int, cached: int, evictable: int) -> CacheStats:
