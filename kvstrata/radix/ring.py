@@ -43,3 +43,8 @@ class HotRing:
     @property
     def padding_bytes(self) -> int:
         return self.bytes_per_token
+
+    def rows(self, slot: int, start: int, stop: int) -> list[int]:
+        """Flat rows of positions ``[start, stop)`` of ``slot`` (the SGLang plugin reads a request's ring)."""
+        base, cap = slot * self.capacity, self.capacity
+        return [base + p % cap for p in range(start, stop)]
