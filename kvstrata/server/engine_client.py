@@ -275,6 +275,8 @@ class EngineClient:
             prompt_tokens=stats.prompt_tokens_total,
             generation_tokens=stats.generation_tokens_total,
             cached_tokens=stats.cached_tokens_total,
+            preemptions=stats.preemptions_total,
+            nonfinite_logits=stats.nonfinite_logits_total,
             # per request, at its first step (the cache's own counts include re-admissions)
             cache_hit_rate=stats.cache_hit_rate,
             gen_throughput=stats.gen_throughput,

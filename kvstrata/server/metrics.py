@@ -63,6 +63,8 @@ METRIC_NAMES = (
     "vision_encoded_images_total",
     "vision_cached_images_total",
     "kv_layer_bits",
+    "num_preemptions_total",
+    "nonfinite_logits_total",
 )
 
 
@@ -116,6 +118,10 @@ class EngineCollector(Collector):
         for status in sorted({*FINISH_STATUSES, *s.requests_finished}):
             finished.add_metric([status], float(s.requests_finished.get(status, 0)))
         yield finished
+        yield counter("num_preemptions", "Running requests preempted to free KV pages.", s.preemptions)
+        yield counter(
+            "nonfinite_logits", "Requests ended because their logits held NaN/Inf.", s.nonfinite_logits
+        )
         yield counter("quantized_pages", "Pages quantized into the cold pool.", s.quantized_pages)
         yield counter("evicted_pages", "Pages evicted from the prefix tree.", s.evicted_pages)
         yield gauge("pinned_pages", "Pages pinned in the prefix tree.", s.pinned_pages)

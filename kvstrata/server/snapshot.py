@@ -69,6 +69,8 @@ class EngineSnapshot:
     layer_codecs: list[tuple[str, str]] = field(default_factory=list)
     layer_bits: list[tuple[int, int]] = field(default_factory=list)  # stored bits per element, K and V
     kv_plan: dict[str, Any] | None = None
+    preemptions: int = 0  # running requests preempted (pages returned, recomputed later)
+    nonfinite_logits: int = 0  # requests ended because their logits held NaN/Inf
 
     @property
     def ppl_drift_ewma(self) -> float:

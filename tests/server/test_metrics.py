@@ -58,7 +58,7 @@ def test_every_metric_in_the_table_is_exported_with_live_values(server: LiveServ
     names = {name.removesuffix("_total") for name in METRIC_NAMES}
     missing = sorted(n for n in names if "kvstrata:" + n not in m)
     assert not missing, missing
-    assert len(METRIC_NAMES) == 33
+    assert len(METRIC_NAMES) == 35
 
     types = {
         "kvstrata:time_to_first_token_seconds": "histogram",
@@ -85,6 +85,9 @@ def test_every_metric_in_the_table_is_exported_with_live_values(server: LiveServ
     assert value(m, "kvstrata:cached_tokens_total") >= 64
     assert value(m, "kvstrata:requests_received_total") >= 2
     assert value(m, "kvstrata:requests_finished_total", status="success") >= 2
+    # two short requests on a roomy pool: nothing preempted, no NaN/Inf logits
+    assert value(m, "kvstrata:num_preemptions_total") == 0
+    assert value(m, "kvstrata:nonfinite_logits_total") == 0
     assert 0 < value(m, "kvstrata:cache_hit_rate") < 1
     assert value(m, "kvstrata:gen_throughput") > 0
     assert value(m, "kvstrata:quantized_pages_total") > 0
