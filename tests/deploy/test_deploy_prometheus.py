@@ -47,6 +47,7 @@ MAIN_PANELS = (
     "Stored bits per element per layer",
     "Pinned bytes and pins",  # zero-valued series with a text model: present, finite
     "Vision tower runs and skips",
+    "Preemptions and NaN/Inf logits",
 )
 NO_DATA_EXPECTED = {"Absmax vs calibration per layer", "Non-finite K/V elements"}
 PROMPT_PREFIX = (
