@@ -197,3 +197,40 @@ def test_metrics_follow_pins_and_evictions():
     h.cache.unpin(node)
     assert sample("kvstrata:pinned_bytes") == 0
     h.check()
+
+
+def cache_through_sglang(h, prompt: list[int]) -> None:
+    """A finished request's prompt cached by SGLang's own cache API: ``checkpoint`` (0.5.23) or
+    ``cache_finished_req`` (0.5.17), with a real ``Req``; then its row and tail slots are released."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    req = Req("r0", "", array("q", prompt), SamplingParams())
+    row = alloc_row(h.req_pool)
+    need = -(-len(prompt) // PAGE) * PAGE
+    h.req_pool.write((row, slice(0, need)), h.allocator.alloc(need).to(torch.int32))
+    if hasattr(h.cache, "checkpoint"):
+        req.refresh_fill_ids()  # as the scheduler's init_next_round_input does
+        req.kv.req_pool_idx = row
+        h.cache.checkpoint(req, up_to=len(prompt))
+        h.cache.unlock(req.lock)
+        tail = h.req_pool.req_to_token[row, req.kv.cache_protected_len : need].to(torch.int64)
+        h.allocator.free(tail)
+    else:
+        req.req_pool_idx = row
+        h.cache.cache_finished_req(req, kv_len_to_handle=len(prompt))
+    free_row(h.req_pool, row)
+
+
+def test_image_prefix_pinned_through_sglang_cache_api(h):
+    from sglang.srt.managers.schedule_batch import MM_PAD_SHIFT_VALUE
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    image = [MM_PAD_SHIFT_VALUE + 5] * (2 * PAGE + 1)
+    prompt = tokens(10, PAGE) + image + tokens(40, PAGE + 2)
+    cache_through_sglang(h, prompt)
+    h.check()
+    assert h.cache.total_size() == len(prompt) // PAGE * PAGE
+    assert h.cache.pinned_pages() == 3  # the text page and the image's two full pages
+    assert h.cache.evict(EvictParams(num_tokens=100 * PAGE)).num_tokens_evicted == PAGE
+    h.check()
