@@ -14,6 +14,10 @@ SGL_PY := $(SGL_VENV)/bin/python
 SGL_STAMP := $(SGL_VENV)/.kvstrata-installed
 SGL_REQS := tests/integrations/sglang/requirements-cpu.txt
 SGLANG_SPEC ?= sglang==0.5.23
+# The second supported SGLang (the GPU machine's, torch 2.11) and the pins of its own that differ from
+# 0.5.23's, installed --no-deps into a directory that PYTHONPATH puts ahead of the venv's 0.5.23.
+SGL_OLD_DIR := $(SGL_VENV)/sglang-0.5.17
+SGL_OLD_SPECS := sglang==0.5.17 transformers==5.12.1 tokenizers==0.22.2 openai==2.6.1 xgrammar==0.2.1
 
 .PHONY: serve test lint install clean sglang-env
 
@@ -39,6 +43,8 @@ $(SGL_STAMP): pyproject.toml Makefile $(SGL_REQS)
 	$(SGL_PY) -m pip install -q -c $(SGL_VENV)/torch-constraint.txt -r $(SGL_REQS)
 	# kvstrata itself (its entry point is how SGLang finds the plugin); its deps are already there.
 	$(SGL_PY) -m pip install -q --no-deps -e .
+	rm -rf $(SGL_OLD_DIR)
+	$(SGL_PY) -m pip install -q --no-deps --target $(SGL_OLD_DIR) $(SGL_OLD_SPECS)
 	touch $(SGL_STAMP)
 
 serve: $(STAMP)
@@ -52,6 +58,7 @@ lint: $(STAMP)
 test: lint $(SGL_STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 	$(SGL_PY) -m pytest -q tests/integrations/sglang
+	PYTHONPATH=$(SGL_OLD_DIR) $(SGL_PY) -m pytest -q tests/integrations/sglang
 
 clean:
 	rm -rf $(VENV) $(SGL_VENV)

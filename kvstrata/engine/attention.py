@@ -71,12 +71,18 @@ def resolve_backend(name: str, device: torch.device) -> str:
     return name
 
 
-def get_backend(name: str, cache: Any, scale: float) -> AttentionBackend:
-    name = resolve_backend(name, cache.device)
-    if name == "triton" and cache.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+def require_triton_device(device: torch.device) -> None:
+    """The Triton kernels run on CUDA, or on CPU under the interpreter only."""
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             "attention backend 'triton' on CPU needs TRITON_INTERPRET=1 (slow; for tests); use 'torch'"
         )
+
+
+def get_backend(name: str, cache: Any, scale: float) -> AttentionBackend:
+    name = resolve_backend(name, cache.device)
+    if name == "triton":
+        require_triton_device(cache.device)
     try:
         cls = BACKENDS[name]
     except KeyError:

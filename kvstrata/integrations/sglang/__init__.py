@@ -1,16 +1,21 @@
 """kvstrata inside SGLang: the plugin registered under the ``sglang.srt.plugins`` entry-point group.
 
 `register()` (called by SGLang's ``load_plugins()`` in every process, idempotent) registers the
-radix-cache backend ``kvstrata``, the attention backend ``kvstrata`` and a hook that installs the
-stratified KV pool when the ``kvstrata`` radix cache is selected. This package is the only code of
+radix-cache backend ``kvstrata``, the attention backend ``kvstrata``, a hook that installs the
+stratified KV pool when the ``kvstrata`` radix cache is selected, and the hooks that size SGLang's
+memory plan for it (`memory_plan`). This package is the only code of
 kvstrata that imports sglang; see docs/sglang.md.
 """
 
 from __future__ import annotations
 
-SUPPORTED_SGLANG = ("0.5.23",)
+import logging
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_SGLANG = ("0.5.17", "0.5.23")
 BACKEND = "kvstrata"
-POOL_HOOK_TARGET = "sglang.srt.platforms.interface.SRTPlatform.get_kv_pool_cls"
+POOL_HOOK_TARGET = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_mha_kv_pool"
 
 _hook_registered = False
 
@@ -37,18 +42,32 @@ def create_kvstrata_cache(ctx):
     return cache
 
 
-def kv_pool_cls_hook(original, platform, *args, **kwargs):
-    """AROUND hook on ``SRTPlatform.get_kv_pool_cls``: kvstrata's MHA pool when the kvstrata radix
-    cache is selected, the platform's answer otherwise."""
+def mha_pool_class_hook(original, configurator, *args, **kwargs):
+    """AROUND hook on ``KVCacheConfigurator._build_mha_kv_pool`` (the seam both supported SGLang
+    releases share; 0.5.17 asks the platform for the pool class only on out-of-tree platforms):
+    kvstrata's pool class as ``mha_pool_class`` when the kvstrata radix cache is selected. SGLang's
+    own quantized pools (fp4, mxfp8) cannot be combined with it."""
+    if kvstrata_cache_selected():
+        if kwargs.get("quant_method") is not None or configurator.kv_cache_dtype_str == "mxfp8":
+            raise ValueError(
+                "--radix-cache-backend kvstrata stores its own quantized pages: leave --kv-cache-dtype "
+                "at auto/bfloat16 and choose the codec with KVSTRATA_KV_CODEC"
+            )
+        kwargs["mha_pool_class"] = kvstrata_pool_class()
+    return original(configurator, *args, **kwargs)
+
+
+def kvstrata_cache_selected() -> bool:
     from sglang.srt.runtime_context import get_memory
 
-    kind = kwargs.get("kind", args[0] if args else None)
-    if kind == "mha" and get_memory().radix_cache_backend == BACKEND:
-        from kvstrata.integrations.sglang.options import PluginOptions
-        from kvstrata.integrations.sglang.pool import pool_class
+    return get_memory().radix_cache_backend == BACKEND
 
-        return pool_class(PluginOptions.from_env())
-    return original(platform, *args, **kwargs)
+
+def kvstrata_pool_class():
+    from kvstrata.integrations.sglang.options import PluginOptions
+    from kvstrata.integrations.sglang.pool import pool_class
+
+    return pool_class(PluginOptions.from_env())
 
 
 def register() -> None:
@@ -60,7 +79,10 @@ def register() -> None:
     from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
 
     from kvstrata.integrations.sglang.attention_backend import create_kvstrata_backend
+    from kvstrata.integrations.sglang.compat import SGLANG_VERSION
 
+    if SGLANG_VERSION not in SUPPORTED_SGLANG and not _hook_registered:
+        logger.warning("kvstrata: SGLang %s is not one of the tested %s", SGLANG_VERSION, SUPPORTED_SGLANG)
     if get_radix_cache_factory(BACKEND) is None:
         register_radix_cache_backend(BACKEND, create_kvstrata_cache)
     if BACKEND not in ATTENTION_BACKENDS:
@@ -68,5 +90,9 @@ def register() -> None:
     if BACKEND not in ATTENTION_BACKEND_CHOICES:
         add_attention_backend_choices([BACKEND])
     if not _hook_registered:
-        HookRegistry.register(POOL_HOOK_TARGET, kv_pool_cls_hook, HookType.AROUND)
+        from kvstrata.integrations.sglang import memory_plan
+
+        HookRegistry.register(POOL_HOOK_TARGET, mha_pool_class_hook, HookType.AROUND)
+        HookRegistry.register(memory_plan.CELL_SIZE_TARGET, memory_plan.cell_size_hook, HookType.AROUND)
+        HookRegistry.register(memory_plan.POOL_SIZES_TARGET, memory_plan.pool_sizes_hook, HookType.AROUND)
         _hook_registered = True

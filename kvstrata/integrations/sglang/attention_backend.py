@@ -45,7 +45,7 @@ class KvstrataAttnBackend(AttentionBackend):
                 "with --radix-cache-backend kvstrata; got " + type(pool).__name__
             )
         self.pool = pool
-        self.kernels = kernels or make_kernels()
+        self.kernels = kernels or make_kernels(device=pool.device)
         pool.kernels = self.kernels
         pool.bind_requests(model_runner.req_to_token_pool)
 

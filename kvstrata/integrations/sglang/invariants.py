@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from kvstrata.integrations.sglang.compat import free_pages
 from kvstrata.radix.errors import InvariantViolation
 
 
@@ -74,7 +75,7 @@ def check_invariants(cache, held_slots: torch.Tensor | None = None) -> None:
         _fail("eviction candidates differ from the unlocked leaves")
 
     allocator = cache.token_to_kv_pool_allocator
-    take(allocator.get_all_free_pages().tolist(), "the free list")
+    take(free_pages(allocator).tolist(), "the free list")
     if held_slots is not None and held_slots.numel():
         held = set(held_slots.to(torch.long).div(P, rounding_mode="floor").tolist())
         take(sorted(held), "running requests")

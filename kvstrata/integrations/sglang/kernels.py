@@ -1,8 +1,10 @@
 """`StrataKernels`: the two operations the SGLang backend needs from the strata, by name.
 
-``torch`` is kvstrata's reference (`kvstrata.radix.attention`), which runs on any device. A GPU
-implementation (the Triton kernels of `kvstrata.radix.kernels`) plugs in with
-`register_kernels("triton", factory)`; ``KVSTRATA_ATTENTION_KERNELS`` picks one by name.
+``torch`` is kvstrata's reference (`kvstrata.radix.attention`), which runs on any device;
+``triton`` is kvstrata's Triton kernels (`kvstrata.radix.kernels`: cold codes decoded in registers,
+completed pages quantized in one launch), on CUDA or on CPU under ``TRITON_INTERPRET=1`` (tests).
+``KVSTRATA_ATTENTION_KERNELS`` picks one by name; ``auto`` (the default) is ``triton`` on CUDA and
+``torch`` elsewhere, as kvstrata's own engine chooses. `register_kernels` adds others.
 """
 
 from __future__ import annotations
@@ -13,13 +15,14 @@ from typing import Protocol
 
 import torch
 
+from kvstrata.engine.attention import require_triton_device, resolve_backend
 from kvstrata.radix import attention
 from kvstrata.radix.plan import StepBatch
 from kvstrata.radix.pool import ColdPool, WriteCounts
 from kvstrata.radix.ring import HotRing
 
 ENV_KERNELS = "KVSTRATA_ATTENTION_KERNELS"
-DEFAULT_KERNELS = "torch"
+DEFAULT_KERNELS = "auto"
 
 
 class StrataKernels(Protocol):
@@ -55,15 +58,40 @@ class TorchStrataKernels:
         return attention.store(layer, batch, k, v, pool, ring, None, (None, None))
 
 
-_KERNELS: dict[str, Callable[[], StrataKernels]] = {DEFAULT_KERNELS: TorchStrataKernels}
+class TritonStrataKernels:
+    """kvstrata's Triton kernels; the pages a step completes are quantized from the ring and the new
+    rows before the new rows are written to the ring (as `StratifiedKVCache.attention` does)."""
+
+    def attend(self, layer, batch, q, k, v, scale, pool, ring):
+        from kvstrata.radix.kernels import attend as kernel_attend
+
+        return kernel_attend.attend(layer, batch, q, k, v, scale, pool, ring, None)
+
+    def store(self, layer, batch, k, v, pool, ring):
+        from kvstrata.radix.kernels.page_quantize import quantize_pages
+
+        counts = quantize_pages(layer, batch.write, k, v, pool, ring, None)
+        attention.write_ring(layer, batch, k, v, ring)
+        return counts
+
+
+_KERNELS: dict[str, Callable[[], StrataKernels]] = {
+    "torch": TorchStrataKernels,
+    "triton": TritonStrataKernels,
+}
 
 
 def register_kernels(name: str, factory: Callable[[], StrataKernels]) -> None:
     _KERNELS[name] = factory
 
 
-def make_kernels(name: str | None = None) -> StrataKernels:
-    name = name or os.environ.get(ENV_KERNELS, DEFAULT_KERNELS)
+def make_kernels(name: str | None = None, device: torch.device | str = "cpu") -> StrataKernels:
+    """The kernels called ``name`` (default: ``KVSTRATA_ATTENTION_KERNELS``, else ``auto``) for a
+    pool on ``device``."""
+    device = torch.device(device)
+    name = resolve_backend(name or os.environ.get(ENV_KERNELS, DEFAULT_KERNELS), device)
     if name not in _KERNELS:
         raise ValueError(f"{ENV_KERNELS}={name!r} is not registered; registered: {sorted(_KERNELS)}")
+    if name == "triton":
+        require_triton_device(device)
     return _KERNELS[name]()

@@ -21,8 +21,6 @@ from kvstrata.radix.plan import NullRows, StepBatch
 from kvstrata.radix.pool import ColdPool
 from kvstrata.radix.ring import HotRing
 
-POOL_KIND = "mha"
-
 
 class StratifiedTokenToKVPool(MHATokenToKVPool):
     """Built by SGLang's configurator with the in-tree class's keyword arguments; `options` is a

@@ -2,8 +2,9 @@
 
 A pinned prefix is immutable and never evicted: pinning takes one lock reference on the node (so
 SGLang's own eviction, which only takes unlocked leaves, skips it and its ancestors) within a
-pinned-bytes budget. After every checkpoint, the prefix ending at each multimodal pad-token span
-(SGLang replaces image tokens with pad values from ``MM_PAD_SHIFT_VALUE`` up, derived from the
+pinned-bytes budget. After every insert of a request's tokens (``checkpoint`` in SGLang 0.5.23,
+``cache_unfinished_req``/``cache_finished_req`` in 0.5.17), the prefix ending at each multimodal
+pad-token span (SGLang replaces image tokens with pad values from ``MM_PAD_SHIFT_VALUE`` up, derived from the
 image hash) is pinned when the budget allows, so a repeated image's KV stays cached.
 """
 
@@ -16,6 +17,7 @@ from sglang.srt.managers.schedule_batch import MM_PAD_SHIFT_VALUE
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
+from kvstrata.integrations.sglang import compat
 from kvstrata.integrations.sglang.metrics import CacheMetrics
 from kvstrata.integrations.sglang.options import PluginOptions
 from kvstrata.integrations.sglang.pool import StratifiedTokenToKVPool
@@ -104,10 +106,26 @@ class KvstrataRadixCache(RadixCache):
         return node
 
     # ---- SGLang hooks --------------------------------------------------------------------------
-    def checkpoint(self, req, *, up_to: int):
-        super().checkpoint(req, up_to=up_to)
+    if compat.HAS_CHECKPOINT:
+
+        def checkpoint(self, req, *, up_to: int):
+            super().checkpoint(req, up_to=up_to)
+            self.pin_after_insert(req, req.full_untruncated_fill_ids[:up_to])
+
+    else:
+
+        def cache_unfinished_req(self, req, chunked=False):
+            super().cache_unfinished_req(req, chunked=chunked)
+            self.pin_after_insert(req, req.get_fill_ids())
+
+        def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int):
+            super().cache_finished_req(req, is_insert, kv_len_to_handle=kv_len_to_handle)
+            if is_insert and not self.disable_finished_insert:
+                self.pin_after_insert(req, (req.origin_input_ids + req.output_ids)[:kv_len_to_handle])
+
+    def pin_after_insert(self, req, token_ids) -> None:
         if self.options.pin_multimodal and not self.disable:
-            self.pin_multimodal_spans(req, req.full_untruncated_fill_ids[:up_to])
+            self.pin_multimodal_spans(req, token_ids)
 
     def pin_multimodal_spans(self, req, token_ids) -> int:
         """Pin the cached prefix through each pad-token span's last full page; returns pins made."""
@@ -118,9 +136,8 @@ class KvstrataRadixCache(RadixCache):
             aligned = end // P * P
             if aligned == 0:
                 continue
-            key = RadixKey(
-                array("q", token_ids[:aligned]), req.extra_key, cache_salt=getattr(req, "cache_salt", None)
-            )
+            salt = getattr(req, "cache_salt", None)
+            key = compat.radix_key(array("q", token_ids[:aligned]), req.extra_key, salt)
             node = self.match_prefix(MatchPrefixParams(key=key)).last_device_node
             if node is self.root_node or node.id in self.pinned:
                 continue

@@ -11,11 +11,18 @@ import contextlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import os
 import sys
+from types import SimpleNamespace
 from unittest.mock import MagicMock
 
 import pytest
 import torch
+
+# The Triton kernels run under the interpreter without CUDA; the flag is read when
+# `kvstrata.radix.kernels` is first imported (lazily, by the ``triton`` kernels of the plugin).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 class _StubLoader(importlib.abc.Loader):
@@ -48,16 +55,25 @@ SLOTS = 64 * PAGE  # SGLang pool size in tokens: 64 allocatable pages
 def published_topology(**server_args_fields):
     """Publish ``ServerArgs(model_path="dummy", ...)`` as SGLang's runtime context, as
     ``sglang.test.test_utils.published_topology`` does (that module needs the datasets package)."""
-    from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
+    from sglang.srt import runtime_context
     from sglang.srt.server_args import ServerArgs
 
     server_args = ServerArgs(model_path="dummy", **server_args_fields)
-    reset_context()
-    publish(server_args, role="test", ranks=SpawnRanks(world_rank=0, dp_rank=None))
-    try:
-        yield server_args
-    finally:
-        reset_context()
+    runtime_context.reset_context()
+    ranks = getattr(runtime_context, "SpawnRanks", None)
+    with contextlib.ExitStack() as stack:
+        if ranks is not None:
+            runtime_context.publish(server_args, role="test", ranks=ranks(world_rank=0, dp_rank=None))
+        else:
+            # 0.5.17's publish takes no ranks: its topology is read from torch.distributed groups,
+            # which a single CPU process does not have, unless overridden.
+            runtime_context.publish(server_args, role="test")
+            one = dict.fromkeys(("tp_size", "pp_size", "attn_tp_size", "attn_dcp_size", "attn_dp_size"), 1)
+            stack.enter_context(runtime_context.get_parallel().override(**one))
+        try:
+            yield server_args
+        finally:
+            runtime_context.reset_context()
 
 
 @pytest.fixture
@@ -85,3 +101,40 @@ def make_pools(pool_cls, size: int = SLOTS, rows: int = 8):
     )
     allocator = PagedTokenToKVPoolAllocator(size, PAGE, torch.bfloat16, "cpu", kv, need_sort=False)
     return req_pool, kv, allocator
+
+
+# ---- what differs between SGLang 0.5.17 and 0.5.23 in the calls the tests make -----------------------
+
+
+def alloc_row(req_pool) -> int:
+    """A free ``ReqToTokenPool`` row, its generation bumped as for a new request."""
+    if hasattr(req_pool, "alloc_rows"):
+        return req_pool.alloc_rows(1)[0]
+    (row,) = req_pool.alloc([SimpleNamespace(req_pool_idx=None)])  # 0.5.17: rows go to Req objects
+    return row
+
+
+def free_row(req_pool, row: int) -> None:
+    if hasattr(req_pool, "free_rows"):
+        req_pool.free_rows([row])
+    else:
+        req_pool.free(SimpleNamespace(req_pool_idx=row))
+
+
+def matched_slots(cache, match) -> torch.Tensor:
+    """The slots of a match's cached prefix (0.5.17 returns them; 0.5.23 returns the length)."""
+    if hasattr(match, "device_indices"):
+        return match.device_indices
+    return cache.path_device_indices(match.last_device_node)
+
+
+def tree_cache_context(**fields):
+    """SGLang's ``TreeCacheBuildContext`` (0.5.17 also requires ``effective_chunked_prefill_size``)."""
+    import dataclasses
+
+    from sglang.srt.mem_cache.registry import TreeCacheBuildContext
+
+    names = {f.name for f in dataclasses.fields(TreeCacheBuildContext)}
+    if "effective_chunked_prefill_size" in names:
+        fields.setdefault("effective_chunked_prefill_size", None)
+    return TreeCacheBuildContext(**fields)

@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 from importlib.metadata import entry_points
+from types import SimpleNamespace
 
+import pytest
 import torch
 
-from tests.integrations.sglang.conftest import PAGE, make_pools, published_topology
+from tests.integrations.sglang.conftest import (
+    HEAD_DIM,
+    KV_HEADS,
+    LAYERS,
+    PAGE,
+    SLOTS,
+    make_pools,
+    published_topology,
+    tree_cache_context,
+)
 
 
 def test_load_plugins_registers_every_backend_once():
@@ -46,36 +57,67 @@ def test_cli_accepts_kvstrata_backends():
     assert (args.attention_backend, args.radix_cache_backend) == ("kvstrata", "kvstrata")
 
 
-def test_pool_hook_only_with_kvstrata_cache(published):
-    from sglang.srt.platforms import current_platform
+def build_mha_pool(**configurator_fields):
+    """The MHA pool SGLang's own ``KVCacheConfigurator._build_mha_kv_pool`` builds (hooks applied)
+    for a 2-layer GQA model on CPU; the configurator carries only what that method reads."""
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    fields = {
+        "kv_cache_dtype_str": "auto",
+        "kv_cache_dtype": torch.bfloat16,
+        "pool_page_size": PAGE,
+        "model_config": SimpleNamespace(
+            get_num_kv_heads=lambda *tp: KV_HEADS, head_dim=HEAD_DIM, v_head_dim=HEAD_DIM
+        ),
+        "layer_info": SimpleNamespace(num_effective_layers=LAYERS, start_layer=0, end_layer=LAYERS),
+        "device": "cpu",
+        "post_capture_kv_active": False,
+        "kv_shard_rank": None,
+        **configurator_fields,
+    }
+    configurator = SimpleNamespace(**fields)
+    return KVCacheConfigurator._build_mha_kv_pool(
+        configurator, max_total_num_tokens=SLOTS, mha_pool_class=MHATokenToKVPool
+    )
+
+
+def test_pool_hook_only_with_kvstrata_cache(published, monkeypatch):
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.plugins import load_plugins
 
     from kvstrata.integrations.sglang.pool import StratifiedTokenToKVPool
+    from kvstrata.radix.pool import cold_page_bytes
 
+    monkeypatch.setenv("KVSTRATA_KV_CODEC", "int8")
     load_plugins()
-    cls = current_platform.get_kv_pool_cls(kind="mha")
-    assert issubclass(cls, StratifiedTokenToKVPool)
-    assert current_platform.get_kv_pool_cls(kind="mla") is None
+    pool = build_mha_pool()
+    assert isinstance(pool, StratifiedTokenToKVPool)
+    assert (pool.size, pool.page_size, pool.layer_num, pool.head_num) == (SLOTS, PAGE, LAYERS, KV_HEADS)
+    assert pool.options.codec == "int8"
+    assert pool.cold.page_bytes == cold_page_bytes(["int8"] * LAYERS, PAGE, KV_HEADS, HEAD_DIM)
+    with pytest.raises(ValueError, match="KVSTRATA_KV_CODEC"):
+        build_mha_pool(kv_cache_dtype_str="mxfp8")
     with published_topology(page_size=PAGE):
-        assert current_platform.get_kv_pool_cls(kind="mha") is None
+        assert type(build_mha_pool()) is MHATokenToKVPool
 
 
 def test_create_tree_cache_builds_kvstrata_cache(published, monkeypatch):
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
-    from sglang.srt.platforms import current_platform
+    from sglang.srt.mem_cache.registry import create_tree_cache
     from sglang.srt.plugins import load_plugins
 
+    from kvstrata.integrations.sglang.compat import free_pages
     from kvstrata.integrations.sglang.radix_cache import KvstrataRadixCache
     from kvstrata.radix.pool import cold_page_bytes
 
     monkeypatch.setenv("KVSTRATA_KV_CODEC", "int4")
     load_plugins()
-    req_pool, kv, allocator = make_pools(current_platform.get_kv_pool_cls(kind="mha"))
+    req_pool, kv, allocator = make_pools(type(build_mha_pool()))
     params = CacheInitParams(
         disable=False, req_to_token_pool=req_pool, token_to_kv_pool_allocator=allocator, page_size=PAGE
     )
-    ctx = TreeCacheBuildContext(
+    ctx = tree_cache_context(
         server_args=published,
         params=params,
         is_hybrid_swa=False,
@@ -96,5 +138,18 @@ def test_create_tree_cache_builds_kvstrata_cache(published, monkeypatch):
     assert cache.page_bytes == kv.cold.page_bytes == cold_page_bytes(["int4"] * 2, PAGE, 2, 16) > codes
     assert cache.pin_budget_bytes == 64 * cache.page_bytes // 4
     assert kv.get_kv_size_bytes()[0] + kv.get_kv_size_bytes()[1] == 65 * cache.page_bytes
-    assert torch.equal(allocator.get_all_free_pages(), torch.arange(1, 65))
+    assert torch.equal(free_pages(allocator), torch.arange(1, 65))
     cache.check_invariants()
+
+
+def test_installed_sglang_is_a_supported_release():
+    from importlib.metadata import requires, version
+
+    from packaging.requirements import Requirement
+
+    import kvstrata.integrations.sglang as plugin
+
+    (extra,) = [r for r in map(Requirement, requires("kvstrata")) if r.name == "sglang"]
+    assert version("sglang") in plugin.SUPPORTED_SGLANG
+    assert [v for v in plugin.SUPPORTED_SGLANG if v in extra.specifier] == ["0.5.17", "0.5.23"]
+    assert not [n for n in range(10, 30) if f"0.5.{n}" in extra.specifier and n not in (17, 23)]

@@ -17,7 +17,7 @@ from kvstrata.integrations.sglang.options import PluginOptions
 from kvstrata.integrations.sglang.pool import pool_class
 from kvstrata.quant import relative_rmse
 from kvstrata.radix import CacheConfig, StratifiedKVCache
-from tests.integrations.sglang.conftest import HEAD_DIM, KV_HEADS, LAYERS, PAGE, make_pools
+from tests.integrations.sglang.conftest import HEAD_DIM, KV_HEADS, LAYERS, PAGE, alloc_row, make_pools
 
 Q_HEADS = 4
 WINDOW = 2 * PAGE
@@ -28,10 +28,11 @@ VOCAB = 500
 class World:
     """One SGLang side (pool + backend) and one kvstrata side (its own cache), same tokens."""
 
-    def __init__(self, codec: str) -> None:
+    def __init__(self, codec: str, kernels: str = "torch") -> None:
         from sglang.srt.layers.radix_attention import RadixAttention
 
         from kvstrata.integrations.sglang.attention_backend import KvstrataAttnBackend
+        from kvstrata.integrations.sglang.kernels import make_kernels
 
         gen = torch.Generator().manual_seed(0)
         self.k_of = torch.randn(LAYERS, VOCAB, KV_HEADS, HEAD_DIM, generator=gen) * 2
@@ -40,7 +41,8 @@ class World:
         options = PluginOptions(codec=codec, recent_window=WINDOW)
         self.req_pool, self.pool, self.allocator = make_pools(pool_class(options))
         runner = SimpleNamespace(token_to_kv_pool=self.pool, req_to_token_pool=self.req_pool)
-        self.backend = KvstrataAttnBackend(runner)
+        self.backend = KvstrataAttnBackend(runner, make_kernels(kernels))
+        self.ref_kernels = kernels == "triton"
         self.layers = [RadixAttention(Q_HEADS, HEAD_DIM, SCALE, KV_HEADS, layer) for layer in range(LAYERS)]
         cfg = CacheConfig(
             num_layers=LAYERS,
@@ -61,7 +63,7 @@ class World:
     def admit(self, name: str, tokens: list[int], shared_slots: torch.Tensor | None = None) -> int:
         """Row + slots for all ``tokens`` (a tree prefix reuses ``shared_slots``); returns the
         cached prefix length."""
-        row = self.req_pool.alloc_rows(1)[0]
+        row = alloc_row(self.req_pool)
         cached = 0 if shared_slots is None else shared_slots.numel()
         need = -(-(len(tokens) + 16 - cached) // PAGE) * PAGE
         new = self.allocator.alloc(need)
@@ -103,7 +105,7 @@ class World:
             kb, vb = k[layer.layer_id].to(torch.bfloat16), v[layer.layer_id].to(torch.bfloat16)
             forward = self.backend.forward_decode if decode else self.backend.forward_extend
             outs.append(forward(qb.reshape(-1, Q_HEADS * HEAD_DIM), kb, vb, layer, fb))
-            refs.append(self.ref.attention(layer.layer_id, ref_batch, qb, kb, vb, SCALE))
+            refs.append(self.ref.attention(layer.layer_id, ref_batch, qb, kb, vb, SCALE, self.ref_kernels))
         self.ref.end_step(ref_batch)
         return q, outs, refs
 
@@ -136,9 +138,14 @@ def run_schedule(w: World, check) -> None:
     check(w, [("c", cached, 5), ("b", 14, 1)], decode=False)
 
 
+KERNELS = ["torch", "triton"]  # triton: under TRITON_INTERPRET=1 without CUDA (see conftest)
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("codec", ["fp8_e4m3", "int4"])
-def test_pool_and_attention_equal_kvstrata_cache(codec):
-    w = World(codec)
+def test_pool_and_attention_equal_kvstrata_cache(codec, kernels):
+    """Same kernels on both sides: SGLang's side equals kvstrata's own cache bit for bit."""
+    w = World(codec, kernels)
 
     def check(w: World, batch, decode: bool) -> None:
         _, outs, refs = w.step(batch, decode)
@@ -162,9 +169,12 @@ def test_pool_and_attention_equal_kvstrata_cache(codec):
 
 # bf16: only the bf16 rounding of the output (at most 2^-8 relative per element). fp8_e4m3 keeps
 # 3 mantissa bits (at most 2^-4 relative per element) on the history outside the window.
-@pytest.mark.parametrize(("codec", "bound"), [("bf16", 2**-8), ("fp8_e4m3", 2**-4)])
-def test_attention_matches_dense(codec, bound):
-    w = World(codec)
+@pytest.mark.parametrize(
+    ("codec", "bound", "kernels"),
+    [("bf16", 2**-8, "torch"), ("fp8_e4m3", 2**-4, "torch"), ("fp8_e4m3", 2**-4, "triton")],
+)
+def test_attention_matches_dense(codec, bound, kernels):
+    w = World(codec, kernels)
     worst = []
 
     def check(w: World, batch, decode: bool) -> None:
@@ -182,7 +192,7 @@ def test_attention_matches_dense(codec, bound):
             offset += n
 
     run_schedule(w, check)
-    print(f"{codec}: worst relative RMSE of attention vs dense {max(worst):.5f}")
+    print(f"{codec} {kernels}: worst relative RMSE of attention vs dense {max(worst):.5f}")
     assert max(worst) < bound
     assert w.pool.quantized_pages > 0
 
@@ -203,7 +213,23 @@ def test_refusals_are_clear():
     verify = SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY, req_pool_indices=torch.tensor([1]))
     with pytest.raises(NotImplementedError, match="TARGET_VERIFY"):
         w.backend.init_forward_metadata(verify)
-    row = w.req_pool.alloc_rows(1)[0]
+    row = alloc_row(w.req_pool)
     # A new request whose cached prefix ends mid-page: the page's first tokens are nowhere.
     with pytest.raises(ValueError, match="not page aligned"):
         w.pool.plan_step([row], [PAGE + 1], [1])
+
+
+def test_kernel_choice(monkeypatch):
+    from kvstrata.integrations.sglang.kernels import TorchStrataKernels, TritonStrataKernels, make_kernels
+
+    monkeypatch.delenv("KVSTRATA_ATTENTION_KERNELS", raising=False)
+    assert isinstance(make_kernels(device="cpu"), TorchStrataKernels)
+    assert isinstance(make_kernels(device="cuda"), TritonStrataKernels)
+    monkeypatch.setenv("KVSTRATA_ATTENTION_KERNELS", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert isinstance(make_kernels(device="cpu"), TritonStrataKernels)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        make_kernels(device="cpu")
+    with pytest.raises(ValueError, match="not registered"):
+        make_kernels("cutlass")

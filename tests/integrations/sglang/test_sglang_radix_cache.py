@@ -12,7 +12,7 @@ import torch
 from kvstrata.integrations.sglang.options import PluginOptions
 from kvstrata.integrations.sglang.pool import pool_class
 from kvstrata.radix.errors import InvariantViolation, PinBudgetExceeded
-from tests.integrations.sglang.conftest import PAGE, make_pools
+from tests.integrations.sglang.conftest import PAGE, alloc_row, free_row, make_pools, matched_slots
 
 
 class Harness:
@@ -49,10 +49,10 @@ class Harness:
 
         match = self.cache.match_prefix(MatchPrefixParams(key=self.key(tokens)))
         self.cache.inc_lock_ref(match.last_device_node)
-        prefix = self.cache.path_device_indices(match.last_device_node)
+        prefix = matched_slots(self.cache, match)
         need = -(-(len(tokens) - len(prefix)) // PAGE) * PAGE
         new = self.allocator.alloc(need)
-        row = self.req_pool.alloc_rows(1)[0]
+        row = alloc_row(self.req_pool)
         self.req_pool.write((row, slice(0, len(prefix) + need)), torch.cat([prefix, new]).to(torch.int32))
         self.held[row] = new
         return row, match
@@ -63,7 +63,7 @@ class Harness:
 
         full = len(tokens) // PAGE * PAGE
         slots = self.req_pool.req_to_token[row, :full].to(torch.int64)
-        cached = match.device_prefix_len
+        cached = len(matched_slots(self.cache, match))
         result = self.cache.insert(InsertParams(key=self.key(tokens[:full]), value=slots))
         dup = slots[cached : result.prefix_len]
         tail = self.held.pop(row)[full - cached :]
@@ -71,7 +71,7 @@ class Harness:
             if part.numel():
                 self.allocator.free(part)
         self.cache.dec_lock_ref(match.last_device_node)
-        self.req_pool.free_rows([row])
+        free_row(self.req_pool, row)
 
     def run(self, tokens: list[int]) -> None:
         row, match = self.start(tokens)
@@ -101,7 +101,7 @@ def test_insert_match_lock_evict(h):
     # B shares A's first two pages: the tree splits, B's duplicate pages return to the allocator.
     b = a[: 2 * PAGE] + tokens(900, 2 * PAGE)
     row, match = h.start(b)
-    assert match.device_prefix_len == 2 * PAGE
+    assert len(matched_slots(h.cache, match)) == 2 * PAGE
     h.check()
     # Locked: nothing on B's path can go; A's own third page can.
     evicted = h.cache.evict(EvictParams(num_tokens=10 * PAGE)).num_tokens_evicted
@@ -111,7 +111,7 @@ def test_insert_match_lock_evict(h):
     h.check()
     assert h.cache.total_size() == 4 * PAGE
     m = h.cache.match_prefix(MatchPrefixParams(key=h.key(b + [1])))
-    assert m.device_prefix_len == 4 * PAGE
+    assert len(matched_slots(h.cache, m)) == 4 * PAGE
     assert h.cache.evict(EvictParams(num_tokens=100 * PAGE)).num_tokens_evicted == 4 * PAGE
     h.check()
     assert h.allocator.available_size() == total
@@ -196,4 +196,41 @@ def test_metrics_follow_pins_and_evictions():
     assert sample("kvstrata:evicted_pages_total") == 3
     h.cache.unpin(node)
     assert sample("kvstrata:pinned_bytes") == 0
+    h.check()
+
+
+def cache_through_sglang(h, prompt: list[int]) -> None:
+    """A finished request's prompt cached by SGLang's own cache API: ``checkpoint`` (0.5.23) or
+    ``cache_finished_req`` (0.5.17), with a real ``Req``; then its row and tail slots are released."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    req = Req("r0", "", array("q", prompt), SamplingParams())
+    row = alloc_row(h.req_pool)
+    need = -(-len(prompt) // PAGE) * PAGE
+    h.req_pool.write((row, slice(0, need)), h.allocator.alloc(need).to(torch.int32))
+    if hasattr(h.cache, "checkpoint"):
+        req.refresh_fill_ids()  # as the scheduler's init_next_round_input does
+        req.kv.req_pool_idx = row
+        h.cache.checkpoint(req, up_to=len(prompt))
+        h.cache.unlock(req.lock)
+        tail = h.req_pool.req_to_token[row, req.kv.cache_protected_len : need].to(torch.int64)
+        h.allocator.free(tail)
+    else:
+        req.req_pool_idx = row
+        h.cache.cache_finished_req(req, kv_len_to_handle=len(prompt))
+    free_row(h.req_pool, row)
+
+
+def test_image_prefix_pinned_through_sglang_cache_api(h):
+    from sglang.srt.managers.schedule_batch import MM_PAD_SHIFT_VALUE
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    image = [MM_PAD_SHIFT_VALUE + 5] * (2 * PAGE + 1)
+    prompt = tokens(10, PAGE) + image + tokens(40, PAGE + 2)
+    cache_through_sglang(h, prompt)
+    h.check()
+    assert h.cache.total_size() == len(prompt) // PAGE * PAGE
+    assert h.cache.pinned_pages() == 3  # the text page and the image's two full pages
+    assert h.cache.evict(EvictParams(num_tokens=100 * PAGE)).num_tokens_evicted == PAGE
     h.check()
