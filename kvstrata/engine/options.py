@@ -236,7 +236,7 @@ def image_pool_pages(args: EngineArgs, cache: Any, page_bytes: list[int], vision
     budget = cache.pin_budget_bytes
     if budget is None:
         budget = cache.num_pages * text_bytes // 4
-    span_pages = vision.cfg.tokens_per_image // args.page_size + 2
+    span_pages = vision.max_image_tokens // args.page_size + 2
     return max(1, budget // image_bytes) + args.max_running_requests * span_pages
 
 
