@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
-from kvstrata.engine.attention import get_backend
+from kvstrata.engine.attention import get_backend, resolve_backend
 from kvstrata.engine.drift import DriftJob, DriftMonitor, fallback_window
 from kvstrata.engine.kvplan import resolve_plan
 from kvstrata.engine.loader import LoadedModel
 from kvstrata.engine.memory import plan_memory, weight_bytes
-from kvstrata.engine.options import EngineArgs, pin_budget_bytes
+from kvstrata.engine.options import EngineArgs, image_pool_pages, pin_budget_bytes, resolve_vision_codec
 from kvstrata.engine.request import Request, Status
 from kvstrata.engine.runner import StepRunner
 from kvstrata.engine.scheduler import Scheduler, StepPlan
@@ -62,6 +62,13 @@ class EngineCore:
         drift_on = args.drift_sample_rate > 0
         top_level = args.drift_max_level if drift_on else 0
         max_window = fallback_window(args.recent_window, args.page_size, top_level)
+        backend_name = resolve_backend(attention_backend, self.device)
+        image_codec = resolve_vision_codec(args, codecs, backend_name) if model.vision is not None else None
+        page_bytes = [
+            cold_page_bytes(c, args.page_size, cfg.kv_heads, cfg.head_dim)
+            for c in (codecs, [image_codec] * cfg.num_layers if image_codec else [])
+            if c
+        ]
         self.cache_config = CacheConfig(
             num_layers=cfg.num_layers,
             kv_heads=cfg.kv_heads,
@@ -77,14 +84,19 @@ class EngineCore:
             rotation=args.rotation,
             scales=scales,
             device=self.device,
-            pin_budget_bytes=pin_budget_bytes(
-                args, cold_page_bytes(codecs, args.page_size, cfg.kv_heads, cfg.head_dim)
-            ),
+            pin_budget_bytes=pin_budget_bytes(args, max(page_bytes)),
         )
         self.memory_plan = plan_memory(
             args, cfg, self.cache_config, weight_bytes(model.net), self.dtype, self.device
         )
         self.cache_config = dataclasses.replace(self.cache_config, num_pages=self.memory_plan.cold_pages)
+        if image_codec is not None:
+            self.cache_config = dataclasses.replace(
+                self.cache_config,
+                image_codec=image_codec,
+                image_pages=image_pool_pages(args, self.cache_config, page_bytes, model.vision),
+                image_token_from=model.vision.vocab_size,
+            )
         log.info("%s", self.memory_plan.table())
         self.cache = StratifiedKVCache(self.cache_config)
         backend = get_backend(attention_backend, self.cache, cfg.attn_scale)
@@ -228,10 +240,10 @@ class EngineCore:
         pins.expire()
         if kind == "pin":
             pin = pins.pin(arg["tokens"], label=arg.get("label", ""), ttl_s=arg.get("ttl_s"))
-            return pin.to_json(self.cache.pool.page_bytes, self.cache.page_size, pins.clock())
+            return pins.describe(pin)
         if kind == "unpin":
             pin = pins.unpin(arg)
-            return pin.to_json(self.cache.pool.page_bytes, self.cache.page_size, pins.clock())
+            return pins.describe(pin)
         return pins.to_json()
 
     def _pin_images(self, req: Request) -> None:

@@ -67,7 +67,9 @@ class EngineArgs:
     max_image_bytes: int = 20 * 1024 * 1024
     max_image_pixels: int = 4096 * 4096
     image_fetch_timeout: float = 10.0
-    vision_kv_dtype: str = "auto"  # codec of image-token history; only "auto" (the pool's codec) today
+    # Codec of image-token history (pages holding image tokens, in a pool of their own): a codec name,
+    # or "auto" (see `resolve_vision_codec`).
+    vision_kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         """Fill the window, rotation and sinks left unset from the shipped defaults (or the plan file)."""
@@ -109,10 +111,9 @@ class EngineArgs:
         if self.pin_ttl is not None and self.pin_ttl <= 0:
             raise ValueError(f"pin_ttl must be > 0 seconds, got {self.pin_ttl}")
         if self.vision_kv_dtype != "auto":
-            raise ValueError(
-                f"vision_kv_dtype {self.vision_kv_dtype!r}: only 'auto' (image pages use the pool's codec) "
-                "is supported; see docs/multimodal.md"
-            )
+            from kvstrata.quant import get_codec
+
+            get_codec(self.vision_kv_dtype)  # raises listing the known codecs
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         if not 0.0 <= self.drift_sample_rate <= 1.0:
@@ -205,6 +206,38 @@ def pool_pages(args: EngineArgs, device: torch.device, bytes_per_page: int) -> i
         return DEFAULT_CPU_TOTAL_TOKENS // args.page_size  # 16,384 tokens: 0.75 GB in fp32, 0.2 GB in fp8
     fraction = args.mem_fraction_static if args.mem_fraction_static is not None else 0.8
     return max(1, int(available_memory(device) * fraction) // max(1, bytes_per_page))
+
+
+def resolve_vision_codec(args: EngineArgs, codecs: list[str], backend: str) -> str | None:
+    """The image pool's codec, or None when image pages share the text pool.
+
+    ``auto``: no trained vision-language model is available to measure image-token K/V in the
+    accuracy lab, so image pages are stored in BF16 (never quantized) when the text pool quantizes;
+    with an unquantized pool they share it. The Triton kernels read one cold pool: there ``auto``
+    keeps image pages in the pool's codec and an explicit codec is refused."""
+    name = args.vision_kv_dtype
+    if name == "auto":
+        if all(c in RAW_CODECS for c in codecs) or backend == "triton":
+            return None
+        name = "bf16"
+    elif backend == "triton":
+        raise ValueError(
+            f"--vision-kv-dtype {name}: the Triton attention backend reads image pages from the text "
+            "pool (one codec per layer); use --attention-backend torch, or --vision-kv-dtype auto"
+        )
+    return None if all(c == name for c in codecs) else name
+
+
+def image_pool_pages(args: EngineArgs, cache: Any, page_bytes: list[int], vision: Any) -> int:
+    """Pages of the image pool: the pin budget in image pages (``max_pinned_tokens``, else a quarter
+    of the text pool's bytes, as the cache's default) plus one image span (and the two pages it may
+    straddle) per running request."""
+    text_bytes, image_bytes = page_bytes
+    budget = cache.pin_budget_bytes
+    if budget is None:
+        budget = cache.num_pages * text_bytes // 4
+    span_pages = vision.max_image_tokens // args.page_size + 2
+    return max(1, budget // image_bytes) + args.max_running_requests * span_pages
 
 
 def pin_budget_bytes(args: EngineArgs, bytes_per_page: int) -> int | None:

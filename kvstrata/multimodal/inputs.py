@@ -12,7 +12,8 @@ prefix match already covers needs nothing (its K/V is cached); a span whose only
 its tail (the last page of a cached image is shared with the text that follows it, so the tree holds
 only the full pages before it) takes those rows from the encoder's small tail store; everything else
 runs the tower, once per batch of images. Counters: ``encoded_images`` (tower runs, per image) and
-``cached_images`` (images whose tower run was skipped).
+``cached_images`` (images whose tower run was skipped); an Idefics3 image cut into tiles is one span
+per tile and one for its global image, each counted as an image.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from torch import Tensor
 
 from kvstrata.multimodal.images import ImageLimits, load_image
 from kvstrata.multimodal.model import VisionEncoder, VLMConfig
-from kvstrata.multimodal.preprocess import Preprocessor, content_hash
+from kvstrata.multimodal.preprocess import Preprocessor, Tiles, content_hash
 from kvstrata.radix.errors import PinBudgetExceeded
 
 log = logging.getLogger("kvstrata.multimodal")
@@ -47,6 +48,7 @@ class ImageSpan:
     pixels: Tensor | None
     offset: int = 0  # features cover span rows [offset, length)
     features: Tensor | None = None
+    last: bool = True  # the image's last span (its global image when split): its pin ends here
 
     @property
     def end(self) -> int:
@@ -65,6 +67,17 @@ class VisionStats:
             self.cached_images += cached
 
 
+@dataclass(frozen=True)
+class SplitTokens:
+    """Idefics3's text around tiles: ``<row_r_col_c>`` ids (``row_col[r][c]``, 0-based), the ids of
+    ``"\n"`` after a row of tiles and of ``"\n\n"`` after the last row (each between special
+    tokens, so tokenized alone)."""
+
+    row_col: tuple[tuple[int, ...], ...]
+    newline: tuple[int, ...]
+    last_newline: tuple[int, ...]
+
+
 class VisionLanguage:
     def __init__(
         self,
@@ -74,8 +87,10 @@ class VisionLanguage:
         vocab_size: int,
         extra_tokens: Sequence[int] = (),
         limits: ImageLimits | None = None,
+        split_tokens: SplitTokens | None = None,
     ) -> None:
         self.cfg = cfg
+        self.split_tokens = split_tokens
         self.encoder = encoder
         self.preprocess = preprocess
         self.vocab_size = vocab_size
@@ -93,6 +108,12 @@ class VisionLanguage:
     def image_token_id(self) -> int:
         return self.cfg.image_token_id
 
+    @property
+    def max_image_tokens(self) -> int:
+        """Prompt positions one image may take: its tiles and global image when split."""
+        spans = self.preprocess.max_grid**2 + 1 if self.preprocess.split else 1
+        return spans * self.cfg.tokens_per_image
+
     def pad_id(self, digest: bytes) -> int:
         return self.vocab_size + int.from_bytes(digest[:7], "big")
 
@@ -108,24 +129,47 @@ class VisionLanguage:
                 f"the prompt has {len(slots)} image tokens (id {self.image_token_id}) "
                 f"for {len(image_data)} images"
             )
-        pixels = [self.preprocess(load_image(src, self.limits)) for src in image_data]
+        tiles = [self.preprocess.tiles(load_image(src, self.limits)) for src in image_data]
+        if any(t.rows for t in tiles) and (self.split_tokens is None or len(self.wrap) != 2):
+            raise ValueError(
+                "this model splits images into tiles: it needs the tokenizer's <fake_token_around_image>, "
+                "<global-img> and <row_r_col_c> tokens"
+            )
         out: list[int] = []
         spans: list[ImageSpan] = []
         prev = 0
-        n = self.cfg.tokens_per_image
-        for slot, px in zip(slots, pixels, strict=True):
+        for slot, image in zip(slots, tiles, strict=True):
             out.extend(ids[prev:slot])
-            digest = content_hash(px)
-            pad = self.pad_id(digest)
-            if self.wrap:
-                out.extend(self.wrap)
-            spans.append(ImageSpan(digest, pad, len(out), n, px))
-            out.extend([pad] * n)
-            if self.wrap:
-                out.append(self.wrap[0])
+            self._place(image, out, spans)
             prev = slot + 1
         out.extend(ids[prev:])
         return out, MultimodalInput(self, spans)
+
+    def _place(self, tiles: Tiles, out: list[int], spans: list[ImageSpan]) -> None:
+        """Append one image's tokens to ``out`` and its spans to ``spans``: per tile ``<fake>
+        <row_r_col_c>`` + placeholders (a newline after each row), then the global image as
+        ``<fake><global-img>`` + placeholders + ``<fake>`` (the wrap tokens when the model has them),
+        as transformers' Idefics3 processor writes the prompt."""
+        n = self.cfg.tokens_per_image
+
+        def span(pixels: Tensor, last: bool) -> None:
+            digest = content_hash(pixels)
+            pad = self.pad_id(digest)
+            spans.append(ImageSpan(digest, pad, len(out), n, pixels, last=last))
+            out.extend([pad] * n)
+
+        split = self.split_tokens
+        for r in range(tiles.rows):
+            assert split is not None
+            for c in range(tiles.cols):
+                out.extend((self.wrap[0], split.row_col[r][c]))
+                span(tiles.pixels[r * tiles.cols + c], last=False)
+            out.extend(split.newline if r < tiles.rows - 1 else split.last_newline)
+        if self.wrap:
+            out.extend(self.wrap)
+        span(tiles.pixels[-1], last=True)
+        if self.wrap:
+            out.append(self.wrap[0])
 
     # --- engine thread --------------------------------------------------------------------------------
     def encode(self, pixels: list[Tensor]) -> Tensor:
@@ -154,7 +198,8 @@ class MultimodalInput:
     def fork(self) -> MultimodalInput:
         """The same images for another request (n > 1): pixels shared, features its own."""
         return MultimodalInput(
-            self.owner, [ImageSpan(s.digest, s.pad_id, s.start, s.length, s.pixels) for s in self.spans]
+            self.owner,
+            [ImageSpan(s.digest, s.pad_id, s.start, s.length, s.pixels, last=s.last) for s in self.spans],
         )
 
     @property
@@ -214,7 +259,7 @@ class MultimodalInput:
         page has none). A full pin budget refuses the pin (counted by the table); the request goes on."""
         self.pinned = True
         for span in self.spans:
-            if span.end < pins.cache.page_size:
+            if not span.last or span.end < pins.cache.page_size:
                 continue
             try:
                 pins.pin(prompt_ids[: span.end], kind="image", label=span.digest.hex()[:16], ttl_s=ttl_s)

@@ -1,12 +1,19 @@
-"""Image preprocessing as transformers' (slow, PIL-based) CLIP / SigLIP / Idefics3 image processors do it:
+"""Image preprocessing as transformers' (PIL-based) CLIP / SigLIP / Idefics3 image processors do it:
 resize, optional center crop, rescale to [0, 1], normalize. Settings come from a model directory's
 ``preprocessor_config.json``; the result is one float32 ``[3, H, W]`` tensor per image.
+
+Idefics3 / SmolVLM (``size: {"longest_edge": ...}``) resize the longest edge first; with
+``do_image_splitting`` the image is then resized to multiples of the tower's square
+(``max_image_size``), cut into ``rows x cols`` tiles, and followed by the whole image resized to one
+square (the global image): `Preprocessor.tiles`. Every resize works on the 8-bit image, as
+transformers' PIL backend does.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +24,49 @@ from PIL import Image
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+MAX_IMAGE_SIDE = 4096  # transformers' Idefics3 bound on a resized side
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """One image as the tower sees it: ``rows x cols`` tiles (row-major) then the global image, or
+    the image alone (``rows == cols == 0``)."""
+
+    pixels: list[torch.Tensor]
+    rows: int
+    cols: int
+
+
+def fit_longest_edge(height: int, width: int, longest: int) -> tuple[int, int]:
+    """Idefics3's output size: the longest edge becomes ``longest`` (the other rounded up to even),
+    then both kept within `MAX_IMAGE_SIDE`."""
+    aspect = width / height
+    if width >= height:
+        width, height = longest, int(longest / aspect)
+        height += height % 2
+    else:
+        height, width = longest, int(longest * aspect)
+        width += width % 2
+    height, width = max(height, 1), max(width, 1)
+    aspect = width / height
+    if width >= height and width > MAX_IMAGE_SIDE:
+        width, height = MAX_IMAGE_SIDE, int(MAX_IMAGE_SIDE / aspect)
+    elif height > width and height > MAX_IMAGE_SIDE:
+        height, width = MAX_IMAGE_SIDE, int(MAX_IMAGE_SIDE * aspect)
+    return max(height, 1), max(width, 1)
+
+
+def multiple_of_tile(height: int, width: int, tile: int) -> tuple[int, int]:
+    """Idefics3's size before splitting: the longest edge rounded up to a multiple of ``tile``, the
+    other edge scaled with it, then rounded up as well."""
+    aspect = width / height
+    if width >= height:
+        width = math.ceil(width / tile) * tile
+        height = math.ceil(int(width / aspect) / tile) * tile
+    else:
+        height = math.ceil(height / tile) * tile
+        width = math.ceil(int(height * aspect) / tile) * tile
+    return height, width
 
 
 @dataclass(frozen=True)
@@ -29,6 +79,8 @@ class Preprocessor:
     rescale_factor: float = 1 / 255
     mean: tuple[float, ...] = CLIP_MEAN
     std: tuple[float, ...] = CLIP_STD
+    longest_edge: int | None = None  # Idefics3: resize the longest edge to this first (do_resize)
+    split: bool = False  # Idefics3 image splitting into tiles of height x width plus a global image
 
     @classmethod
     def from_hf(cls, d: dict[str, Any], image_size: int) -> Preprocessor:
@@ -41,8 +93,9 @@ class Preprocessor:
             width = int(crop.get("width", shortest)) if do_crop else int(shortest)
         elif "height" in size:
             height, width = int(size["height"]), int(size["width"])
-        else:  # Idefics3 ("longest_edge") without image splitting: the tower's own square
-            height = width = image_size
+        else:  # Idefics3 ("longest_edge"): tiles and the global image are the tower's square
+            height = width = int((d.get("max_image_size") or {}).get("longest_edge", image_size))
+        longest = size.get("longest_edge") if d.get("do_resize", True) else None
         return cls(
             height=height,
             width=width,
@@ -52,6 +105,8 @@ class Preprocessor:
             rescale_factor=float(d.get("rescale_factor", 1 / 255)),
             mean=tuple(d.get("image_mean", CLIP_MEAN)),
             std=tuple(d.get("image_std", CLIP_STD)),
+            longest_edge=int(longest) if longest else None,
+            split=bool(d.get("do_image_splitting", True)) and "longest_edge" in size,
         )
 
     @classmethod
@@ -64,8 +119,35 @@ class Preprocessor:
         )
         return cls.from_hf(d, image_size)
 
-    def __call__(self, image: Image.Image) -> torch.Tensor:
+    @property
+    def max_grid(self) -> int:
+        """The most rows (or columns) of tiles an image can be cut into."""
+        return math.ceil((self.longest_edge or MAX_IMAGE_SIDE) / self.height)
+
+    def tiles(self, image: Image.Image) -> Tiles:
+        """The image as tiles plus its global image (Idefics3 splitting), or as itself."""
         image = image.convert("RGB")
+        if self.longest_edge is not None:
+            h, w = fit_longest_edge(image.height, image.width, self.longest_edge)
+            image = image.resize((w, h), resample=self.resample)
+        if not self.split:
+            return Tiles([self._to_tower(image)], 0, 0)
+        t = self.height
+        h, w = multiple_of_tile(image.height, image.width, t)
+        image = image.resize((w, h), resample=self.resample)
+        if h <= t and w <= t:
+            return Tiles([self._normalize(image)], 0, 0)
+        rows, cols = (h - t) // t + 1, (w - t) // t + 1
+        crops = [image.crop((c * t, r * t, c * t + t, r * t + t)) for r in range(rows) for c in range(cols)]
+        crops.append(image.resize((t, t), resample=self.resample))
+        return Tiles([self._normalize(c) for c in crops], rows, cols)
+
+    def __call__(self, image: Image.Image) -> torch.Tensor:
+        """The tower's input for ``image`` (with splitting: its global image)."""
+        return self.tiles(image).pixels[-1]
+
+    def _to_tower(self, image: Image.Image) -> torch.Tensor:
+        """Resize (or resize and crop) to the tower's input, then rescale and normalize."""
         if self.shortest_edge is not None:
             w, h, s = *image.size, self.shortest_edge
             new_size = (s, int(s * h / w)) if w <= h else (int(s * w / h), s)
@@ -76,6 +158,9 @@ class Preprocessor:
             w, h = image.size
             top, left = (h - self.height) // 2, (w - self.width) // 2
             image = image.crop((left, top, left + self.width, top + self.height))
+        return self._normalize(image)
+
+    def _normalize(self, image: Image.Image) -> torch.Tensor:
         pixels = np.asarray(image, dtype=np.float32) * np.float32(self.rescale_factor)
         pixels = (pixels - np.asarray(self.mean, np.float32)) / np.asarray(self.std, np.float32)
         return torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1)))

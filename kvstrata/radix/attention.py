@@ -9,6 +9,10 @@ histories take the block-wise path: an online softmax whose running max ``m``, d
 numerator ``acc`` are rescaled as each block of at most ``block_pages`` pages arrives, so the history
 is never dequantized as a whole.
 
+Image pages kept in a pool of their own (``image_pool``, the vision codec) are one more key
+segment after the text pages: ``[cold | image | sinks | ring | new]`` in the single pass, one more
+run of blocks in the online softmax.
+
 Padded slots read zero rows kept for that purpose (see `GroupPlan`), so masked keys and values are
 finite: one sequence's NaN/Inf never reaches another sequence of its batch.
 """
@@ -73,14 +77,16 @@ def attend(
     ring: HotRing,
     sinks: SinkStore | None,
     block_pages: int,
+    image_pool: ColdPool | None = None,
 ) -> torch.Tensor:
     """Causal attention of the step's new tokens over each sequence's history and themselves."""
+    pools = (pool, image_pool)
     if len(batch.groups) == 1:
-        return _attend_group(layer, batch.groups[0], q, k, v, scale, pool, ring, sinks, block_pages)
+        return _attend_group(layer, batch.groups[0], q, k, v, scale, pools, ring, sinks, block_pages)
     out = torch.empty(q.shape, dtype=COMPUTE, device=q.device)
     for group in batch.groups:
         assert group.rows is not None
-        got = _attend_group(layer, group, q, k, v, scale, pool, ring, sinks, block_pages)
+        got = _attend_group(layer, group, q, k, v, scale, pools, ring, sinks, block_pages)
         out.index_copy_(0, group.rows, got)
     return out
 
@@ -96,7 +102,7 @@ def _attend_group(
     k: torch.Tensor,
     v: torch.Tensor,
     scale: float,
-    pool: ColdPool,
+    pools: tuple[ColdPool, ColdPool | None],
     ring: HotRing,
     sinks: SinkStore | None,
     block_pages: int,
@@ -120,13 +126,14 @@ def _attend_group(
     # head, so each KV head's keys are read once (no expansion to hq heads).
     qs = _take(q, g.rows).to(COMPUTE)
     qg = qs.view(B, T, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(B, hkv, group * T, d)
-    n_pages = g.page_table.shape[1]
-    if n_pages <= block_pages:
+    segments = _cold_segments(g, pools)
+    if sum(table.shape[1] for _, table in segments) <= block_pages:
         parts_k, parts_v = [], []
-        if n_pages:
-            kc, vc = pool.read(layer, g.page_table, COMPUTE)
-            parts_k.append(kc.view(B, -1, hkv, d))
-            parts_v.append(vc.view(B, -1, hkv, d))
+        for pool, table in segments:
+            if table.shape[1]:
+                kc, vc = pool.read(layer, table, COMPUTE)
+                parts_k.append(kc.view(B, -1, hkv, d))
+                parts_v.append(vc.view(B, -1, hkv, d))
         if sink_k is not None and sink_v is not None:
             parts_k.append(sink_k)
             parts_v.append(sink_v)
@@ -134,16 +141,31 @@ def _attend_group(
         values = _concat([*parts_v, *tails_v]).transpose(1, 2)
         o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=g.mask(group), scale=scale)
     else:
-        o = _attend_blocks(layer, g, qg * scale, pool, block_pages, sink_k, sink_v, tails_k, tails_v, group)
+        o = _attend_blocks(
+            layer, g, qg * scale, segments, block_pages, sink_k, sink_v, tails_k, tails_v, group
+        )
     o = o.view(B, hkv, group, T, d).permute(0, 3, 1, 2, 4)
     return o.reshape(B * T, hq, d)
+
+
+def _cold_segments(
+    g: GroupPlan, pools: tuple[ColdPool, ColdPool | None]
+) -> list[tuple[ColdPool, torch.Tensor]]:
+    """(pool, page table) of the text pages, then of the image pages (when the group has an image
+    table)."""
+    pool, image_pool = pools
+    segments: list[tuple[ColdPool, torch.Tensor]] = [(pool, g.page_table)]
+    if g.image_table is not None:
+        assert image_pool is not None
+        segments.append((image_pool, g.image_table))
+    return segments
 
 
 def _attend_blocks(
     layer: int,
     g: GroupPlan,
     qg: torch.Tensor,
-    pool: ColdPool,
+    segments: list[tuple[ColdPool, torch.Tensor]],
     block_pages: int,
     sink_k: torch.Tensor | None,
     sink_v: torch.Tensor | None,
@@ -151,17 +173,20 @@ def _attend_blocks(
     tails_v: list[torch.Tensor],
     group: int,
 ) -> torch.Tensor:
-    """Online softmax over blocks of cold pages, the sink page, then ring + new: ``[B, Hkv, rows, D]``."""
+    """Online softmax over blocks of cold pages (text, then image), the sink page, then ring + new:
+    ``[B, Hkv, rows, D]``."""
     B, hkv, _, d = qg.shape
     state = OnlineSoftmax(qg)
-    P = pool.page_size
-    for start in range(0, g.page_table.shape[1], block_pages):
-        table = g.page_table[:, start : start + block_pages]
-        kb, vb = pool.read(layer, table, COMPUTE)
-        n = table.shape[1] * P
-        state.update(
-            kb.reshape(B, n, hkv, d), vb.reshape(B, n, hkv, d), g.cold_bias[..., start * P : start * P + n]
-        )
+    P = g.page_size
+    for i, (pool, pages) in enumerate(segments):
+        bias = g.cold_bias if i == 0 else g.image_bias
+        for start in range(0, pages.shape[1], block_pages):
+            table = pages[:, start : start + block_pages]
+            kb, vb = pool.read(layer, table, COMPUTE)
+            n = table.shape[1] * P
+            state.update(
+                kb.reshape(B, n, hkv, d), vb.reshape(B, n, hkv, d), bias[..., start * P : start * P + n]
+            )
     if sink_k is not None and sink_v is not None:
         state.update(_concat([sink_k]), _concat([sink_v]), g.sink_bias)
     state.update(_concat(tails_k), _concat(tails_v), g.tail_bias(group))
@@ -185,6 +210,7 @@ def store(
     ring: HotRing,
     sinks: SinkStore | None,
     clips: tuple[torch.Tensor | None, torch.Tensor | None],
+    image_pool: ColdPool | None = None,
 ) -> WriteCounts:
     """Quantize the pages completed in this step (once) and put the new tokens in the ring.
 
@@ -202,12 +228,33 @@ def store(
             pages.index_copy_(0, w.from_ring[0], buf.index_select(0, w.from_ring[1]).to(COMPUTE))
             pages.index_copy_(0, w.from_new[0], new.index_select(0, w.from_new[1]).to(COMPUTE))
             pages_kv.append(pages.view(n, P, hkv, d))
-        counts = pool.write(layer, w.page_ids, pages_kv[0], pages_kv[1], *clips)
+        if w.image_split is None:
+            counts = pool.write(layer, w.page_ids, pages_kv[0], pages_kv[1], *clips)
+        else:
+            assert image_pool is not None
+            text, image, rows = w.image_split
+            counts = _write_split(layer, pool, w.page_ids.index_select(0, text), pages_kv, text, clips)
+            counts = counts.merge(_write_split(layer, image_pool, rows, pages_kv, image, clips))
         if sinks is not None and w.sink_pages.numel():
             sinks.k[layer, w.sink_slots] = pages_kv[0][w.sink_pages].to(sinks.k.dtype)
             sinks.v[layer, w.sink_slots] = pages_kv[1][w.sink_pages].to(sinks.v.dtype)
     write_ring(layer, batch, k, v, ring)
     return counts
+
+
+def _write_split(
+    layer: int,
+    pool: ColdPool,
+    page_ids: torch.Tensor,
+    pages_kv: list[torch.Tensor],
+    which: torch.Tensor,
+    clips: tuple[torch.Tensor | None, torch.Tensor | None],
+) -> WriteCounts:
+    """Write the completed pages ``which`` (indices into the step's pages) to ``page_ids`` of ``pool``."""
+    if not which.numel():
+        return WriteCounts()
+    k_pages, v_pages = (p.index_select(0, which) for p in pages_kv)
+    return pool.write(layer, page_ids, k_pages, v_pages, *clips)
 
 
 def write_ring(layer: int, batch: StepBatch, k: torch.Tensor, v: torch.Tensor, ring: HotRing) -> None:

@@ -5,6 +5,11 @@ exactly one running sequence. A sequence's ``page_ids`` start with tree pages (l
 handle) followed by private pages; inserting into the tree hands private pages over, and frees
 the ones the tree already had (the sequence then reads the tree's copy). Pages are written once,
 in the step that completes them, before they can reach the tree.
+
+Image pages (``cfg.image_codec``): a completed page holding an image token is allocated from a second
+`ColdPool`, ``image_pool``, in the vision codec. Its pages take the ids ``image_base + i`` (``i`` its
+row in ``image_pool``; ``image_base`` is past the text pool's null page), so the tree, sequences,
+sinks and checksums keep one id space and every id says which pool holds it.
 """
 
 from __future__ import annotations
@@ -37,6 +42,11 @@ class StratifiedKVCache:
             num_pages = cfg.cold_budget_bytes // cold_page_bytes(cfg.layer_codecs, P, H, D)
         self.device = torch.device(cfg.device)
         self.pool = ColdPool(cfg.layer_codecs, num_pages, P, H, D, self.device)
+        self.image_base = num_pages + 1
+        self.image_pool: ColdPool | None = None
+        if cfg.image_codec is not None:
+            codecs = [cfg.image_codec] * cfg.num_layers
+            self.image_pool = ColdPool(codecs, cfg.image_pages, P, H, D, self.device)
         self.ring = HotRing(
             cfg.num_layers, cfg.max_running, cfg.ring_tokens, H, D, cfg.ring_dtype, self.device
         )
@@ -49,8 +59,9 @@ class StratifiedKVCache:
             page=self.pool.null_page,
             sink=self.sinks.null_slot if self.sinks is not None else 0,
             ring_row=self.ring.null_row,
+            image_page=self.image_pool.null_page if self.image_pool is not None else 0,
         )
-        self.tree = RadixTree(P)
+        self.tree = RadixTree(P, self.image_base if self.image_pool is not None else None)
         self.recent_window = cfg.recent_window
         self.pin_budget_bytes = (
             cfg.pin_budget_bytes
@@ -66,7 +77,7 @@ class StratifiedKVCache:
             self._rotate = hadamard_rotate
         self.running: dict[int, Sequence] = {}
         self._next_id = 0
-        self.written = bytearray(num_pages)
+        self.written = bytearray(self.image_base + cfg.image_pages if self.image_pool else num_pages)
         # Checksums of tree pages recorded by check_invariants (page immutability); freeing forgets.
         self.page_checksums: dict[int, int] = {}
         self.quantized_pages = self.evicted_pages = self.matched_tokens = self.missed_tokens = 0
@@ -103,7 +114,47 @@ class StratifiedKVCache:
 
     @property
     def num_evictable_pages(self) -> int:
-        return self.tree.evictable_pages
+        return self.tree.evictable_pages - self.tree.evictable_image_pages
+
+    def is_image_page(self, page: int) -> bool:
+        return self.image_pool is not None and page >= self.image_base
+
+    def pages_bytes(self, pages: int, image: int = 0) -> int:
+        """Exact cold bytes of ``pages`` pages of which ``image`` are image pages."""
+        image_bytes = self.image_pool.page_bytes if self.image_pool is not None else 0
+        return (pages - image) * self.pool.page_bytes + image * image_bytes
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.pages_bytes(self.tree.pinned_pages, self.tree.pinned_image_pages)
+
+    def page_is_free(self, page: int) -> bool:
+        if self.is_image_page(page):
+            assert self.image_pool is not None
+            return self.image_pool.allocator.is_free(page - self.image_base)
+        return self.pool.allocator.is_free(page)
+
+    def _image_page_flags(self, seq: Sequence, n_pages: int) -> list[bool]:
+        """Which of the next ``n_pages`` pages of ``seq`` hold an image token (all False without
+        an image pool)."""
+        first, P = len(seq.page_ids), self.page_size
+        if self.image_pool is None:
+            return [False] * n_pages
+        floor = self.cfg.image_token_from
+        assert floor is not None
+        return [max(seq.token_ids[j * P : (j + 1) * P]) >= floor for j in range(first, first + n_pages)]
+
+    def _alloc_pages(self, flags: list[bool]) -> list[int]:
+        """Page ids for pages flagged image (image pool) or text (the pool), in order."""
+        n_image = sum(flags)
+        image: list[int] = []
+        if n_image:
+            assert self.image_pool is not None
+            image = [self.image_base + i for i in self.image_pool.allocator.alloc(n_image)]
+        text = self.pool.allocator.alloc(len(flags) - n_image)
+        image.reverse()
+        text.reverse()
+        return [image.pop() if f else text.pop() for f in flags]
 
     @property
     def num_free_slots(self) -> int:
@@ -129,8 +180,8 @@ class StratifiedKVCache:
             raise ValueError("pin: empty handle (the prefix matched no page)")
         if handle.evicted:
             raise ValueError("pin: the handle's prefix was evicted")
-        extra = self.tree.unpinned_pages_on_path(handle) * self.pool.page_bytes
-        pinned = self.tree.pinned_pages * self.pool.page_bytes
+        extra = self.pages_bytes(*self.tree.unpinned_pages_on_path(handle))
+        pinned = self.pinned_bytes
         if pinned + extra > self.pin_budget_bytes:
             raise PinBudgetExceeded(
                 f"pinning {extra} more bytes would make {pinned + extra} pinned bytes, over the pin "
@@ -180,14 +231,16 @@ class StratifiedKVCache:
         self._check_step_args(seqs, n_new)
         P = self.page_size
         need = [self.pages_for_step(s, n) for s, n in zip(seqs, n_new, strict=True)]
+        flags = [self._image_page_flags(s, k) for s, k in zip(seqs, need, strict=True)]
+        need_image = sum(sum(f) for f in flags)
         need_sinks = 0
         if self.sinks is not None:
             need_sinks = sum(1 for s, k in zip(seqs, need, strict=True) if k > 0 and not s.page_ids)
-        self._make_room(sum(need), need_sinks)
+        self._make_room(sum(need) - need_image, need_sinks, need_image)
         new_pages: list[list[int]] = []
         try:
-            for seq, k in zip(seqs, need, strict=True):
-                pages = self.pool.allocator.alloc(k)
+            for seq, page_flags in zip(seqs, flags, strict=True):
+                pages = self._alloc_pages(page_flags)
                 if self.sinks is not None and pages and not seq.page_ids:
                     self.sinks.bind(pages[:1])
                 seq.page_ids.extend(pages)
@@ -203,6 +256,7 @@ class StratifiedKVCache:
                 sink_of=self.sinks.of_page if self.sinks is not None else None,
                 nulls=self.nulls,
                 device=self.device,
+                image_base=self.image_base if self.image_pool is not None else None,
             )
         except BaseException:
             # Planning failed (e.g. out of device memory while building the index tensors): no
@@ -239,13 +293,24 @@ class StratifiedKVCache:
                     f"{seq.length} cached, asked for {n} new"
                 )
 
-    def _make_room(self, pages: int, sink_pages: int) -> None:
+    def _make_room(self, pages: int, sink_pages: int, image_pages: int = 0) -> None:
+        """Free enough text, image and sink pages (evicting LRU leaves) or raise `OutOfPages`
+        with nothing changed."""
+        t = self.tree
         free = self.pool.allocator.num_free
-        if pages > free + self.tree.evictable_pages:
+        text_evictable = t.evictable_pages - t.evictable_image_pages
+        if pages > free + text_evictable:
+            text_tree = t.total_pages - t.image_pages
             raise OutOfPages(
-                f"need {pages} cold pages: {free} free, {self.tree.evictable_pages} evictable, "
-                f"{self.tree.total_pages - self.tree.evictable_pages} locked or pinned in the tree, "
-                f"{self.pool.allocator.num_used - self.tree.total_pages} held by running sequences"
+                f"need {pages} cold pages: {free} free, {text_evictable} evictable, "
+                f"{text_tree - text_evictable} locked or pinned in the tree, "
+                f"{self.pool.allocator.num_used - text_tree} held by running sequences"
+            )
+        image_free = self.image_pool.allocator.num_free if self.image_pool is not None else 0
+        if image_pages > image_free + t.evictable_image_pages:
+            raise OutOfPages(
+                f"need {image_pages} image pages: {image_free} free, {t.evictable_image_pages} evictable, "
+                f"{t.image_pages - t.evictable_image_pages} locked or pinned in the tree"
             )
         if self.sinks is not None and sink_pages > self.sinks.allocator.num_free:
             sink_free = self.sinks.allocator.num_free
@@ -256,7 +321,10 @@ class StratifiedKVCache:
                     f"of {self.sinks.allocator.total}"
                 )
         if pages > free:
-            self._free_pages(self.tree.evict(pages - free), evicted=True)
+            self._free_pages(t.evict(pages - free, lambda n: len(n.pages) - n.image), evicted=True)
+        if self.image_pool is not None and image_pages > self.image_pool.allocator.num_free:
+            short = image_pages - self.image_pool.allocator.num_free
+            self._free_pages(t.evict(short, lambda n: n.image), evicted=True)
         if self.sinks is not None and sink_pages > self.sinks.allocator.num_free:
             short = sink_pages - self.sinks.allocator.num_free
             self._free_pages(self.tree.evict(short, self.sink_weight), evicted=True)
@@ -294,13 +362,28 @@ class StratifiedKVCache:
             )
         if self._rotate is not None:
             q, k, v = self._rotate(q), self._rotate(k), self._rotate(v)
+        if kernels and self.image_pool is not None:
+            raise ValueError(
+                "the Triton attention kernels read one cold pool; image pages in their own codec "
+                "(--vision-kv-dtype) need the torch backend"
+            )
         if kernels:
             from kvstrata.radix.kernels import attend as kernel_attend
 
             out = kernel_attend.attend(layer, batch, q, k, v, scale, self.pool, self.ring, self.sinks)
         else:
             out = attention.attend(
-                layer, batch, q, k, v, scale, self.pool, self.ring, self.sinks, self.cfg.block_pages
+                layer,
+                batch,
+                q,
+                k,
+                v,
+                scale,
+                self.pool,
+                self.ring,
+                self.sinks,
+                self.cfg.block_pages,
+                self.image_pool,
             )
         if kernels and all(c is None for c in self.clips[layer]):
             from kvstrata.radix.kernels.page_quantize import quantize_pages
@@ -308,7 +391,9 @@ class StratifiedKVCache:
             counts = quantize_pages(layer, batch.write, k, v, self.pool, self.ring, self.sinks)
             attention.write_ring(layer, batch, k, v, self.ring)
         else:
-            counts = attention.store(layer, batch, k, v, self.pool, self.ring, self.sinks, self.clips[layer])
+            counts = attention.store(
+                layer, batch, k, v, self.pool, self.ring, self.sinks, self.clips[layer], self.image_pool
+            )
         for kind in ("k", "v"):
             self.overflow[kind][layer] += getattr(counts, f"overflow_{kind}")
             self.nonfinite[kind][layer] += getattr(counts, f"nonfinite_{kind}")
@@ -393,7 +478,13 @@ class StratifiedKVCache:
     def _free_pages(self, pages: list[int], evicted: bool = False) -> None:
         if not pages:
             return
-        self.pool.allocator.free(pages)
+        image = [p - self.image_base for p in pages if self.is_image_page(p)]
+        if image:
+            assert self.image_pool is not None
+            self.image_pool.allocator.free(image)
+            self.pool.allocator.free([p for p in pages if not self.is_image_page(p)])
+        else:
+            self.pool.allocator.free(pages)
         if self.sinks is not None:
             self.sinks.release(pages)
         for p in pages:

@@ -19,6 +19,11 @@ class CacheConfig:
     ``max_recent_window`` without allocating. ``pin_budget_bytes`` caps pinned cold bytes (default:
     a quarter of the cold pool). With ``sinks``, a sequence's first page is also kept in
     ``ring_dtype`` in one of ``sink_pages`` sink pages (default ``2 * max_running``).
+
+    Image pages: with ``image_codec`` set, a completed page holding a token id ``>= image_token_from``
+    (image placeholders carry pad ids past the vocabulary) is stored in a second pool of
+    ``image_pages`` pages in ``image_codec`` (every layer, keys and values), whatever the layer's
+    text codec (``--vision-kv-dtype``).
     """
 
     num_layers: int
@@ -39,6 +44,9 @@ class CacheConfig:
     pin_budget_bytes: int | None = None
     sink_pages: int | None = None
     block_pages: int = 64
+    image_codec: str | None = None
+    image_pages: int = 0
+    image_token_from: int | None = None
 
     def __post_init__(self) -> None:
         if not self.layer_codecs:
@@ -72,6 +80,8 @@ class CacheConfig:
             )
         if self.num_pages is None and self.cold_budget_bytes is None:
             raise ValueError("CacheConfig needs num_pages or cold_budget_bytes")
+        if self.image_codec is not None and (self.image_token_from is None or self.image_pages < 1):
+            raise ValueError("CacheConfig.image_codec needs image_token_from and image_pages >= 1")
         if self.num_pages is not None and self.num_pages < 0:
             raise ValueError(f"CacheConfig.num_pages must be >= 0, got {self.num_pages}")
 

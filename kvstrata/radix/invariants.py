@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstrata.radix.errors import InvariantViolation
-from kvstrata.radix.pool import as_raw
+from kvstrata.radix.pool import ColdPool, as_raw
 from kvstrata.radix.tree import TreeNode
 
 if TYPE_CHECKING:
@@ -33,6 +33,8 @@ def check_invariants(cache: StratifiedKVCache) -> None:
 
 def _allocators(cache: StratifiedKVCache) -> list[str]:
     errors = cache.pool.allocator.check() + cache.ring.slots.check()
+    if cache.image_pool is not None:
+        errors += cache.image_pool.allocator.check()
     if cache.sinks is not None:
         errors += cache.sinks.allocator.check()
     return errors
@@ -86,25 +88,58 @@ def _ownership(cache: StratifiedKVCache) -> list[str]:
     twice = sorted(p for p, c in holders.items() if c > 1)
     if twice:
         errors.append(f"cold pages {twice[:8]} held twice (tree node and/or sequences)")
-    alloc = cache.pool.allocator
-    freed_held = sorted(p for p in holders if alloc.is_free(p))
+    freed_held = sorted(p for p in holders if cache.page_is_free(p))
     if freed_held:
         errors.append(f"cold pages {freed_held[:8]} are free but still held")
-    if len(holders) != alloc.num_used:
-        errors.append(
-            f"{alloc.num_used} cold pages allocated but {len(holders)} held: leaked or double-counted"
-        )
+    for pool, base, name in _pools(cache):
+        used = sum(1 for p in holders if cache.is_image_page(p) == (name == "image"))
+        if used != pool.allocator.num_used:
+            errors.append(
+                f"{pool.allocator.num_used} {name} pages allocated but {used} held: leaked or double-counted"
+            )
+        stale = [
+            base + i
+            for i in range(pool.allocator.total)
+            if pool.allocator.is_free(i) and cache.written[base + i]
+        ]
+        if stale:
+            errors.append(f"free pages {stale[:8]} still marked written")
     if cache.tree.total_pages != len(tree_pages):
         errors.append(f"tree counts {cache.tree.total_pages} pages, its nodes hold {len(tree_pages)}")
+    image_pages = sum(1 for p in tree_pages if cache.is_image_page(p))
+    if cache.tree.image_pages != image_pages:
+        errors.append(f"tree counts {cache.tree.image_pages} image pages, its nodes hold {image_pages}")
+    misplaced = [n.pages[:3] for n in cache.tree.nodes() if n.image != cache.tree.count_image(n.pages)]
+    if misplaced:
+        errors.append(f"nodes {misplaced[:4]} count their image pages wrong")
+    errors += _image_pages_hold_images(cache, tree_pages)
     unwritten = sorted(p for p in tree_pages if not cache.written[p])
     if unwritten:
         errors.append(f"tree pages {unwritten[:8]} were never written (a tree page must be complete)")
-    stale = [p for p in range(alloc.total) if alloc.is_free(p) and cache.written[p]]
-    if stale:
-        errors.append(f"free pages {stale[:8]} still marked written")
     if cache.sinks is not None:
         errors += _sinks(cache, tree_pages)
     return errors
+
+
+def _pools(cache: StratifiedKVCache) -> list[tuple[ColdPool, int, str]]:
+    """(pool, first page id, name) of the text pool and, if there is one, the image pool."""
+    pools = [(cache.pool, 0, "cold")]
+    if cache.image_pool is not None:
+        pools.append((cache.image_pool, cache.image_base, "image"))
+    return pools
+
+
+def _image_pages_hold_images(cache: StratifiedKVCache, tree_pages: set[int]) -> list[str]:
+    """A tree page is in the image pool exactly when its tokens hold an image token."""
+    floor = cache.cfg.image_token_from
+    if cache.image_pool is None or floor is None:
+        return []
+    P, wrong = cache.page_size, []
+    for node in cache.tree.nodes():
+        for i, page in enumerate(node.pages):
+            if (max(node.tokens[i * P : (i + 1) * P]) >= floor) != cache.is_image_page(page):
+                wrong.append(page)
+    return [f"tree pages {wrong[:8]} are in the wrong pool for their tokens"] if wrong else []
 
 
 def _sinks(cache: StratifiedKVCache, tree_pages: set[int]) -> list[str]:
@@ -115,7 +150,7 @@ def _sinks(cache: StratifiedKVCache, tree_pages: set[int]) -> list[str]:
         errors.append("two cold pages share one sink page")
     if len(bound) != cache.sinks.allocator.num_used:
         errors.append(f"{len(bound)} sinks bound but {cache.sinks.allocator.num_used} sink pages used")
-    unowned = sorted(p for p in bound if cache.pool.allocator.is_free(p))
+    unowned = sorted(p for p in bound if cache.page_is_free(p))
     if unowned:
         errors.append(f"sinks bound to free cold pages {unowned[:8]}")
     firsts = [n.pages[0] for root in cache.tree.roots().values() for n in root.children.values()]
@@ -183,7 +218,16 @@ def _pins_and_eviction(cache: StratifiedKVCache) -> list[str]:
             f"tree counts {cache.tree.first_nodes} first nodes ({cache.tree.evictable_first_nodes} "
             f"evictable), it has {len(firsts)} ({free_firsts})"
         )
-    pinned_bytes = pinned * cache.pool.page_bytes
+    pinned_image = sum(n.image for n in nodes if n.pin_ref > 0)
+    if pinned_image != cache.tree.pinned_image_pages:
+        errors.append(
+            f"tree counts {cache.tree.pinned_image_pages} pinned image pages, nodes hold {pinned_image}"
+        )
+    pinned_bytes = cache.pages_bytes(pinned, pinned_image)
+    if pinned_bytes != cache.pinned_bytes:
+        errors.append(
+            f"cache reports {cache.pinned_bytes} pinned bytes, its pinned pages hold {pinned_bytes}"
+        )
     if pinned_bytes > cache.pin_budget_bytes:
         errors.append(f"{pinned_bytes} pinned bytes exceed the pin budget of {cache.pin_budget_bytes}")
     for node in nodes:
@@ -201,11 +245,8 @@ def _bytes(cache: StratifiedKVCache) -> list[str]:
     errors = []
     stats = cache.stats()
     # What the buffers hold, less the one zero row each store keeps for padding.
-    pool_buffers = sum(t.nbytes for bufs in (*cache.pool.k, *cache.pool.v) for t in bufs.values())
-    actual = {
-        "cold": pool_buffers - cache.pool.padding_bytes,
-        "ring": cache.ring.k.nbytes + cache.ring.v.nbytes - cache.ring.padding_bytes,
-    }
+    actual = {name: _buffer_bytes(pool) - pool.padding_bytes for pool, _, name in _pools(cache)}
+    actual["ring"] = cache.ring.k.nbytes + cache.ring.v.nbytes - cache.ring.padding_bytes
     if cache.sinks is not None:
         actual["sink"] = cache.sinks.k.nbytes + cache.sinks.v.nbytes - cache.sinks.padding_bytes
     # Used pages counted from their holders, not from the allocator that reports ``free``.
@@ -215,11 +256,16 @@ def _bytes(cache: StratifiedKVCache) -> list[str]:
     }
     slot_pages = cache.ring.capacity // cache.page_size
     first_nodes = [n for n in tree_nodes if n.parent is not None and n.parent.is_root]
-    counted = {
-        "cold": (len(held), sum(len(n.pages) for n in tree_nodes)),
-        "ring": (len(cache.running) * slot_pages, 0),
-    }
-    evictable = {"cold": sum(len(n.pages) for n in tree_nodes if not n.protected), "ring": 0}
+    in_tree = [p for n in tree_nodes for p in n.pages]
+    free_tree = [p for n in tree_nodes if not n.protected for p in n.pages]
+    counted, evictable = {"ring": (len(cache.running) * slot_pages, 0)}, {"ring": 0}
+    for _, _, name in _pools(cache):
+        image = name == "image"
+        counted[name] = (
+            sum(1 for p in held if cache.is_image_page(p) == image),
+            sum(1 for p in in_tree if cache.is_image_page(p) == image),
+        )
+        evictable[name] = sum(1 for p in free_tree if cache.is_image_page(p) == image)
     if cache.sinks is not None:
         counted["sink"] = (len(cache.sinks.of_page), len(first_nodes))
         evictable["sink"] = sum(1 for n in first_nodes if not n.protected)
@@ -243,12 +289,17 @@ def _bytes(cache: StratifiedKVCache) -> list[str]:
     return errors
 
 
+def _buffer_bytes(pool: ColdPool) -> int:
+    return sum(t.nbytes for bufs in (*pool.k, *pool.v) for t in bufs.values())
+
+
 def _padding_rows(cache: StratifiedKVCache) -> list[str]:
     """The zero rows that batch padding reads must still be zero: a write there would leak into
     every padded batch."""
     rows = [
-        (f"cold {kind} {name}", buf[cache.pool.null_page])
-        for kind, layers in (("k", cache.pool.k), ("v", cache.pool.v))
+        (f"{tier} {kind} {name}", buf[pool.null_page])
+        for pool, _, tier in _pools(cache)
+        for kind, layers in (("k", pool.k), ("v", pool.v))
         for bufs in layers
         for name, buf in bufs.items()
     ]
@@ -267,12 +318,21 @@ def _padding_rows(cache: StratifiedKVCache) -> list[str]:
 def _immutable_tree_pages(cache: StratifiedKVCache) -> list[str]:
     """Tree pages never change: each one's checksum over every layer's buffers, recorded the first
     time a check sees it in the tree, must hold at every later check (until the page is freed)."""
-    pages = sorted({p for n in cache.tree.nodes() for p in n.pages})
+    tree_pages = {p for n in cache.tree.nodes() for p in n.pages}
+    errors = []
+    for pool, base, name in _pools(cache):
+        pages = sorted(p for p in tree_pages if cache.is_image_page(p) == (name == "image"))
+        errors += _check_checksums(cache, pool, pages, base)
+    return errors
+
+
+def _check_checksums(cache: StratifiedKVCache, pool: ColdPool, pages: list[int], base: int) -> list[str]:
+    """Compare ``pages`` (ids; row ``id - base`` of ``pool``) with their recorded checksums."""
     if not pages:
         return []
-    index = torch.tensor(pages, dtype=torch.long, device=cache.device)
+    index = torch.tensor([p - base for p in pages], dtype=torch.long, device=cache.device)
     sums = [0] * len(pages)
-    for bufs in (*cache.pool.k, *cache.pool.v):
+    for bufs in (*pool.k, *pool.v):
         for buf in bufs.values():
             rows = as_raw(buf).index_select(0, index).cpu().contiguous().view(torch.uint8)
             rows = rows.reshape(len(pages), -1).numpy()

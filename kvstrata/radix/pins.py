@@ -32,14 +32,15 @@ class Pin:
     created: float
     expires_at: float | None
 
-    def to_json(self, page_bytes: int, page_size: int, now: float) -> dict[str, Any]:
+    def to_json(self, nbytes: int, page_size: int, now: float) -> dict[str, Any]:
+        """The pin as ``/v1/cache`` lists it; ``nbytes``: its pages' exact bytes (`PinTable.describe`)."""
         return {
             "id": self.pin_id,
             "kind": self.kind,
             "label": self.label,
             "tokens": self.tokens,
             "pages": self.tokens // page_size,
-            "bytes": self.tokens // page_size * page_bytes,
+            "bytes": nbytes,
             "ttl_s": None if self.expires_at is None else max(0.0, round(self.expires_at - now, 3)),
         }
 
@@ -121,9 +122,13 @@ class PinTable:
 
     @property
     def pinned_bytes(self) -> int:
-        return self.cache.tree.pinned_pages * self.cache.pool.page_bytes
+        return self.cache.pinned_bytes
+
+    def describe(self, pin: Pin) -> dict[str, Any]:
+        """``pin.to_json`` with its bytes counted from its pages (image pages in their own codec)."""
+        path = list(pin.node.path())
+        nbytes = self.cache.pages_bytes(sum(len(n.pages) for n in path), sum(n.image for n in path))
+        return pin.to_json(nbytes, self.cache.page_size, self.clock())
 
     def to_json(self) -> list[dict[str, Any]]:
-        now = self.clock()
-        page_bytes, P = self.cache.pool.page_bytes, self.cache.page_size
-        return [p.to_json(page_bytes, P, now) for p in sorted(self.pins.values(), key=lambda p: p.created)]
+        return [self.describe(p) for p in sorted(self.pins.values(), key=lambda p: p.created)]

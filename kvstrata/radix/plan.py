@@ -4,7 +4,8 @@ Sequences with the same number of new tokens form a group that is attended as on
 (all decodes together; a prefill chunk with its equals). For each group the plan holds the cold
 page table, the sink pages, the ring rows and additive masks (0 or -inf); for the whole batch it
 holds where completed pages gather their tokens (ring or new K/V) and which ring rows receive the
-new tokens.
+new tokens. With an image pool (page ids from ``image_base`` on), a group's image pages get a table of
+their own (rows of the image pool), attended as one more key segment after the text pages.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class GroupPlan:
     ring_rows: torch.Tensor  # [B, R] ring rows, padded with the null row
     ring_len: list[int]
     page_size: int
+    image_table: torch.Tensor | None = None  # [B, Ni] rows of the image pool, padded with its null page
+    image_pages: list[int] = field(default_factory=list)  # valid entries of each row of image_table
     _tail_bias: dict[int, torch.Tensor] = field(default_factory=dict)
     _masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -49,17 +52,19 @@ class GroupPlan:
         return torch.arange(width, device=self.device).view(1, width) < n.view(-1, 1)
 
     def _history_valid(self) -> torch.Tensor:
-        """[B, Np*P (+P) + R]: which cold, sink and ring keys of each sequence are real."""
+        """[B, Np*P (+Ni*P) (+P) + R]: which cold, image, sink and ring keys of each sequence are real."""
         P = self.page_size
         parts = [self._valid([n * P for n in self.cold_pages], self.page_table.shape[1] * P)]
+        if self.image_table is not None:
+            parts.append(self._valid([n * P for n in self.image_pages], self.image_table.shape[1] * P))
         if self.sink_table is not None:
             parts.append(self._valid([P * v for v in self.sink_valid], P))
         parts.append(self._valid(self.ring_len, self.ring_rows.shape[1]))
         return torch.cat(parts, dim=1)
 
     def mask(self, group: int) -> torch.Tensor | None:
-        """[B, 1, group*T, S] additive mask (0 or -inf) for one pass over ``[cold | sinks | ring |
-        new]``, rows ordered (query head in group, token); None when every query sees every key
+        """[B, 1, group*T, S] additive mask (0 or -inf) for one pass over ``[cold | image | sinks |
+        ring | new]``, rows ordered (query head in group, token); None when every query sees every key
         (one sequence, one new token)."""
         B, T = self.batch, self.tokens
         if B == 1 and T == 1:
@@ -94,6 +99,14 @@ class GroupPlan:
         return _bias(valid).view(self.batch, 1, 1, -1)
 
     @cached_property
+    def image_bias(self) -> torch.Tensor:
+        """[B, 1, 1, Ni*P] additive mask of the image-pool keys (block-wise pass)."""
+        assert self.image_table is not None
+        P = self.page_size
+        valid = self._valid([n * P for n in self.image_pages], self.image_table.shape[1] * P)
+        return _bias(valid).view(self.batch, 1, 1, -1)
+
+    @cached_property
     def sink_bias(self) -> torch.Tensor:
         """[B, 1, 1, P] additive mask of the sink keys (block-wise pass)."""
         valid = self._valid([self.page_size * v for v in self.sink_valid], self.page_size)
@@ -118,6 +131,8 @@ class WritePlan:
     sink_slots: torch.Tensor  # [Ns]
     ring_dst: torch.Tensor  # ring rows receiving new tokens
     ring_src: torch.Tensor  # their rows in k/v
+    # With image pages among page_ids: (indices of text pages, indices of image pages, image pool rows)
+    image_split: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def kernel_sources(self, page_size: int) -> torch.Tensor:
         """[Nw * P] int64, where each row of the completed pages comes from, for the Triton page
@@ -171,6 +186,7 @@ class NullRows:
     page: int
     sink: int
     ring_row: int
+    image_page: int = 0
 
 
 def build_step(
@@ -184,8 +200,10 @@ def build_step(
     sink_of: dict[int, int] | None,
     nulls: NullRows,
     device: torch.device,
+    image_base: int | None = None,
 ) -> StepBatch:
-    """Plan a step; pages for the tokens must already be in ``seq.page_ids``."""
+    """Plan a step; pages for the tokens must already be in ``seq.page_ids``. Page ids from
+    ``image_base`` on live in the image pool."""
     P, R = page_size, ring_capacity
     offsets, total = [], 0
     for n in n_new:
@@ -198,12 +216,23 @@ def build_step(
     every_token = len(by_size) == 1
     groups = [
         _plan_group(
-            [seqs[i] for i in idx], [offsets[i] for i in idx], n, P, R, sink_of, nulls, every_token, device
+            [seqs[i] for i in idx],
+            [offsets[i] for i in idx],
+            n,
+            P,
+            R,
+            sink_of,
+            nulls,
+            every_token,
+            device,
+            image_base,
         )
         for n, idx in by_size.items()
     ]
 
     write, new_starts = _plan_writes(seqs, n_new, offsets, P, R, window, sink_of, device)
+    if image_base is not None:
+        write.image_split = _split_image_pages(write.page_ids, image_base)
     return StepBatch(list(seqs), list(n_new), total, groups, write, new_starts, new_pages)
 
 
@@ -269,6 +298,24 @@ def _plan_writes(
     return write, new_starts
 
 
+def _split_image_pages(
+    page_ids: torch.Tensor, image_base: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(indices of text pages, indices of image pages, their image pool rows) of ``page_ids``;
+    None when none is an image page."""
+    is_image = page_ids >= image_base
+    if not bool(is_image.any()):
+        return None
+    image = is_image.nonzero().view(-1)
+    return (~is_image).nonzero().view(-1), image, page_ids.index_select(0, image) - image_base
+
+
+def _padded(rows: list[list[int]], null: int, device: torch.device) -> torch.Tensor:
+    """[len(rows), longest] table of ``rows`` padded with ``null``."""
+    width = max(len(r) for r in rows)
+    return _long([p for r in rows for p in (*r, *[null] * (width - len(r)))], device).view(len(rows), width)
+
+
 def _plan_group(
     seqs: list[Sequence],
     offsets: list[int],
@@ -279,6 +326,7 @@ def _plan_group(
     nulls: NullRows,
     every_token: bool,
     device: torch.device,
+    image_base: int | None,
 ) -> GroupPlan:
     B = len(seqs)
     rows = None if every_token else torch.cat([torch.arange(o, o + n) for o in offsets]).to(device)
@@ -292,9 +340,11 @@ def _plan_group(
             first = 1
         sinks.append(sink)
         cold.append(seq.page_ids[first : seq.ring_start // P])
-    n_pages = max(len(c) for c in cold)
-    table = [p for c in cold for p in (*c, *[nulls.page] * (n_pages - len(c)))]
-    page_table = _long(table, device).view(B, n_pages)
+    image: list[list[int]] = []
+    if image_base is not None:
+        image = [[p - image_base for p in c if p >= image_base] for c in cold]
+        cold = [[p for p in c if p < image_base] for c in cold]
+    page_table = _padded(cold, nulls.page, device)
 
     sink_table = None
     if any(s is not None for s in sinks):
@@ -319,6 +369,8 @@ def _plan_group(
         ring_rows,
         ring_len,
         P,
+        _padded(image, nulls.image_page, device) if image else None,
+        [len(c) for c in image],
     )
 
 

@@ -75,6 +75,17 @@ class WriteCounts:
     absmax_k: float = 0.0
     absmax_v: float = 0.0
 
+    def merge(self, other: WriteCounts) -> WriteCounts:
+        """The counts of both writes (one step's text and image pages)."""
+        return WriteCounts(
+            self.overflow_k + other.overflow_k,
+            self.overflow_v + other.overflow_v,
+            self.nonfinite_k + other.nonfinite_k,
+            self.nonfinite_v + other.nonfinite_v,
+            max(self.absmax_k, other.absmax_k),
+            max(self.absmax_v, other.absmax_v),
+        )
+
 
 class ColdPool:
     def __init__(

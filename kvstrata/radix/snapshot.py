@@ -13,17 +13,17 @@ if TYPE_CHECKING:
 def snapshot(cache: StratifiedKVCache) -> CacheStats:
     """`CacheStats` of ``cache`` now: tiers in pages of ``page_size`` tokens, counters, quality."""
     cfg, P = cache.cfg, cache.page_size
-    alloc = cache.pool.allocator
+    alloc, t = cache.pool.allocator, cache.tree
     cold = TierStats(
         "cold",
         cache.pool.page_bytes,
         alloc.total,
         alloc.num_free,
         alloc.num_used,
-        cache.tree.total_pages,
-        cache.tree.pinned_pages,
+        t.total_pages - t.image_pages,
+        t.pinned_pages - t.pinned_image_pages,
         cache.pool.page_bytes / P,
-        cache.tree.evictable_pages,
+        t.evictable_pages - t.evictable_image_pages,
     )
     slot_pages = cache.ring.capacity // P
     ring = TierStats(
@@ -35,6 +35,20 @@ def snapshot(cache: StratifiedKVCache) -> CacheStats:
         bytes_per_token=float(cache.ring.bytes_per_token),
     )
     tiers = {"cold": cold, "ring": ring}
+    if cache.image_pool is not None:
+        image = cache.image_pool
+        a = image.allocator
+        tiers["image"] = TierStats(
+            "image",
+            image.page_bytes,
+            a.total,
+            a.num_free,
+            a.num_used,
+            t.image_pages,
+            t.pinned_image_pages,
+            image.page_bytes / P,
+            t.evictable_image_pages,
+        )
     if cache.sinks is not None:
         s = cache.sinks.allocator
         tiers["sink"] = TierStats(

@@ -7,6 +7,10 @@ any descendant (a lock on a node protects its whole path to the root). Only node
 are evictable, and only leaves are evicted, least recently used first. Timestamps come from a
 logical clock, so a parent is never older than its children.
 
+With ``image_from`` set, page ids from ``image_from`` on are image pages (stored in a pool of their
+own, `StratifiedKVCache.image_pool`): each node counts its own (``image``) and the tree keeps the
+image part of its page counters (``image_pages``, ``evictable_image_pages``, ``pinned_image_pages``).
+
 Eviction keeps one heap of candidate leaves across calls, keyed by last use. An entry is pushed
 whenever a node may have become an evictable leaf or was used again (insert, unlock/unpin, a
 match that touches it, its last child evicted); stale entries (evicted, protected, no longer a
@@ -34,6 +38,7 @@ class TreeNode:
     own_pins: int = 0
     last_access: int = 0
     evicted: bool = False
+    image: int = 0  # how many of ``pages`` are image pages (see ``RadixTree.image_from``)
 
     @property
     def is_root(self) -> bool:
@@ -63,8 +68,10 @@ class TreeInsert(NamedTuple):
 
 
 class RadixTree:
-    def __init__(self, page_size: int) -> None:
+    def __init__(self, page_size: int, image_from: int | None = None) -> None:
         self.page_size = page_size
+        self.image_from = image_from
+        self.image_pages = self.evictable_image_pages = self.pinned_image_pages = 0
         self._roots: dict[Hashable, TreeNode] = {}
         self._clock = 0
         self.total_pages = 0
@@ -83,6 +90,12 @@ class RadixTree:
         if root is None and create:
             root = self._roots[extra_key] = TreeNode((), [], None)
         return root
+
+    def count_image(self, pages: Sequence[int]) -> int:
+        """How many of ``pages`` are image pages."""
+        if self.image_from is None:
+            return 0
+        return sum(1 for p in pages if p >= self.image_from)
 
     def _page_key(self, tokens: Sequence[int], start: int) -> tuple[int, ...]:
         return tuple(tokens[start : start + self.page_size])
@@ -112,6 +125,8 @@ class RadixTree:
             pin_ref=node.pin_ref,
             last_access=node.last_access,
         )
+        upper.image = self.count_image(upper.pages)
+        node.image -= upper.image
         node.parent.children[node.tokens[: self.page_size]] = upper
         node.tokens, node.pages, node.parent = node.tokens[cut:], node.pages[n_pages:], upper
         upper.children[node.tokens[: self.page_size]] = node
@@ -186,8 +201,11 @@ class RadixTree:
             leaf = TreeNode(tuple(tokens[pos:]), list(pages[present:]), node)
             node.children[leaf.tokens[: self.page_size]] = leaf
             self.num_nodes += 1
+            leaf.image = self.count_image(leaf.pages)
             self.total_pages += len(leaf.pages)
             self.evictable_pages += len(leaf.pages)
+            self.image_pages += leaf.image
+            self.evictable_image_pages += leaf.image
             if node.is_root:
                 self.first_nodes += 1
                 self.evictable_first_nodes += 1
@@ -208,9 +226,10 @@ class RadixTree:
     def unpin(self, node: TreeNode | None) -> None:
         self._add_ref(node, "pin", -1)
 
-    def unpinned_pages_on_path(self, node: TreeNode) -> int:
-        """Pages that pinning ``node`` would newly pin."""
-        return sum(len(n.pages) for n in node.path() if n.pin_ref == 0)
+    def unpinned_pages_on_path(self, node: TreeNode) -> tuple[int, int]:
+        """Pages that pinning ``node`` would newly pin: (all, of which image pages)."""
+        path = [n for n in node.path() if n.pin_ref == 0]
+        return sum(len(n.pages) for n in path), sum(n.image for n in path)
 
     def _add_ref(self, node: TreeNode | None, kind: str, delta: int) -> None:
         if node is None:
@@ -228,10 +247,12 @@ class RadixTree:
             setattr(n, ref, getattr(n, ref) + delta)
             if was_protected != n.protected:
                 self.evictable_pages += len(n.pages) if was_protected else -len(n.pages)
+                self.evictable_image_pages += n.image if was_protected else -n.image
                 if n.parent is not None and n.parent.is_root:
                     self.evictable_first_nodes += 1 if was_protected else -1
             if was_pinned != (n.pin_ref > 0):
                 self.pinned_pages += -len(n.pages) if was_pinned else len(n.pages)
+                self.pinned_image_pages += -n.image if was_pinned else n.image
             if was_protected and not n.protected:
                 self._offer(n)
 
@@ -254,6 +275,8 @@ class RadixTree:
             self.num_nodes -= 1
             self.total_pages -= len(node.pages)
             self.evictable_pages -= len(node.pages)
+            self.image_pages -= node.image
+            self.evictable_image_pages -= node.image
             if parent.is_root:
                 self.first_nodes -= 1
                 self.evictable_first_nodes -= 1
@@ -286,6 +309,7 @@ class RadixTree:
             pages.extend(node.pages)
         self._roots.clear()
         self.total_pages = self.evictable_pages = self.pinned_pages = 0
+        self.image_pages = self.evictable_image_pages = self.pinned_image_pages = 0
         self.first_nodes = self.evictable_first_nodes = self.num_nodes = 0
         self._heap = []
         return pages

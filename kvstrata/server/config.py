@@ -208,7 +208,8 @@ FLAGS: tuple[Flag, ...] = (
         "vision_kv_dtype",
         str,
         None,
-        "codec of image-token history: auto (the pool's; the only one today)",
+        "codec of image-token pages (own pool; torch backend): auto (bf16 when the pool quantizes) "
+        "or a codec name",
         True,
     ),
 )

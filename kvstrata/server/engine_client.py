@@ -223,6 +223,14 @@ class EngineClient:
             )
         return vision
 
+    def image_token_id(self) -> int:
+        return int(self._vision().image_token_id)
+
+    def template_takes_image_parts(self) -> bool:
+        from kvstrata.multimodal.chat import takes_image_parts
+
+        return takes_image_parts(getattr(self.tokenizer, "chat_template", None))
+
     def image_text(self) -> str:
         """The image token as text, which the chat template and tokenizer turn back into its id."""
         return str(self.tokenizer.convert_ids_to_tokens([self._vision().image_token_id])[0])
@@ -336,8 +344,9 @@ def fill_cache_stats(snap: EngineSnapshot, cache: Any) -> None:
     snap.pins_created, snap.pins_expired = cache.pins_created, cache.pins_expired
     snap.pins_refused = cache.pins_refused
     snap.pins = list(cache.pins)
-    snap.tree_pages = cold.cached if cold is not None else 0
-    snap.in_use_pages = cold.used if cold is not None else 0
+    history = [t for t in (cold, cache.tiers.get("image")) if t is not None]  # text and image pages
+    snap.tree_pages = sum(t.cached for t in history)
+    snap.in_use_pages = sum(t.used for t in history)
     denominator = cache.quantized_elements
     for kind, overflow, nonfinite in (
         ("k", cache.overflow_k, cache.nonfinite_k),

@@ -124,6 +124,18 @@ class ChatMessage(_Strict):
             return self.content
         return "".join(part.text if isinstance(part, TextPart) else image_text for part in self.content)
 
+    def parts(self) -> list[dict[str, str]]:
+        """The content as the parts a multimodal chat template reads: ``{"type": "text", "text": ...}``
+        and ``{"type": "image"}`` (where an image part was); plain text content is one text part."""
+        if self.content is None:
+            return []
+        if isinstance(self.content, str):
+            return [{"type": "text", "text": self.content}]
+        return [
+            {"type": "text", "text": part.text} if isinstance(part, TextPart) else {"type": "image"}
+            for part in self.content
+        ]
+
     def image_urls(self) -> list[str]:
         if not isinstance(self.content, list):
             return []

@@ -172,9 +172,22 @@ def chat_prompt(client: EngineClient, messages: list[ChatMessage]) -> tuple[list
     """Chat template ids and the decoded images of ``image_url`` parts (a bad image is a 400 here,
     before the engine or its cache sees anything). Length: with each image's placeholder span."""
     urls = [url for m in messages for url in m.image_urls()]
-    image_text = client.image_text() if urls else ""
     images = [client.load_image(url) for url in urls]
-    ids = client.chat_ids([{"role": m.role, "content": m.text(image_text)} for m in messages])
+    if client.template_takes_image_parts():
+        # The processors' templates of llava-hf / SmolVLM checkpoints render {"type": "image"} parts.
+        ids = client.chat_ids([{"role": m.role, "content": m.parts()} for m in messages])
+    else:
+        image_text = client.image_text() if urls else ""
+        ids = client.chat_ids([{"role": m.role, "content": m.text(image_text)} for m in messages])
+    if urls:
+        placed = ids.count(client.image_token_id())
+        if placed != len(urls):
+            raise APIError(
+                400,
+                f"messages: the chat template placed {placed} image tokens for {len(urls)} images",
+                param="messages",
+                code="invalid_image",
+            )
     return ids, images
 
 
