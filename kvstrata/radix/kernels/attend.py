@@ -21,7 +21,7 @@ import triton.language as tl
 
 from kvstrata.quant.kernel_decode import (
     kernel_format,
-    key_tile_scales,
+    key_block_scales,
     load_decoded,
     tile_codes,
     value_block_scales,
@@ -34,7 +34,7 @@ from kvstrata.radix.sinks import SinkStore
 
 LOG2E = 1.4426950408889634
 # Launch shapes (H200, Triton 3.6; benchmarks/attention_gpu.py): query rows and raw keys per tile.
-DECODE_LAUNCH = dict(block_m=64, block_n=32, num_warps=4, num_stages=2)
+DECODE_LAUNCH = dict(block_m=64, block_n=32, blocks=2, num_warps=4, num_stages=2)
 EXTEND_LAUNCH = dict(block_m=128, block_n=64, num_warps=8, num_stages=2)
 HALF_FORMATS = (5, 6)  # 4-bit codes: the decode kernel splits q and the output into even/odd channels
 TARGET_PROGRAMS = 512  # split-KV aims at about this many programs (a few per SM on an H100/H200)
@@ -164,7 +164,7 @@ def _attend_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FOLD: tl.constexpr,
-    TILE: tl.constexpr,
+    BLOCKS: tl.constexpr,
     HALF_K: tl.constexpr,
     HALF_V: tl.constexpr,
     BLOCK_DK: tl.constexpr,
@@ -205,39 +205,47 @@ def _attend_kernel(
     lo = split * pages_per_split
     hi = tl.minimum(lo + pages_per_split, n_cold)
     if FOLD:
-        # Page tiles: scales fold into q (keys) and into the weights (values); see kernel_decode.
-        nt = tl.arange(0, TILE)
+        # BLOCKS 16-token blocks per tile, each inside one page: see kernel_decode's block decoding.
+        jn = tl.arange(0, BLOCKS * 16)
+        ib = tl.arange(0, BLOCKS)
+        n16 = tl.arange(0, 16)[None, :, None].to(tl.int64)
         ik = tl.arange(0, BLOCK_DK)
-        iv = tl.arange(0, BLOCK_DV)
-        for j0 in range(lo * P, hi * P, TILE):
-            page = tl.load(PT + b * pt_stride + j0 // P).to(tl.int64)
-            tok0 = j0 % P
-            row = (page * P + tok0 + nt) * H + h
-            s0, s1, o0, o1 = key_tile_scales(K1, K2, page, tok0, h, ck0, ck1, ck0 < D, H, P, D, K_FMT)
-            if K_FMT == 0:
-                qs0 = qd0
-                qs1 = qd1
-            else:
-                qs0 = (q0 * s0[None, :]).to(DOT_DTYPE)
-                qs1 = (q1 * s1[None, :]).to(DOT_DTYPE)
-            k0, k1 = tile_codes(K0, row, ik, ck0 < D, D, K_FMT, HALF_K, DOT_DTYPE)
-            s = _scores(qs0, qs1, k0, k1, HALF_K, DOT_PREC)
-            if K_FMT == 4 or K_FMT == 5:
-                bias = tl.sum(q0 * o0[None, :], 1)
-                if HALF_K:
-                    bias += tl.sum(q1 * o1[None, :], 1)
-                s += bias[:, None]
+        iv = tl.arange(0, BLOCK_DV)[None, :]
+        kc_ok = (ck0 < D)[None, None, :]
+        v_ok = (cv0 < D)[None, :]
+        for j0 in range(lo * P, hi * P, BLOCKS * 16):
+            ok = j0 + jn < hi * P
+            jb = j0 + ib * 16
+            b_ok = (jb < hi * P)[:, None, None]
+            pb = tl.load(PT + b * pt_stride + jb // P, mask=jb < hi * P, other=0).to(tl.int64)
+            pb = pb[:, None, None]
+            tb = (jb % P).to(tl.int64)[:, None, None]
+            rk = (pb * P + tb + n16) * H + h  # [BLOCKS, 16, 1]
+            k0, k1 = tile_codes(K0, rk, ik[None, None, :], kc_ok & b_ok, D, K_FMT, HALF_K)
+            if K_FMT != 0:
+                c0, c1 = ck0[None, None, :], ck1[None, None, :]
+                s0, s1, o0, o1 = key_block_scales(K1, K2, pb, tb, h, c0, c1, kc_ok, H, P, D, K_FMT)
+                k0 = k0 * s0 + o0
+                k1 = k1 * s1 + o1
+            k0 = tl.reshape(k0, [BLOCKS * 16, BLOCK_DK]).to(DOT_DTYPE)
+            k1 = tl.reshape(k1, [BLOCKS * 16, BLOCK_DK]).to(DOT_DTYPE)
+            s = tl.where(ok[None, :], _scores(qd0, qd1, k0, k1, HALF_K, DOT_PREC), float("-inf"))
             p, alpha, m_i, l_i = _online(s, m_i, l_i)
-            vs, vo = value_tile_scales(V1, V2, row, V_FMT)
-            v0, v1 = tile_codes(V0, row, iv, cv0 < D, D, V_FMT, HALF_V, DOT_DTYPE)
+            jv = j0 + jn
+            pv = tl.load(PT + b * pt_stride + jv // P, mask=ok, other=0).to(tl.int64)
+            rv = (pv * P + jv % P) * H + h  # [BLOCKS * 16]
+            v0, v1 = tile_codes(V0, rv[:, None], iv, v_ok & ok[:, None], D, V_FMT, HALF_V)
             if V_FMT == 6:
-                bs = value_block_scales(V1, row, iv, cv0 < D, D)
-                v0 = (v0.to(tl.float32) * bs).to(DOT_DTYPE)
-                v1 = (v1.to(tl.float32) * bs).to(DOT_DTYPE)
-            if V_FMT == 0:
-                acc0, acc1 = _accumulate(acc0, acc1, alpha, p, v0, v1, HALF_V, DOT_PREC)
-            else:
-                acc0, acc1 = _accumulate(acc0, acc1, alpha, p * vs[None, :], v0, v1, HALF_V, DOT_PREC)
+                bs = value_block_scales(V1, rv[:, None], iv, v_ok & ok[:, None], D)
+                v0 = v0 * bs
+                v1 = v1 * bs
+            w = p
+            if V_FMT != 0:
+                vs, vo = value_tile_scales(V1, V2, rv, V_FMT)
+                w = p * vs[None, :]
+            v0 = v0.to(DOT_DTYPE)
+            v1 = v1.to(DOT_DTYPE)
+            acc0, acc1 = _accumulate(acc0, acc1, alpha, w, v0, v1, HALF_V, DOT_PREC)
             if V_FMT == 4 or V_FMT == 5:
                 pv_off = tl.sum(p * vo[None, :], 1)[:, None]
                 acc0 += pv_off
@@ -364,9 +372,8 @@ def attend_group(
     lengths = g.kernel_lengths
     n_pages = g.page_table.shape[1]
     page = pool.page_size
-    # Decode folds scales per page tile (a page's per-channel key scales are one vector), which needs
-    # tiles of 16 tokens (the tensor-core minimum) inside a page; extend decodes per element instead:
-    # its wider tiles serve many query rows, and 4-bit codes there are read a byte per channel.
+    # Decode reads whole 16-token blocks (one key-scale vector each), which needs pages of a multiple
+    # of 16 tokens; extend decodes per element (`load_decoded`, 4-bit codes a byte per channel).
     fold = T == 1 and page % 16 == 0
     launch = DECODE_LAUNCH if fold else EXTEND_LAUNCH
     half_k, half_v = fold and k_fmt in HALF_FORMATS, fold and v_fmt in HALF_FORMATS
@@ -420,11 +427,11 @@ def attend_group(
         BLOCK_M=block_m,
         BLOCK_N=launch["block_n"],
         FOLD=fold,
-        TILE=16,
+        BLOCKS=launch["blocks"],
         HALF_K=half_k,
         HALF_V=half_v,
-        BLOCK_DK=block_d // 2 if half_k else block_d,
-        BLOCK_DV=block_d // 2 if half_v else block_d,
+        BLOCK_DK=max(16, block_d // 2) if half_k else block_d,
+        BLOCK_DV=max(16, block_d // 2) if half_v else block_d,
         DOT_PREC="ieee" if q.dtype == torch.float32 or interpreted else "tf32",
         # The interpreter's BF16 dot is wrong (Triton 3.9): on CPU the operands go float32.
         DOT_DTYPE=tl.float32 if interpreted else _DOT_DTYPES[q.dtype],
