@@ -35,7 +35,7 @@ from kvstrata.radix.sinks import SinkStore
 LOG2E = 1.4426950408889634
 # Launch shapes (H200, Triton 3.6; benchmarks/attention_gpu.py): query rows and raw keys per tile.
 DECODE_LAUNCH = dict(block_m=64, block_n=32, blocks=2, num_warps=4, num_stages=2)
-EXTEND_LAUNCH = dict(block_m=128, block_n=64, num_warps=8, num_stages=2)
+EXTEND_LAUNCH = dict(block_m=128, block_n=64, blocks=4, num_warps=8, num_stages=2)
 HALF_FORMATS = (5, 6)  # 4-bit codes: the decode kernel splits q and the output into even/odd channels
 TARGET_PROGRAMS = 512  # split-KV aims at about this many programs (a few per SM on an H100/H200)
 MIN_PAGES_PER_SPLIT = 16
@@ -251,7 +251,7 @@ def _attend_kernel(
                 acc0 += pv_off
                 acc1 += pv_off
     else:
-        # Any tile over pages: per-element decode (extend: the tile serves BLOCK_M query rows).
+        # Pages of any size: tiles across pages, decoded per element.
         n = tl.arange(0, BLOCK_N)
         d = tl.arange(0, BLOCK_D)
         d_ok = d < D
@@ -372,10 +372,10 @@ def attend_group(
     lengths = g.kernel_lengths
     n_pages = g.page_table.shape[1]
     page = pool.page_size
-    # Decode reads whole 16-token blocks (one key-scale vector each), which needs pages of a multiple
-    # of 16 tokens; extend decodes per element (`load_decoded`, 4-bit codes a byte per channel).
-    fold = T == 1 and page % 16 == 0
-    launch = DECODE_LAUNCH if fold else EXTEND_LAUNCH
+    # Cold tiles are whole 16-token blocks (one key-scale vector each), which needs pages of a multiple
+    # of 16 tokens; other page sizes decode per element (`load_decoded`, 4-bit codes a byte per channel).
+    fold = page % 16 == 0
+    launch = DECODE_LAUNCH if T == 1 else EXTEND_LAUNCH
     half_k, half_v = fold and k_fmt in HALF_FORMATS, fold and v_fmt in HALF_FORMATS
     block_m = max(16, min(launch["block_m"], triton.next_power_of_2(T * group)))
     m_blocks = triton.cdiv(T * group, block_m)
