@@ -33,9 +33,19 @@ from kvstrata.radix.ring import HotRing
 from kvstrata.radix.sinks import SinkStore
 
 LOG2E = 1.4426950408889634
-# Launch shapes (H200, Triton 3.6; benchmarks/attention_gpu.py): query rows and raw keys per tile.
-DECODE_LAUNCH = dict(block_m=64, block_n=32, blocks=2, num_warps=4, num_stages=2)
-EXTEND_LAUNCH = dict(block_m=128, block_n=64, blocks=4, num_warps=8, num_stages=2)
+# Launch shapes by [4-bit codes in the layer] (H200, Triton 3.6, best of benchmarks/attention_sweep.py):
+# query rows, raw keys per tile (ring, sinks, new tokens; cold pages on the per-element path), 16-token
+# cold blocks per tile. 4-bit pages are half as many bytes, so a tile takes twice as many blocks.
+DECODE_LAUNCH = {
+    False: dict(block_m=64, block_n=32, blocks=4, num_warps=4, num_stages=2),
+    True: dict(block_m=64, block_n=32, blocks=8, num_warps=4, num_stages=2),
+}
+# Extend of 8- and 16-bit codes stays on the per-element path (measured faster there: its tiles serve
+# 128 query rows, so decoding is a small share); 4-bit extend reads by blocks (byte loads once).
+EXTEND_LAUNCH = {
+    False: dict(block_m=128, block_n=128, blocks=8, num_warps=8, num_stages=2),
+    True: dict(block_m=128, block_n=64, blocks=4, num_warps=8, num_stages=2),
+}
 HALF_FORMATS = (5, 6)  # 4-bit codes: the decode kernel splits q and the output into even/odd channels
 TARGET_PROGRAMS = 512  # split-KV aims at about this many programs (a few per SM on an H100/H200)
 MIN_PAGES_PER_SPLIT = 16
@@ -372,10 +382,11 @@ def attend_group(
     lengths = g.kernel_lengths
     n_pages = g.page_table.shape[1]
     page = pool.page_size
-    # Cold tiles are whole 16-token blocks (one key-scale vector each), which needs pages of a multiple
-    # of 16 tokens; other page sizes decode per element (`load_decoded`, 4-bit codes a byte per channel).
-    fold = page % 16 == 0
-    launch = DECODE_LAUNCH if T == 1 else EXTEND_LAUNCH
+    # Cold tiles of whole 16-token blocks (one key-scale vector each) need pages of a multiple of 16
+    # tokens; other page sizes, and extend of 8/16-bit codes, decode per element (`load_decoded`).
+    four_bit = k_fmt in HALF_FORMATS or v_fmt in HALF_FORMATS
+    fold = page % 16 == 0 and (T == 1 or four_bit)
+    launch = (DECODE_LAUNCH if T == 1 else EXTEND_LAUNCH)[four_bit]
     half_k, half_v = fold and k_fmt in HALF_FORMATS, fold and v_fmt in HALF_FORMATS
     block_m = max(16, min(launch["block_m"], triton.next_power_of_2(T * group)))
     m_blocks = triton.cdiv(T * group, block_m)
