@@ -7,6 +7,11 @@ table (codes + scales decoded by `kvstrata.quant.kernel_decode`), the sink page,
 the step's new tokens (causal among themselves), with one online softmax in float32. Q·K and P·V run
 on the tensor cores in the model dtype (BF16 in, float32 accumulate; IEEE float32 for a float32 model).
 
+Cold pages are read in tiles of whole 16-token blocks: a key block's per-channel scales load once and
+broadcast over its tokens, value scales fold into the softmax weights, and 4-bit codes load once per
+byte, their low/high nibbles being the even/odd channels; q and the output are then split into
+even/odd channel halves (``HALF_K``/``HALF_V``) instead of interleaving codes.
+
 Split-KV: when a step has too few (sequence, head) pairs to fill the GPU (decode at small batch), the
 cold pages of each sequence are cut into ``splits`` ranges; each program writes its partial output
 and log-sum-exp, and `_merge` combines them. The last split also reads sink, ring and new tokens, so
