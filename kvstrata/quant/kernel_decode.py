@@ -123,3 +123,88 @@ def load_decoded(
             bs = tl.load(p1 + row * (D // 16) + d // 16, mask=valid, other=0)
             x = v * (fp8_value(bs, False) * tl.load(p2 + row, mask=row_ok, other=0.0))
     return x
+
+
+# Block decoding for the decode kernel: a tile is whole 16-token blocks, each inside one page (and
+# one fp4 key block), read as [blocks, 16, channels]. A key's per-channel scale is then one vector per
+# block, loaded once and broadcast over its 16 tokens (no per-element scale gather); a value's
+# per-token scale folds into the softmax weights ((p * s_v) . codes + p . offset_v), so value codes
+# reach tl.dot only converted to the dot dtype. 4-bit codes are read once per byte: the low nibbles
+# are the even channels and the high ones the odd channels, and the caller splits q and the output
+# into even/odd halves instead of interleaving the codes.
+
+
+@triton.jit
+def tile_codes(p0, row, c, c_ok, D: tl.constexpr, FMT: tl.constexpr, HALF: tl.constexpr):
+    """float32 codes ``(x0, x1)`` at rows ``row`` and channels ``c`` (broadcastable shapes, rows
+    ``[..., 1]``, channels ``[1, ..., C]``). ``HALF``: ``c`` indexes bytes, x0 holds the low nibbles
+    (even channels), x1 the high ones (odd); else x1 is x0. fp4 codes come out as E2M1 values, the
+    rest as the raw code (scales are the caller's)."""
+    if HALF:
+        byte = tl.load(p0 + row * (D // 2) + c, mask=c_ok, other=0).to(tl.int32)
+        lo = byte & 15
+        hi = byte >> 4
+        if FMT == 6:
+            x0 = e2m1_value(lo)
+            x1 = e2m1_value(hi)
+        else:
+            x0 = lo.to(tl.float32)
+            x1 = hi.to(tl.float32)
+    else:
+        raw = tl.load(p0 + row * D + c, mask=c_ok, other=0)
+        if FMT == 1 or FMT == 2:  # noqa: SIM108  (constexpr branches of a Triton function)
+            x0 = fp8_value(raw, FMT == 2)
+        else:
+            x0 = raw.to(tl.float32)
+        x1 = x0
+    return x0, x1
+
+
+@triton.jit
+def key_block_scales(
+    p1, p2, page, tok0, h, c0, c1, c_ok, H, P: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr
+):
+    """Per-channel key scales ``(s0, s1)`` and offsets ``(o0, o1)`` (float32, 0 without offsets) over
+    channels ``c0``/``c1`` of the 16-token blocks of ``page`` starting at token ``tok0`` (``page`` and
+    ``tok0`` ``[..., 1]`` int64, channels ``[1, ..., C]``)."""
+    srow = (page * H + h) * D
+    if FMT == 1 or FMT == 2:
+        s0 = pow2_scale(tl.load(p1 + srow + c0, mask=c_ok, other=127))
+        s1 = pow2_scale(tl.load(p1 + srow + c1, mask=c_ok, other=127))
+    elif FMT == 6:
+        brow = ((page * (P // 16) + tok0 // 16) * H + h) * D
+        g = tl.load(p2 + page * H + h)
+        s0 = fp8_value(tl.load(p1 + brow + c0, mask=c_ok, other=0), False) * g
+        s1 = fp8_value(tl.load(p1 + brow + c1, mask=c_ok, other=0), False) * g
+    else:
+        s0 = tl.load(p1 + srow + c0, mask=c_ok, other=0.0).to(tl.float32)
+        s1 = tl.load(p1 + srow + c1, mask=c_ok, other=0.0).to(tl.float32)
+    o0 = tl.zeros(s0.shape, tl.float32)
+    o1 = o0
+    if FMT == 4 or FMT == 5:
+        o0 = tl.load(p2 + srow + c0, mask=c_ok, other=0.0).to(tl.float32)
+        o1 = tl.load(p2 + srow + c1, mask=c_ok, other=0.0).to(tl.float32)
+    return s0, s1, o0, o1
+
+
+@triton.jit
+def value_tile_scales(p1, p2, row, FMT: tl.constexpr):
+    """Per-token value scales and offsets (float32, shaped as ``row``) of the tile's rows; for fp4 its
+    per-token global scale (its E4M3 block scales vary along head_dim: `value_block_scales`)."""
+    o = tl.zeros(row.shape, tl.float32)
+    if FMT == 1 or FMT == 2:
+        s = pow2_scale(tl.load(p1 + row))
+    elif FMT == 6:
+        s = tl.load(p2 + row).to(tl.float32)
+    else:
+        s = tl.load(p1 + row).to(tl.float32)
+        if FMT == 4 or FMT == 5:
+            o = tl.load(p2 + row).to(tl.float32)
+    return s, o
+
+
+@triton.jit
+def value_block_scales(p1, row, c, c_ok, D: tl.constexpr):
+    """fp4 values' E4M3 block scales (float32) at rows ``row`` ``[N, 1]`` and byte index ``c``
+    ``[1, C]``: bytes ``8i`` to ``8i + 7`` hold channels ``16i`` to ``16i + 15``, one block."""
+    return fp8_value(tl.load(p1 + row * (D // 16) + c // 8, mask=c_ok, other=0), False)

@@ -22,12 +22,14 @@ HKV, HQ, D, P = 2, 6, 16, 16
 SCALE = 1 / math.sqrt(D)
 
 
-def make_cache(codec: str, device: str, *, sinks: bool = False, window: int = 16, dtype=torch.float32):
+def make_cache(
+    codec: str, device: str, *, sinks: bool = False, window: int = 16, dtype=torch.float32, page: int = P
+):
     return small_cache(
         num_layers=1,
         kv_heads=HKV,
         head_dim=D,
-        page_size=P,
+        page_size=page,
         recent_window=window,
         layer_codecs=[codec],
         ring_dtype=dtype,
@@ -113,3 +115,13 @@ def test_extend_chunks_causal(codec, device):
     check_steps(cache, [3, 44, 80], steps=2, n_new=7, tol=2e-5)
     cache = make_cache(codec, device)
     check_steps(cache, [17, 66], steps=1, n_new=20, tol=2e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("codec", ["fp8_e4m3", "int4", "int8_asym"])
+def test_pages_not_a_multiple_of_16(codec, device):
+    """8-token pages: cold tiles cross pages and decode per element (decode and extend)."""
+    cache = make_cache(codec, device, page=8, window=8)
+    assert check_steps(cache, [5, 30, 61], steps=2, n_new=1, tol=2e-5) == 6
+    cache = make_cache(codec, device, page=8, window=8)
+    check_steps(cache, [9, 44], steps=1, n_new=7, tol=2e-5)

@@ -7,6 +7,11 @@ table (codes + scales decoded by `kvstrata.quant.kernel_decode`), the sink page,
 the step's new tokens (causal among themselves), with one online softmax in float32. Q·K and P·V run
 on the tensor cores in the model dtype (BF16 in, float32 accumulate; IEEE float32 for a float32 model).
 
+Cold pages are read in tiles of whole 16-token blocks: a key block's per-channel scales load once and
+broadcast over its tokens, value scales fold into the softmax weights, and 4-bit codes load once per
+byte, their low/high nibbles being the even/odd channels; q and the output are then split into
+even/odd channel halves (``HALF_K``/``HALF_V``) instead of interleaving codes.
+
 Split-KV: when a step has too few (sequence, head) pairs to fill the GPU (decode at small batch), the
 cold pages of each sequence are cut into ``splits`` ranges; each program writes its partial output
 and log-sum-exp, and `_merge` combines them. The last split also reads sink, ring and new tokens, so
@@ -19,31 +24,117 @@ import torch
 import triton
 import triton.language as tl
 
-from kvstrata.quant.kernel_decode import kernel_format, load_decoded
+from kvstrata.quant.kernel_decode import (
+    kernel_format,
+    key_block_scales,
+    load_decoded,
+    tile_codes,
+    value_block_scales,
+    value_tile_scales,
+)
 from kvstrata.radix.plan import GroupPlan, StepBatch
 from kvstrata.radix.pool import ColdPool, as_raw
 from kvstrata.radix.ring import HotRing
 from kvstrata.radix.sinks import SinkStore
 
 LOG2E = 1.4426950408889634
-BLOCK_N = 32  # keys per iteration (a multiple of 16: tensor-core tile)
+# Launch shapes by [4-bit codes in the layer] (H200, Triton 3.6, best of benchmarks/attention_sweep.py):
+# query rows, raw keys per tile (ring, sinks, new tokens; cold pages on the per-element path), 16-token
+# cold blocks per tile. 4-bit pages are half as many bytes, so a tile takes twice as many blocks.
+DECODE_LAUNCH = {
+    False: dict(block_m=64, block_n=32, blocks=4, num_warps=4, num_stages=2),
+    True: dict(block_m=64, block_n=32, blocks=8, num_warps=4, num_stages=2),
+}
+# Extend of 8- and 16-bit codes stays on the per-element path (measured faster there: its tiles serve
+# 128 query rows, so decoding is a small share); 4-bit extend reads by blocks (byte loads once).
+EXTEND_LAUNCH = {
+    False: dict(block_m=128, block_n=128, blocks=8, num_warps=8, num_stages=2),
+    True: dict(block_m=128, block_n=64, blocks=4, num_warps=8, num_stages=2),
+}
+HALF_FORMATS = (5, 6)  # 4-bit codes: the decode kernel splits q and the output into even/odd channels
 TARGET_PROGRAMS = 512  # split-KV aims at about this many programs (a few per SM on an H100/H200)
 MIN_PAGES_PER_SPLIT = 16
 _DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
-def _update(q, k, v, ok, acc, m_i, l_i, qk_scale, DOT_PREC: tl.constexpr):
-    """One online-softmax step over a key tile (``ok``: [BLOCK_M, BLOCK_N] visible keys); ``q`` is
-    already in the dot's operand dtype."""
-    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC) * qk_scale
-    s = tl.where(ok, s, float("-inf"))
+def _online(s, m_i, l_i):
+    """Online-softmax bookkeeping of one score tile (base 2, masked scores at -inf): the tile's
+    weights, the rescale of what came before, and the new running max and sum."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
-    return acc, m_new, l_i
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _scores(q0, q1, k0, k1, HALF: tl.constexpr, DOT_PREC: tl.constexpr):
+    """``q . k`` of a tile; ``HALF``: the even and odd channel halves summed."""
+    s = tl.dot(q0, tl.trans(k0), input_precision=DOT_PREC)
+    if HALF:
+        s += tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC)
+    return s
+
+
+@triton.jit
+def _accumulate(acc0, acc1, alpha, w, v0, v1, HALF: tl.constexpr, DOT_PREC: tl.constexpr):
+    """``acc * alpha + w . v`` for the accumulator (``HALF``: both channel halves)."""
+    wd = w.to(v0.dtype)
+    acc0 = acc0 * alpha[:, None] + tl.dot(wd, v0, input_precision=DOT_PREC)
+    if HALF:
+        acc1 = acc1 * alpha[:, None] + tl.dot(wd, v1, input_precision=DOT_PREC)
+    return acc0, acc1
+
+
+@triton.jit
+def _raw_tile(
+    q0,
+    q1,
+    acc0,
+    acc1,
+    m_i,
+    l_i,
+    KP,
+    VP,
+    row,
+    ok,
+    seen,
+    ck0,
+    ck1,
+    cv0,
+    cv1,
+    D: tl.constexpr,
+    HALF_K: tl.constexpr,
+    HALF_V: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """One tile of raw (model-dtype) keys and values: sink page, ring rows or new tokens. ``row``:
+    ``[N]`` int64 (token, head) rows of ``KP``/``VP``, ``ok`` the keys to read; ``seen``: the keys each
+    query row sees (``[BLOCK_M, N]`` or ``[1, N]``)."""
+    base = row[:, None] * D
+    k0 = tl.load(KP + base + ck0[None, :], mask=ok[:, None] & (ck0 < D)[None, :], other=0.0).to(q0.dtype)
+    k1 = k0
+    if HALF_K:
+        k1 = tl.load(KP + base + ck1[None, :], mask=ok[:, None] & (ck1 < D)[None, :], other=0.0).to(q0.dtype)
+    v0 = tl.load(VP + base + cv0[None, :], mask=ok[:, None] & (cv0 < D)[None, :], other=0.0).to(q0.dtype)
+    v1 = v0
+    if HALF_V:
+        v1 = tl.load(VP + base + cv1[None, :], mask=ok[:, None] & (cv1 < D)[None, :], other=0.0).to(q0.dtype)
+    s = tl.where(seen, _scores(q0, q1, k0, k1, HALF_K, DOT_PREC), float("-inf"))
+    p, alpha, m_i, l_i = _online(s, m_i, l_i)
+    acc0, acc1 = _accumulate(acc0, acc1, alpha, p, v0, v1, HALF_V, DOT_PREC)
+    return acc0, acc1, m_i, l_i
+
+
+@triton.jit
+def _channels(HALF: tl.constexpr, BLOCK: tl.constexpr):
+    """Channel indices ``(c0, c1)`` of an operand: ``HALF`` the even and odd channels (BLOCK each),
+    else every channel (twice)."""
+    i = tl.arange(0, BLOCK)
+    if HALF:
+        return 2 * i, 2 * i + 1
+    else:
+        return i, i
 
 
 @triton.jit
@@ -87,6 +178,12 @@ def _attend_kernel(
     SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    FOLD: tl.constexpr,
+    BLOCKS: tl.constexpr,
+    HALF_K: tl.constexpr,
+    HALF_V: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     DOT_PREC: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
 ):
@@ -101,75 +198,139 @@ def _attend_kernel(
     t = r // GROUP
     row_ok = t < T
     q_row = (b * T + t).to(tl.int64) * hq + h * GROUP + r % GROUP
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
-    q = tl.load(Q + q_row[:, None] * D + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    q = q.to(DOT_DTYPE)
+    ck0, ck1 = _channels(HALF_K, BLOCK_DK)
+    cv0, cv1 = _channels(HALF_V, BLOCK_DV)
+    # q in float32, the softmax scale (base 2) folded in; qd0/qd1 the dot operands of raw keys.
+    q_at = Q + q_row[:, None] * D
+    q0 = tl.load(q_at + ck0[None, :], mask=row_ok[:, None] & (ck0 < D)[None, :], other=0.0)
+    q0 = q0.to(tl.float32) * qk_scale
+    q1 = q0
+    if HALF_K:
+        q1 = tl.load(q_at + ck1[None, :], mask=row_ok[:, None] & (ck1 < D)[None, :], other=0.0)
+        q1 = q1.to(tl.float32) * qk_scale
+    qd0 = q0.to(DOT_DTYPE)
+    qd1 = q1.to(DOT_DTYPE)
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    n = tl.arange(0, BLOCK_N)
+    acc0 = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
-    # Cold pages [lo, hi) of this split, token by token (any page size).
     n_cold = tl.load(COLD_LEN + b)
     lo = split * pages_per_split
     hi = tl.minimum(lo + pages_per_split, n_cold)
-    for j0 in range(lo * P, hi * P, BLOCK_N):
-        j = j0 + n
-        ok = j < hi * P
-        page = tl.load(PT + b * pt_stride + j // P, mask=ok, other=0).to(tl.int64)
-        tok = (j % P).to(tl.int64)
-        valid = ok[:, None] & d_ok[None, :]
-        pg, tk, dd, rok = page[:, None], tok[:, None], d[None, :], ok[:, None]
-        k = load_decoded(K0, K1, K2, pg, tk, h, dd, valid, rok, H, P, D, BLOCK_D, K_FMT, True)
-        v = load_decoded(V0, V1, V2, pg, tk, h, dd, valid, rok, H, P, D, BLOCK_D, V_FMT, False)
-        acc, m_i, l_i = _update(q, k, v, ok[None, :], acc, m_i, l_i, qk_scale, DOT_PREC)
+    if FOLD:
+        # BLOCKS 16-token blocks per tile, each inside one page: see kernel_decode's block decoding.
+        jn = tl.arange(0, BLOCKS * 16)
+        ib = tl.arange(0, BLOCKS)
+        n16 = tl.arange(0, 16)[None, :, None].to(tl.int64)
+        ik = tl.arange(0, BLOCK_DK)
+        iv = tl.arange(0, BLOCK_DV)[None, :]
+        kc_ok = (ck0 < D)[None, None, :]
+        v_ok = (cv0 < D)[None, :]
+        for j0 in range(lo * P, hi * P, BLOCKS * 16):
+            ok = j0 + jn < hi * P
+            jb = j0 + ib * 16
+            b_ok = (jb < hi * P)[:, None, None]
+            pb = tl.load(PT + b * pt_stride + jb // P, mask=jb < hi * P, other=0).to(tl.int64)
+            pb = pb[:, None, None]
+            tb = (jb % P).to(tl.int64)[:, None, None]
+            rk = (pb * P + tb + n16) * H + h  # [BLOCKS, 16, 1]
+            k0, k1 = tile_codes(K0, rk, ik[None, None, :], kc_ok & b_ok, D, K_FMT, HALF_K)
+            if K_FMT != 0:
+                c0, c1 = ck0[None, None, :], ck1[None, None, :]
+                s0, s1, o0, o1 = key_block_scales(K1, K2, pb, tb, h, c0, c1, kc_ok, H, P, D, K_FMT)
+                k0 = k0 * s0 + o0
+                k1 = k1 * s1 + o1
+            k0 = tl.reshape(k0, [BLOCKS * 16, BLOCK_DK]).to(DOT_DTYPE)
+            k1 = tl.reshape(k1, [BLOCKS * 16, BLOCK_DK]).to(DOT_DTYPE)
+            s = tl.where(ok[None, :], _scores(qd0, qd1, k0, k1, HALF_K, DOT_PREC), float("-inf"))
+            p, alpha, m_i, l_i = _online(s, m_i, l_i)
+            jv = j0 + jn
+            pv = tl.load(PT + b * pt_stride + jv // P, mask=ok, other=0).to(tl.int64)
+            rv = (pv * P + jv % P) * H + h  # [BLOCKS * 16]
+            v0, v1 = tile_codes(V0, rv[:, None], iv, v_ok & ok[:, None], D, V_FMT, HALF_V)
+            if V_FMT == 6:
+                bs = value_block_scales(V1, rv[:, None], iv, v_ok & ok[:, None], D)
+                v0 = v0 * bs
+                v1 = v1 * bs
+            w = p
+            if V_FMT != 0:
+                vs, vo = value_tile_scales(V1, V2, rv, V_FMT)
+                w = p * vs[None, :]
+            v0 = v0.to(DOT_DTYPE)
+            v1 = v1.to(DOT_DTYPE)
+            acc0, acc1 = _accumulate(acc0, acc1, alpha, w, v0, v1, HALF_V, DOT_PREC)
+            if V_FMT == 4 or V_FMT == 5:
+                pv_off = tl.sum(p * vo[None, :], 1)[:, None]
+                acc0 += pv_off
+                acc1 += pv_off
+    else:
+        # Pages of any size: tiles across pages, decoded per element.
+        n = tl.arange(0, BLOCK_N)
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < D
+        for j0 in range(lo * P, hi * P, BLOCK_N):
+            j = j0 + n
+            ok = j < hi * P
+            page = tl.load(PT + b * pt_stride + j // P, mask=ok, other=0).to(tl.int64)
+            tok = (j % P).to(tl.int64)
+            valid = ok[:, None] & d_ok[None, :]
+            pg, tk, dd, rok = page[:, None], tok[:, None], d[None, :], ok[:, None]
+            k = load_decoded(K0, K1, K2, pg, tk, h, dd, valid, rok, H, P, D, BLOCK_D, K_FMT, True)
+            v = load_decoded(V0, V1, V2, pg, tk, h, dd, valid, rok, H, P, D, BLOCK_D, V_FMT, False)
+            k = k.to(DOT_DTYPE)
+            s = tl.where(ok[None, :], _scores(qd0, qd1, k, k, False, DOT_PREC), float("-inf"))
+            p, alpha, m_i, l_i = _online(s, m_i, l_i)
+            v = v.to(DOT_DTYPE)
+            acc0, acc1 = _accumulate(acc0, acc1, alpha, p, v, v, False, DOT_PREC)
 
     if split == num_splits - 1:
+        n = tl.arange(0, BLOCK_N)
         if HAS_SINKS:
             sink_len = tl.load(SINK_OK + b) * P  # P keys when the sequence has a sink page, else 0
             slot = tl.load(ST + b).to(tl.int64)
             for j0 in range(0, sink_len, BLOCK_N):
                 j = j0 + n
                 ok = j < sink_len
-                off = ((slot * P + j) * H + h)[:, None] * D + d[None, :]
-                valid = ok[:, None] & d_ok[None, :]
-                k = tl.load(SK + off, mask=valid, other=0.0)
-                v = tl.load(SV + off, mask=valid, other=0.0)
-                acc, m_i, l_i = _update(q, k, v, ok[None, :], acc, m_i, l_i, qk_scale, DOT_PREC)
+                acc0, acc1, m_i, l_i = _raw_tile(
+                    qd0, qd1, acc0, acc1, m_i, l_i, SK, SV, (slot * P + j) * H + h, ok, ok[None, :],
+                    ck0, ck1, cv0, cv1, D, HALF_K, HALF_V, DOT_PREC,
+                )  # fmt: skip
         ring_len = tl.load(RING_LEN + b)
         for j0 in range(0, ring_len, BLOCK_N):
             j = j0 + n
             ok = j < ring_len
             ring_row = tl.load(RR + b * rr_stride + j, mask=ok, other=0).to(tl.int64)
-            off = (ring_row * H + h)[:, None] * D + d[None, :]
-            valid = ok[:, None] & d_ok[None, :]
-            k = tl.load(RK + off, mask=valid, other=0.0)
-            v = tl.load(RV + off, mask=valid, other=0.0)
-            acc, m_i, l_i = _update(q, k, v, ok[None, :], acc, m_i, l_i, qk_scale, DOT_PREC)
+            acc0, acc1, m_i, l_i = _raw_tile(
+                qd0, qd1, acc0, acc1, m_i, l_i, RK, RV, ring_row * H + h, ok, ok[None, :],
+                ck0, ck1, cv0, cv1, D, HALF_K, HALF_V, DOT_PREC,
+            )  # fmt: skip
         # New tokens, causal: row of token t sees new tokens 0..t; none past this block's last token.
         last = tl.minimum(T, (mb * BLOCK_M + BLOCK_M - 1) // GROUP + 1)
         for j0 in range(0, last, BLOCK_N):
             j = j0 + n
             ok = j < T
-            off = ((b * T + j).to(tl.int64) * H + h)[:, None] * D + d[None, :]
-            valid = ok[:, None] & d_ok[None, :]
-            k = tl.load(KN + off, mask=valid, other=0.0)
-            v = tl.load(VN + off, mask=valid, other=0.0)
             seen = ok[None, :] & (j[None, :] <= t[:, None])
-            acc, m_i, l_i = _update(q, k, v, seen, acc, m_i, l_i, qk_scale, DOT_PREC)
+            acc0, acc1, m_i, l_i = _raw_tile(
+                qd0, qd1, acc0, acc1, m_i, l_i, KN, VN, (b * T + j).to(tl.int64) * H + h, ok, seen,
+                ck0, ck1, cv0, cv1, D, HALF_K, HALF_V, DOT_PREC,
+            )  # fmt: skip
 
-    out_mask = row_ok[:, None] & d_ok[None, :]
     if SPLIT:
         has = l_i > 0
-        o = acc / tl.where(has, l_i, 1.0)[:, None]
+        inv = 1.0 / tl.where(has, l_i, 1.0)
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        tl.store(PO + (q_row * num_splits + split)[:, None] * D + d[None, :], o, mask=out_mask)
+        o_at = PO + (q_row * num_splits + split)[:, None] * D
         tl.store(PL + q_row * num_splits + split, lse, mask=row_ok)
     else:
-        o = acc / l_i[:, None]
-        tl.store(OUT + q_row[:, None] * D + d[None, :], o.to(OUT.dtype.element_ty), mask=out_mask)
+        inv = 1.0 / l_i
+        o_at = OUT + q_row[:, None] * D
+    tl.store(o_at + cv0[None, :], (acc0 * inv[:, None]).to(o_at.dtype.element_ty),
+             mask=row_ok[:, None] & (cv0 < D)[None, :])  # fmt: skip
+    if HALF_V:
+        tl.store(o_at + cv1[None, :], (acc1 * inv[:, None]).to(o_at.dtype.element_ty),
+                 mask=row_ok[:, None] & (cv1 < D)[None, :])  # fmt: skip
 
 
 @triton.jit
@@ -225,9 +386,14 @@ def attend_group(
     vp += [vp[0]] * (3 - len(vp))
     lengths = g.kernel_lengths
     n_pages = g.page_table.shape[1]
-    # Decode: one tile of query rows; extend: wider tiles so each decoded key tile serves more rows.
-    block_m = max(16, min(128 if T > 1 else 64, triton.next_power_of_2(T * group)))
-    block_n = 64 if T > 1 else BLOCK_N
+    page = pool.page_size
+    # Cold tiles of whole 16-token blocks (one key-scale vector each) need pages of a multiple of 16
+    # tokens; other page sizes, and extend of 8/16-bit codes, decode per element (`load_decoded`).
+    four_bit = k_fmt in HALF_FORMATS or v_fmt in HALF_FORMATS
+    fold = page % 16 == 0 and (T == 1 or four_bit)
+    launch = (DECODE_LAUNCH if T == 1 else EXTEND_LAUNCH)[four_bit]
+    half_k, half_v = fold and k_fmt in HALF_FORMATS, fold and v_fmt in HALF_FORMATS
+    block_m = max(16, min(launch["block_m"], triton.next_power_of_2(T * group)))
     m_blocks = triton.cdiv(T * group, block_m)
     if splits is None:
         splits = _num_splits(B * h * m_blocks, n_pages) if T == 1 else 1
@@ -269,17 +435,24 @@ def attend_group(
         GROUP=group,
         D=d,
         BLOCK_D=block_d,
-        P=pool.page_size,
+        P=page,
         K_FMT=k_fmt,
         V_FMT=v_fmt,
         HAS_SINKS=sinks is not None and g.sink_table is not None,
         SPLIT=splits > 1,
         BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        BLOCK_N=launch["block_n"],
+        FOLD=fold,
+        BLOCKS=launch["blocks"],
+        HALF_K=half_k,
+        HALF_V=half_v,
+        BLOCK_DK=max(16, block_d // 2) if half_k else block_d,
+        BLOCK_DV=max(16, block_d // 2) if half_v else block_d,
         DOT_PREC="ieee" if q.dtype == torch.float32 or interpreted else "tf32",
         # The interpreter's BF16 dot is wrong (Triton 3.9): on CPU the operands go float32.
         DOT_DTYPE=tl.float32 if interpreted else _DOT_DTYPES[q.dtype],
-        num_warps=8 if block_m >= 128 else 4,
+        num_warps=launch["num_warps"],
+        num_stages=launch["num_stages"],
     )
     if splits > 1:
         _merge_kernel[(B * T * hq,)](
