@@ -2,13 +2,17 @@
 
 Layout per page: ``codes`` ``[P, H, D]`` in the torch float8 dtype and ``scale_exp``, the scale's
 biased exponent as uint8 (E8M0, as the OCP MX formats store it): ``[P, H, 1]`` per token and head
-(token granularity) or ``[1, H, D]`` per head and channel (channel granularity, per page).
+(token granularity) or ``[1, H, 1]`` per head over the whole page (channel granularity: keys).
 
 The scale is ``2 ** (scale_exp - 127)``, the smallest power of two with ``absmax / scale <= fp8_max``.
 A power-of-two scale costs a float format no precision (it only shifts the exponent; at most one
-binade of subnormal range moves), and one byte instead of four matters for per-channel key scales:
-1/16 B per element over a 16-token page instead of 1/4. Encoding clamps to ``±fp8_max`` before the
-cast (round to nearest even), so no code is ever NaN/Inf whatever the backend's cast does out of range.
+binade of subnormal range moves). That is also why keys need no per-channel scale here: a float
+code's error is relative to the element, not to its group's absmax, so a channel far below the page's
+absmax keeps its precision as long as it stays within E4M3's 2**17 normal-plus-subnormal range, and
+what falls below only loses an absolute error under ``absmax * 2**-19``, nothing to a dot product.
+One byte per page and head instead of one per channel: keys cost 1.0000 B/element, not 1.0625.
+Encoding clamps to ``±fp8_max`` before the cast (round to nearest even), so no code is ever NaN/Inf
+whatever the backend's cast does out of range.
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ class Fp8Codec(ScaledCodec):
         self.fmax = float(torch.finfo(storage_dtype).max)
 
     def _encode(self, p: Prepared, granularity: str) -> dict[str, torch.Tensor]:
-        exponent = pow2_scale_exponent(p.absmax, self.fmax)
+        absmax = p.absmax if granularity == "token" else p.absmax.amax(-1, keepdim=True)
+        exponent = pow2_scale_exponent(absmax, self.fmax)
         # Exact: a power-of-two scaling (as ldexp, which torch runs as a slower pow + mul).
         y = (p.x * torch.exp2(-exponent.to(p.x.dtype))).clamp_(-self.fmax, self.fmax)
         return {"codes": y.to(self.storage_dtype), "scale_exp": (exponent + EXP_BIAS).to(torch.uint8)}
@@ -57,7 +62,7 @@ class Fp8Codec(ScaledCodec):
     def page_parts(self, page_size: int, heads: int, head_dim: int, granularity: str) -> PartSpec:
         return {
             "codes": ((page_size, heads, head_dim), self.storage_dtype),
-            "scale_exp": (scale_shape(page_size, heads, head_dim, granularity), torch.uint8),
+            "scale_exp": (scale_shape(page_size, heads, 1, granularity), torch.uint8),
         }
 
 

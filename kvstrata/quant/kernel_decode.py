@@ -16,9 +16,10 @@ import triton.language as tl
 
 from kvstrata.quant.codec import Codec
 
-# Format ids: 0 raw values (bf16/fp32); 1/2 FP8 E4M3/E5M2 codes with an E8M0 scale exponent; 3 int8
+# Format ids: 0 raw values (bf16/fp32); 1/2 FP8 E4M3/E5M2 codes with an E8M0 scale exponent (per token,
+# or per page and head for keys); 3 int8
 # codes * scale; 4 int8_asym and 5 int4 (nibbles) codes * scale + offset; 6 E2M1 nibbles * E4M3 block
-# scale * float32 global scale.
+# scale (32 channels of a token, or 16 tokens of a channel) * BF16 global scale.
 _FORMATS: dict[str, tuple[int, tuple[str, ...]]] = {
     "bf16": (0, ("values",)),
     "fp32": (0, ("values",)),
@@ -105,7 +106,10 @@ def load_decoded(
         x = tl.load(p0 + row * D + d, mask=valid, other=0.0).to(tl.float32)
     elif FMT == 1 or FMT == 2:
         x = fp8_value(tl.load(p0 + row * D + d, mask=valid, other=0), FMT == 2)
-        x = x * pow2_scale(tl.load(p1 + srow, mask=s_ok, other=127))
+        if CHANNEL:  # one exponent per page and head
+            x = x * pow2_scale(tl.load(p1 + page * H + h, mask=row_ok, other=127))
+        else:
+            x = x * pow2_scale(tl.load(p1 + row, mask=row_ok, other=127))
     elif FMT == 3 or FMT == 4 or FMT == 5:
         if FMT == 5:  # noqa: SIM108  (c exists only for the packed formats)
             x = c.to(tl.float32)
@@ -118,10 +122,10 @@ def load_decoded(
         v = e2m1_value(c.to(tl.int32))
         if CHANNEL:
             bs = tl.load(p1 + ((page * (P // 16) + tok // 16) * H + h) * D + d, mask=valid, other=0)
-            x = v * (fp8_value(bs, False) * tl.load(p2 + page * H + h, mask=row_ok, other=0.0))
+            x = v * (fp8_value(bs, False) * tl.load(p2 + page * H + h, mask=row_ok, other=0.0).to(tl.float32))
         else:
-            bs = tl.load(p1 + row * (D // 16) + d // 16, mask=valid, other=0)
-            x = v * (fp8_value(bs, False) * tl.load(p2 + row, mask=row_ok, other=0.0))
+            bs = tl.load(p1 + row * (D // 32) + d // 32, mask=valid, other=0)
+            x = v * (fp8_value(bs, False) * tl.load(p2 + row, mask=row_ok, other=0.0).to(tl.float32))
     return x
 
 
@@ -168,12 +172,13 @@ def key_block_scales(
     channels ``c0``/``c1`` of the 16-token blocks of ``page`` starting at token ``tok0`` (``page`` and
     ``tok0`` ``[..., 1]`` int64, channels ``[1, ..., C]``)."""
     srow = (page * H + h) * D
-    if FMT == 1 or FMT == 2:
-        s0 = pow2_scale(tl.load(p1 + srow + c0, mask=c_ok, other=127))
-        s1 = pow2_scale(tl.load(p1 + srow + c1, mask=c_ok, other=127))
+    if FMT == 1 or FMT == 2:  # one exponent per page and head, broadcast over the channels
+        e = pow2_scale(tl.load(p1 + page * H + h))
+        s0 = tl.where(c_ok, e, 1.0)
+        s1 = s0
     elif FMT == 6:
         brow = ((page * (P // 16) + tok0 // 16) * H + h) * D
-        g = tl.load(p2 + page * H + h)
+        g = tl.load(p2 + page * H + h).to(tl.float32)
         s0 = fp8_value(tl.load(p1 + brow + c0, mask=c_ok, other=0), False) * g
         s1 = fp8_value(tl.load(p1 + brow + c1, mask=c_ok, other=0), False) * g
     else:
@@ -206,5 +211,5 @@ def value_tile_scales(p1, p2, row, FMT: tl.constexpr):
 @triton.jit
 def value_block_scales(p1, row, c, c_ok, D: tl.constexpr):
     """fp4 values' E4M3 block scales (float32) at rows ``row`` ``[N, 1]`` and byte index ``c``
-    ``[1, C]``: bytes ``8i`` to ``8i + 7`` hold channels ``16i`` to ``16i + 15``, one block."""
-    return fp8_value(tl.load(p1 + row * (D // 16) + c // 8, mask=c_ok, other=0), False)
+    ``[1, C]``: bytes ``16i`` to ``16i + 15`` hold channels ``32i`` to ``32i + 31``, one block."""
+    return fp8_value(tl.load(p1 + row * (D // 32) + c // 16, mask=c_ok, other=0), False)

@@ -140,12 +140,12 @@ def _e2m1_codes(y):
 
 @triton.jit
 def _block_amax(x, CHANNEL: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D2: tl.constexpr):
-    """absmax per 16-element block: 16 tokens per channel (``[BLOCK_P // 16, BLOCK_D2]``) or 16
-    channels per token; one half tile holds 8 of them (``[BLOCK_P, BLOCK_D2 // 8]``)."""
+    """absmax per block: 16 tokens per channel (``[BLOCK_P // 16, BLOCK_D2]``) or 32 channels per
+    token; one half tile holds 16 of them (``[BLOCK_P, BLOCK_D2 // 16]``)."""
     if CHANNEL:
         return tl.max(tl.reshape(tl.abs(x), [BLOCK_P // 16, 16, BLOCK_D2]), 1)
     else:
-        return tl.max(tl.reshape(tl.abs(x), [BLOCK_P, BLOCK_D2 // 8, 8]), 2)
+        return tl.max(tl.reshape(tl.abs(x), [BLOCK_P, BLOCK_D2 // 16, 16]), 2)
 
 
 @triton.jit
@@ -154,7 +154,7 @@ def _expand_blocks(s, CHANNEL: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D2: tl
     if CHANNEL:
         return tl.reshape(tl.broadcast_to(s[:, None, :], [BLOCK_P // 16, 16, BLOCK_D2]), [BLOCK_P, BLOCK_D2])
     else:
-        return tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_P, BLOCK_D2 // 8, 8]), [BLOCK_P, BLOCK_D2])
+        return tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_P, BLOCK_D2 // 16, 16]), [BLOCK_P, BLOCK_D2])
 
 
 @triton.jit
@@ -197,15 +197,19 @@ def encode_store(
         else:
             fmax: tl.constexpr = 448.0
         ae, ao = _abs2(xe, xo, CHANNEL)
+        if CHANNEL:  # one exponent per page and head: [1, 1]
+            ae = tl.max(tl.maximum(ae, ao), 1)[:, None]
         ee = _pow2_exponent(ae, fmax)
-        eo = _pow2_exponent(ao, fmax)
         ye = tl.minimum(tl.maximum(xe * _pow2(-ee), -fmax), fmax)
-        yo = tl.minimum(tl.maximum(xo * _pow2(-eo), -fmax), fmax)
+        yo = tl.minimum(tl.maximum(xo * _pow2(-ee), -fmax), fmax)
         tl.store(p0 + row * D + de, fp8_bits(ye, FMT == 2), mask=ok)
         tl.store(p0 + row * D + de + 1, fp8_bits(yo, FMT == 2), mask=ok)
-        tl.store(p1 + se_off, (ee + 127).to(tl.uint8) + 0 * tok.to(tl.uint8), mask=s_ok_e)
         if CHANNEL:
-            tl.store(p1 + so_off, (eo + 127).to(tl.uint8) + 0 * tok.to(tl.uint8), mask=s_ok_e)
+            tl.store(
+                p1 + page * H + h + 0 * tok, (ee + 127).to(tl.uint8) + 0 * tok.to(tl.uint8), mask=tok == 0
+            )
+        else:
+            tl.store(p1 + row, (ee + 127).to(tl.uint8), mask=tok < P)
     elif FMT == 3:
         ae, ao = _abs2(xe, xo, CHANNEL)
         se = tl.math.div_rn(ae, tl.full(ae.shape, 127.0, tl.float32))
@@ -249,11 +253,12 @@ def encode_store(
         bo = _block_amax(xo, CHANNEL, BLOCK_P, BLOCK_D2)
         if CHANNEL:  # global scale per page and head [1, 1]; blocks of 16 tokens per channel
             amax = tl.max(tl.maximum(ae, ao), 1)[:, None]
-        else:  # global scale per token [BLOCK_P, 1]; a block of 16 channels spans both halves
+        else:  # global scale per token [BLOCK_P, 1]; a block of 32 channels spans both halves
             amax = ae
             be = tl.maximum(be, bo)
             bo = be
-        gs = tl.math.div_rn(amax, tl.full(amax.shape, 2688.0, tl.float32))
+        gb = to_storage(tl.math.div_rn(amax, tl.full(amax.shape, 2688.0, tl.float32)), tl.int16)
+        gs = (gb.to(tl.int32) << 16).to(tl.float32, bitcast=True)  # the BF16 global scale's value
         sg = _safe(gs) * 6.0
         bse = fp8_bits(tl.minimum(tl.maximum(tl.math.div_rn(be, sg + 0.0 * be), 0.0), 448.0), False)
         bso = fp8_bits(tl.minimum(tl.maximum(tl.math.div_rn(bo, sg + 0.0 * bo), 0.0), 448.0), False)
@@ -269,9 +274,9 @@ def encode_store(
             b_off = ((page * (P // 16) + bt) * H + h) * D + de
             tl.store(p1 + b_off, bse, mask=b_ok)
             tl.store(p1 + b_off + 1, bso, mask=b_ok)
-            tl.store(p2 + page * H + h + 0 * tok, gs + 0.0 * tok, mask=tok == 0)
+            tl.store(p2 + page * H + h + 0 * tok, gb + 0 * tok.to(tl.int16), mask=tok == 0)
         else:
-            bj = tl.arange(0, BLOCK_D2 // 8)[None, :]
-            b_ok = (tok < P) & (bj < D // 16)
-            tl.store(p1 + row * (D // 16) + bj, bse, mask=b_ok)
-            tl.store(p2 + row, gs, mask=tok < P)
+            bj = tl.arange(0, BLOCK_D2 // 16)[None, :]
+            b_ok = (tok < P) & (bj < D // 32)
+            tl.store(p1 + row * (D // 32) + bj, bse, mask=b_ok)
+            tl.store(p2 + row, gb, mask=tok < P)

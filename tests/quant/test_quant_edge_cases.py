@@ -32,7 +32,9 @@ def test_constant_tokens_and_channels(name: str):
     tokens = values.view(4, 1, 1).expand(4, 2, 32).contiguous()
     # fp8's power-of-two scale keeps values as they are: -3.25 needs 3 mantissa bits, E5M2 has 2
     rtol = 2**-3 if name == "fp8_e5m2" else 1e-6
-    assert torch.allclose(round_trip(name, tokens), tokens, rtol=rtol, atol=0)
+    # fp4: the BF16 global scale may clip the group's absmax by up to 2^-8
+    token_rtol = 2**-8 if name == "fp4_e2m1" else rtol
+    assert torch.allclose(round_trip(name, tokens), tokens, rtol=token_rtol, atol=0)
     channels = values.repeat(16).view(1, 2, 32).expand(16, 2, 32).contiguous()  # constant over tokens
     # fp4: the E4M3 block scale of a channel below the page-head absmax is rounded (step 2^-3)
     rtol = 2**-4 if name == "fp4_e2m1" else rtol
@@ -58,19 +60,24 @@ def test_huge_outlier_stays_in_its_scale_group(name: str):
         codec.dequantize(codec.quantize(pages_spiked, "channel")),
     )
     assert torch.equal(c[1], c_spiked[1])
-    if name != "fp4_e2m1":  # fp4's per page-head global scale couples all channels of the head
-        affected = torch.zeros(2, 16, 2, 64, dtype=torch.bool)
+    affected = torch.zeros(2, 16, 2, 64, dtype=torch.bool)
+    if name.startswith("fp8"):  # one exponent per page and head: the head's other channels keep
+        affected[0, :, 1] = True  # their relative precision, down to an absolute floor of absmax * 2**-17
+        bound = pages_spiked.abs() * 2**-3 + 1e4 * 2**-17
+        assert ((c_spiked - pages_spiked).abs() <= bound)[affected].all()
+    else:
         affected[0, :, 1, 7] = True
+    if name != "fp4_e2m1":  # fp4's per page-head global scale couples all channels of the head
         assert torch.equal(c[~affected], c_spiked[~affected])
     assert torch.equal(c[0, :, 0], c_spiked[0, :, 0])
 
 
 def test_block_size_errors_are_clear():
     fp4, int4 = get_codec("fp4_e2m1"), get_codec("int4")
-    with pytest.raises(ValueError, match="head_dim=24 is not a multiple of 16"):
-        fp4.quantize(torch.randn(4, 2, 24))
-    with pytest.raises(ValueError, match="head_dim=24 is not a multiple of 16"):
-        fp4.page_parts(16, 2, 24, "token")
+    with pytest.raises(ValueError, match="head_dim=48 is not a multiple of 32"):
+        fp4.quantize(torch.randn(4, 2, 48))
+    with pytest.raises(ValueError, match="head_dim=48 is not a multiple of 32"):
+        fp4.page_parts(16, 2, 48, "token")
     with pytest.raises(ValueError, match=r"tokens axis \(8\) must be a multiple of 16"):
         fp4.quantize(torch.randn(8, 2, 32), "channel")
     with pytest.raises(ValueError, match="head_dim=7 is odd"):

@@ -68,21 +68,23 @@ def test_fp8_e4m3_rounds_as_the_format_does():
 
 
 def test_fp4_decodes_to_the_nearest_e2m1_value_with_the_documented_code_layout():
-    """With a 6.0 in every block and every scale group, the scales are exactly 1: codes are plain
-    E2M1 and must decode to the table value nearest to x (values at midpoints are avoided)."""
+    """With 5.25 = 6 * 0.875 in every block and every scale group, the global scale is 5.25 / 2688 =
+    2**-9 (exact in BF16) and every block scale 448 (exact in E4M3): the scale is exactly 0.875, so
+    codes are plain E2M1 of x / 0.875 and decode to the nearest table value times 0.875 (values at
+    midpoints are avoided)."""
     table = torch.tensor([E2M1[c & 7] * (-1.0 if c & 8 else 1.0) for c in range(16)])
     mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
     g = torch.Generator().manual_seed(1)
     x = (torch.rand(16, 2, 32, generator=g) * 12 - 6).clamp(-5.99, 5.99)
     x = torch.where((x.abs().unsqueeze(-1) - mids).abs().amin(-1) < 1e-3, x + 0.01, x)
     x[0] = 6.0  # every 16-token block (channel granularity) has a 6
-    x[..., ::16] = -6.0  # every 16-channel block (token granularity) too
+    x[..., ::16] = -6.0  # every 32-channel block (token granularity) too
     codec = get_codec("fp4_e2m1")
     for granularity in ("token", "channel"):
-        q = codec.quantize(x, granularity)
+        q = codec.quantize(x * 0.875, granularity)
         codes = unpack(q.parts["codes"])  # pairs of elements: low nibble first
         nearest = (x.unsqueeze(-1) - table).abs().argmin(-1)  # the index of the nearest table value
         assert torch.equal(table[codes], table[nearest]), granularity
-        assert torch.equal(codec.dequantize(q), table[nearest]), granularity
+        assert torch.equal(codec.dequantize(q), table[nearest] * 0.875), granularity
         first_byte = int(q.parts["codes"][1, 0, 0])
         assert first_byte == int(codes[1, 0, 0]) | int(codes[1, 0, 1]) << 4

@@ -3,7 +3,7 @@
 Gaussian data, 128-wide groups: absmax ~2.8 sigma, so int8 (step absmax/127) gives ~0.0064,
 int4 asymmetric (step range/15, range ~5.2 sigma) ~0.10; FP8 with 3 (E4M3) / 2 (E5M2) mantissa
 bits ~2^-3/sqrt(12) * 0.7 = 0.026 / 0.053, the same for both granularities since a power-of-two
-scale only shifts exponents; FP4 E2M1 with block-16 scales ~0.095.
+scale only shifts exponents; FP4 E2M1 ~0.095 with 16-token key blocks, ~0.10 with 32-channel value blocks.
 Heavy-tailed data: "all" is dominated by the +-50 outliers; "bulk" is the error of the other
 elements, which is what outliers destroy under per-token scales.
 """
@@ -25,7 +25,7 @@ GAUSSIAN = {
     "int8": (0.0072, 0.0069),
     "int8_asym": (0.0066, 0.0050),
     "int4": (0.110, 0.084),
-    "fp4_e2m1": (0.105, 0.102),
+    "fp4_e2m1": (0.112, 0.102),
 }
 HEAVY_ALL = {
     "fp32": (1e-7, 1e-7),
@@ -35,7 +35,7 @@ HEAVY_ALL = {
     "int8": (0.0192, 0.0091),
     "int8_asym": (0.0158, 0.0050),
     "int4": (0.330, 0.090),
-    "fp4_e2m1": (0.084, 0.082),
+    "fp4_e2m1": (0.113, 0.082),
 }
 HEAVY_BULK = {
     "fp32": (1e-7, 1e-7),
@@ -45,7 +45,7 @@ HEAVY_BULK = {
     "int8": (0.073, 0.035),
     "int8_asym": (0.060, 0.019),
     "int4": (1.25, 0.345),
-    "fp4_e2m1": (0.317, 0.310),
+    "fp4_e2m1": (0.43, 0.310),
 }
 GRANULARITY_INDEX = {"token": 0, "channel": 1}
 

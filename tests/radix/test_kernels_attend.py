@@ -18,7 +18,7 @@ from radix_helpers import rel_err, small_cache
 CODECS = ["fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int8_asym", "int4", "fp4_e2m1"]
 # A layer of a precision plan may store keys and values in different codecs.
 CODECS += ["int4/fp4_e2m1", "int8_asym/fp8_e4m3"]
-HKV, HQ, D, P = 2, 6, 16, 16
+HKV, HQ, D, P = 2, 6, 32, 16  # head_dim 32: fp4 values use 32-channel blocks
 SCALE = 1 / math.sqrt(D)
 
 

@@ -10,7 +10,7 @@ from radix_helpers import dense_attention, rel_err, small_cache
 
 from kvstrata.radix import StratifiedKVCache
 
-HKV, HQ, D, P, W = 2, 6, 16, 4, 8
+HKV, HQ, D, P, W = 2, 6, 32, 4, 8  # head_dim 32: fp4 values use 32-channel blocks
 SCALE = 1 / math.sqrt(D)
 
 
