@@ -100,7 +100,7 @@ def test_image_tier_bytes_and_pins_count_image_pages_at_their_size():
     cache = image_cache("bf16", num_pages=16, layer_codecs=["fp8_e4m3", "fp8_e4m3"], pin_budget_bytes=10**6)
     text_bytes, image_bytes = cache.pool.page_bytes, cache.image_pool.page_bytes
     assert image_bytes == 2 * 2 * P * 2 * 8 * 2  # layers x (K, V) x page x heads x dim x bf16
-    assert text_bytes == 304  # per layer: fp8 codes of K and V (2 x 64 B) + their scales (24 B)
+    assert text_bytes == 276  # per layer: fp8 codes of K and V (2 x 64 B) + exponents (K: 2 per page, V: 8)
     tokens = image_prompt(3, 8, 10)  # 3 image pages, then 2 text pages (21 tokens)
     seq = cache.admit(tokens)
     run_step(cache, [seq], [len(tokens)], DATA, SCALE)
