@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from kvstrata.engine.attention import get_backend
+from kvstrata.engine.cuda_graph import decode_graphs_for
 from kvstrata.engine.drift import DriftJob, DriftMonitor, fallback_window
 from kvstrata.engine.kvplan import resolve_plan
 from kvstrata.engine.loader import LoadedModel
@@ -88,7 +89,8 @@ class EngineCore:
         log.info("%s", self.memory_plan.table())
         self.cache = StratifiedKVCache(self.cache_config)
         backend = get_backend(attention_backend, self.cache, cfg.attn_scale)
-        self.runner = StepRunner(model.net, self.cache, backend, self.device)
+        graphs = decode_graphs_for(model.net, args.disable_cuda_graph, args.resolve_cuda_graph_max_bs())
+        self.runner = StepRunner(model.net, self.cache, backend, self.device, graphs)
         self.scheduler = Scheduler(
             self.cache,
             args.max_running_requests,
