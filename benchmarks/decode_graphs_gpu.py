@@ -10,7 +10,7 @@ Greedy, EOS ignored, fixed lengths, random prompts of --prompt-len tokens. Per b
   submitted together to ``Engine.generate``.
 Decode tokens/s = B * new / (time(new + 1 tokens) - time(1 token)): the prefill and the first token are
 taken out. Each figure is the median of --repeats runs; the ratio column divides by transformers
-measured in the same run.
+measured in the same run. Rows are printed as they are measured.
 """
 
 from __future__ import annotations
@@ -82,7 +82,6 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     g = torch.Generator().manual_seed(0)
-    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         build_checkpoint(tmp)
         hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.bfloat16).to("cuda").eval()
@@ -99,6 +98,16 @@ def main() -> None:
             for name in ("eager", "graphs")
         }
         assert engines["graphs"].runner.graphs is not None
+        print(
+            f"\ndecode tokens/s — SmolLM2-135M geometry, random BF16 weights, kv {args.kv}, "
+            f"{args.prompt_len}-token prompts, {args.new} new tokens, median of {args.repeats}; "
+            f"{torch.cuda.get_device_name()}, torch {torch.__version__}\n"
+        )
+        print(
+            "| batch | transformers generate | kvstrata eager | kvstrata CUDA graphs | eager / HF "
+            "| graphs / HF | graphs ms/step |"
+        )
+        print("|---:|---:|---:|---:|---:|---:|---:|")
         for batch in batches:
             prompts = torch.randint(100, 49000, (batch, args.prompt_len), generator=g)
             ids = prompts.tolist()
@@ -127,23 +136,13 @@ def main() -> None:
             hf_tps = decode_rate(hf_run, batch, args.new, args.repeats)
             eager = decode_rate(ours(engines["eager"]), batch, args.new, args.repeats)
             graphs = decode_rate(ours(engines["graphs"]), batch, args.new, args.repeats)
-            rows.append((batch, hf_tps, eager, graphs))
+            print(
+                f"| {batch} | {hf_tps:.0f} | {eager:.0f} | {graphs:.0f} | {eager / hf_tps:.2f}x "
+                f"| {graphs / hf_tps:.2f}x | {1000 * batch / graphs:.2f} |",
+                flush=True,
+            )
         for engine in engines.values():
             engine.shutdown()
-    print(
-        f"\ndecode tokens/s — SmolLM2-135M geometry, random BF16 weights, kv {args.kv}, "
-        f"{args.prompt_len}-token prompts, {args.new} new tokens, median of {args.repeats}; "
-        f"{torch.cuda.get_device_name()}, torch {torch.__version__}\n"
-    )
-    print(
-        "| batch | transformers generate | kvstrata eager | kvstrata CUDA graphs | eager / HF | graphs / HF |"
-    )
-    print("|---:|---:|---:|---:|---:|---:|")
-    for batch, hf_tps, eager, graphs in rows:
-        print(
-            f"| {batch} | {hf_tps:.0f} | {eager:.0f} | {graphs:.0f} | {eager / hf_tps:.2f}x "
-            f"| {graphs / hf_tps:.2f}x |"
-        )
 
 
 if __name__ == "__main__":
