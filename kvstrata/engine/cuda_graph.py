@@ -14,7 +14,8 @@ sized for the largest bucket; a batch is padded to its bucket (pad rows are comp
 every dense op is row-wise). All graphs share one memory pool and replay in the order they were
 captured, so their temporaries can share memory.
 
-`DecodePieces` is the same split run eagerly; it runs on any device, so the split is tested on CPU.
+`DecodePieces` is the same split run eagerly, and `DecodeGraphs.use_pieces` runs it on the static
+buffers in place of the replays: buffers, padding and buckets run on any device and are tested on CPU.
 """
 
 from __future__ import annotations
@@ -88,8 +89,6 @@ class DecodeGraphs:
     """Captured pieces per bucketed batch size; `run` replays them around eager attention."""
 
     def __init__(self, net: Transformer, max_bs: int) -> None:
-        if net.device.type != "cuda":
-            raise ValueError("CUDA graphs need the model on a CUDA device")
         why = graph_unsupported(net)
         if why is not None:
             raise ValueError(f"CUDA graphs: {why}")
@@ -99,7 +98,7 @@ class DecodeGraphs:
         B, D = self.sizes[-1], cfg.head_dim
         with torch.inference_mode():
             self.inputs = torch.zeros((2, B), dtype=torch.long, device=dev)  # token ids, positions
-            self.host = torch.zeros((2, B), dtype=torch.long, pin_memory=True)
+            self.host = torch.zeros((2, B), dtype=torch.long, pin_memory=dev.type == "cuda")
             self.x = torch.zeros((B, cfg.hidden_size), dtype=dt, device=dev)
             self.cos = torch.zeros((B, 1, D), dtype=dt, device=dev)
             self.sin = torch.zeros((B, 1, D), dtype=dt, device=dev)
@@ -109,8 +108,8 @@ class DecodeGraphs:
             self.attn_out = torch.zeros((B, cfg.q_heads, D), dtype=dt, device=dev)
             self.logits = torch.zeros((B, cfg.vocab_size), dtype=torch.float32, device=dev)
         self._host_np = self.host.numpy()
-        self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        # Per bucket: what runs each piece (a captured graph's replay, or the piece itself).
+        self.graphs: dict[int, list[Callable[[], None]]] = {}
         self.replayed_steps = 0
 
     @property
@@ -148,9 +147,16 @@ class DecodeGraphs:
         return [lambda: self._first(bs), *middles, lambda: self._last(bs)]
 
     # --- capture and replay ---------------------------------------------------------------------------
+    def use_pieces(self) -> None:
+        """Run the pieces eagerly on the static buffers instead of replaying graphs (any device)."""
+        self.graphs = {bs: self._piece_fns(bs) for bs in self.sizes}
+
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket, largest first (later, smaller graphs reuse the pool's blocks)."""
+        if self.x.device.type != "cuda":
+            raise ValueError("CUDA graphs need the model on a CUDA device")
+        pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up: cuBLAS handles and workspaces exist before capture
@@ -161,13 +167,13 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         for bs in reversed(self.sizes):
-            graphs = []
+            replays = []
             for fn in self._piece_fns(bs):
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                     fn()
-                graphs.append(graph)
-            self.graphs[bs] = graphs
+                replays.append(graph.replay)
+            self.graphs[bs] = replays
         torch.cuda.synchronize()
 
     def run(self, ids: Sequence[int], positions: Sequence[int], attn: AttnFn) -> Tensor:
@@ -183,12 +189,12 @@ class DecodeGraphs:
         self._host_np[1, :n] = positions
         for row in range(2):
             self.inputs[row, :n].copy_(self.host[row, :n], non_blocking=True)
-        graphs = self.graphs[bs]
-        graphs[0].replay()
+        pieces = self.graphs[bs]
+        q, k, v, attn_out = self.q[:n], self.k[:n], self.v[:n], self.attn_out[:n]
+        pieces[0]()
         for layer in range(self.pieces.num_layers):
-            out = attn(layer, self.q[:n], self.k[:n], self.v[:n])
-            self.attn_out[:n].copy_(out)
-            graphs[layer + 1].replay()
+            attn_out.copy_(attn(layer, q, k, v))
+            pieces[layer + 1]()
         self.replayed_steps += 1
         return self.logits[:n]
 

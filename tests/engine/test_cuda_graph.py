@@ -17,6 +17,7 @@ from kvstrata.engine.cuda_graph import (
     decode_graphs_for,
     graph_unsupported,
 )
+from kvstrata.engine.engine import Engine
 from kvstrata.engine.loader import load_model
 from kvstrata.engine.options import EngineArgs
 
@@ -67,7 +68,7 @@ def test_pieces_equal_the_forward(tiny, batch):
 
 def test_graphs_need_cuda_and_static_rope(tiny):
     with pytest.raises(ValueError, match="CUDA device"):
-        DecodeGraphs(tiny.net, 4)
+        DecodeGraphs(tiny.net, 4).capture()
     assert decode_graphs_for(tiny.net, disable=False, max_bs=4) is None  # CPU: nothing to capture
     assert graph_unsupported(tiny.net) is None
     dynamic = dataclasses.replace(tiny.net.config, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
@@ -82,3 +83,47 @@ def test_engine_options():
     assert EngineArgs(max_running_requests=8, cuda_graph_max_bs=16).resolve_cuda_graph_max_bs() == 8
     with pytest.raises(ValueError, match="cuda_graph_max_bs"):
         EngineArgs(cuda_graph_max_bs=0).validate()
+
+
+def prompts(n: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(n)
+    lengths = torch.randint(5, 40, (n,), generator=g).tolist()
+    return [torch.randint(4, 300, (length,), generator=g).tolist() for length in lengths]
+
+
+@pytest.mark.parametrize("batch", [1, 3, 6])
+def test_engine_on_static_buffers_equals_eager(tiny, batch):
+    """The graph path without graphs (pieces on the static buffers, padded to buckets 1, 2, 4; six
+    sequences exceed them and run eager) gives the plain engine's greedy tokens, fp8 history with a
+    ring and pages completed while decoding."""
+    new = 20
+
+    def run(static: bool) -> tuple[list[list[int]], int]:
+        engine = Engine(
+            model=tiny,
+            kv_cache_dtype="fp8_e4m3",
+            kv_plan="off",
+            recent_window=16,
+            page_size=8,
+            max_total_tokens=2048,
+            max_running_requests=8,
+        )
+        assert engine.runner.graphs is None  # CPU: nothing captured
+        if static:
+            engine.runner.graphs = DecodeGraphs(tiny.net, 4)
+            engine.runner.graphs.use_pieces()
+        try:
+            params = {"temperature": 0, "max_new_tokens": new, "ignore_eos": True}
+            outs = engine.generate(input_ids=prompts(batch), sampling_params=params)
+            engine.check_invariants()
+            steps = engine.runner.graphs.replayed_steps if static else 0
+            return [o["output_ids"] for o in outs], steps
+        finally:
+            engine.shutdown()
+
+    eager, _ = run(False)
+    static, steps = run(True)
+    assert static == eager
+    assert all(len(o) == new for o in static)
+    if batch <= 4:
+        assert steps >= new - 1
