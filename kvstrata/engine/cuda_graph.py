@@ -28,11 +28,13 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from kvstrata.engine.config import ModelConfig
 from kvstrata.engine.model import AttnFn, Transformer
 
 log = logging.getLogger("kvstrata.engine")
 FIRST_SIZES = (1, 2, 4, 8)
 SIZE_STEP = 8  # after 8: 16, 24, 32, ... as SGLang captures
+ALLOCATOR_SLACK = 64 << 20  # the caching allocator's segment rounding (2 MiB blocks and up)
 
 
 def capture_sizes(max_bs: int) -> list[int]:
@@ -51,6 +53,31 @@ def graph_unsupported(net: Transformer) -> str | None:
     if scaling.get("rope_type") == "dynamic":
         return "dynamic RoPE reads the largest position on the host every step"
     return None
+
+
+def graph_memory_bytes(cfg: ModelConfig, max_bs: int, dtype: torch.dtype) -> int:
+    """Upper estimate of what the graphs hold at ``max_bs`` rows, for the memory plan: the static
+    buffers plus the shared pool, which keeps the temporaries of the largest piece (the LM head's
+    logits in the model dtype and in float32, the MLP's gate/up and product, a few residual-sized
+    and q/k/v-sized tensors)."""
+    es = torch.empty((), dtype=dtype).element_size()
+    qkv = (cfg.q_heads + 2 * cfg.kv_heads) * cfg.head_dim
+    static = (
+        16 + es * (cfg.hidden_size + 2 * cfg.head_dim + qkv + cfg.q_heads * cfg.head_dim) + 4 * cfg.vocab_size
+    )
+    pool = es * cfg.vocab_size + 4 * cfg.vocab_size + es * 4 * cfg.intermediate_size
+    pool += 4 * 8 * cfg.hidden_size + es * 4 * qkv
+    return max_bs * (static + pool) + ALLOCATOR_SLACK
+
+
+def graphs_wanted(net: Transformer, disable: bool) -> bool:
+    """Whether the engine captures decode graphs for ``net``: on CUDA unless disabled or unsupported."""
+    if disable or net.device.type != "cuda":
+        return False
+    why = graph_unsupported(net)
+    if why is not None:
+        log.info("CUDA graphs off: %s", why)
+    return why is None
 
 
 class DecodePieces:
@@ -201,11 +228,7 @@ class DecodeGraphs:
 
 def decode_graphs_for(net: Transformer, disable: bool, max_bs: int) -> DecodeGraphs | None:
     """Captured graphs for ``net``'s decode steps, or None: disabled, not on CUDA, or unsupported."""
-    if disable or net.device.type != "cuda":
-        return None
-    why = graph_unsupported(net)
-    if why is not None:
-        log.info("CUDA graphs off: %s", why)
+    if not graphs_wanted(net, disable):
         return None
     start = time.perf_counter()
     graphs = DecodeGraphs(net, max_bs)

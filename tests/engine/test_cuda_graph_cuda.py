@@ -8,6 +8,7 @@ import pytest
 import tiny_models
 import torch
 
+from kvstrata.engine.cuda_graph import decode_graphs_for, graph_memory_bytes
 from kvstrata.engine.engine import Engine
 from kvstrata.engine.loader import load_model
 
@@ -74,3 +75,15 @@ def test_bfloat16_graphs_equal_eager_on_a_bucket(tiny_path):
     graphed, replayed = greedy(model, "fp8_e4m3", True, ps)
     assert replayed >= NEW - 1
     assert graphed == eager
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graph_memory_within_the_plans_estimate(tiny_path, dtype):
+    model = load_model(tiny_path, dtype=dtype, device="cuda")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved()
+    graphs = decode_graphs_for(model.net, disable=False, max_bs=32)
+    torch.cuda.synchronize()
+    used = torch.cuda.memory_reserved() - before
+    assert graphs is not None and graphs.sizes == [1, 2, 4, 8, 16, 24, 32]
+    assert 0 < used <= graph_memory_bytes(model.config, 32, model.net.dtype)
