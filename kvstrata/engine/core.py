@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from kvstrata.engine.attention import get_backend, resolve_backend
+from kvstrata.engine.cuda_graph import decode_graphs_for, graph_memory_bytes, graphs_wanted
 from kvstrata.engine.drift import DriftJob, DriftMonitor, fallback_window
 from kvstrata.engine.kvplan import resolve_plan
 from kvstrata.engine.loader import LoadedModel
@@ -86,8 +87,18 @@ class EngineCore:
             device=self.device,
             pin_budget_bytes=pin_budget_bytes(args, max(page_bytes)),
         )
+        graph_bs = args.resolve_cuda_graph_max_bs()
+        graph_bytes = 0
+        if graphs_wanted(model.net, args.disable_cuda_graph):
+            graph_bytes = graph_memory_bytes(cfg, graph_bs, self.dtype)
         self.memory_plan = plan_memory(
-            args, cfg, self.cache_config, weight_bytes(model.net), self.dtype, self.device
+            args,
+            cfg,
+            self.cache_config,
+            weight_bytes(model.net),
+            self.dtype,
+            self.device,
+            cuda_graph_bytes=graph_bytes,
         )
         self.cache_config = dataclasses.replace(self.cache_config, num_pages=self.memory_plan.cold_pages)
         if image_codec is not None:
@@ -100,7 +111,8 @@ class EngineCore:
         log.info("%s", self.memory_plan.table())
         self.cache = StratifiedKVCache(self.cache_config)
         backend = get_backend(attention_backend, self.cache, cfg.attn_scale)
-        self.runner = StepRunner(model.net, self.cache, backend, self.device)
+        graphs = decode_graphs_for(model.net, args.disable_cuda_graph, graph_bs)
+        self.runner = StepRunner(model.net, self.cache, backend, self.device, graphs)
         self.scheduler = Scheduler(
             self.cache,
             args.max_running_requests,

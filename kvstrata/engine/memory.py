@@ -141,7 +141,11 @@ class MemoryPlan:
             ("ring", gib(self.ring_bytes), f"{self.ring_bytes:,} B"),
             ("sinks", gib(self.sink_bytes), f"{self.sink_bytes:,} B"),
             ("workspace", gib(self.workspace_bytes), "estimate" + held),
-            ("cuda graphs", gib(self.cuda_graph_bytes), "not captured" if not self.cuda_graph_bytes else ""),
+            (
+                "cuda graphs",
+                gib(self.cuda_graph_bytes),
+                "estimate" + held if self.cuda_graph_bytes else "not captured",
+            ),
         ]
         if self.total_bytes is not None and self.reserved_bytes is not None:
             fraction = f"1 - mem_fraction_static ({self.mem_fraction_static})"

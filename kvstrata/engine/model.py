@@ -87,7 +87,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer_idx: int, attn: AttnFn) -> Tensor:
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q [T, Hq, D], k, v [T, Hkv, D] after q/k-norm and RoPE."""
         T, hq = x.shape[0], self.q_heads
         qk, v = self.wqkv(x).split(self.splits, dim=-1)
         qk = qk.view(T, hq + self.kv_heads, self.head_dim)
@@ -95,8 +96,11 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :hq]), self.k_norm(qk[:, hq:])), dim=1)
         qk = apply_rope(qk, cos, sin)
-        out = attn(layer_idx, qk[:, :hq], qk[:, hq:], v)
-        return self.wo(out.reshape(T, self.q_heads * self.head_dim))
+        return qk[:, :hq], qk[:, hq:], v
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer_idx: int, attn: AttnFn) -> Tensor:
+        out = attn(layer_idx, *self.project(x, cos, sin))
+        return self.wo(out.reshape(x.shape[0], self.q_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -120,6 +124,15 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer_idx: int, attn: AttnFn) -> Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, layer_idx, attn)
+        return x + self.mlp(self.mlp_norm(x))
+
+    # The two halves of `forward` around attention, for the piecewise CUDA graphs (cuda_graph.py).
+    def pre_attn(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return self.attn.project(self.attn_norm(x), cos, sin)
+
+    def post_attn(self, x: Tensor, attn_out: Tensor) -> Tensor:
+        """``x`` [T, hidden] plus the output projection of ``attn_out`` [T, Hq, D], then the MLP."""
+        x = x + self.attn.wo(attn_out.reshape(x.shape[0], -1))
         return x + self.mlp(self.mlp_norm(x))
 
 

@@ -70,6 +70,10 @@ class EngineArgs:
     # Codec of image-token history (pages holding image tokens, in a pool of their own): a codec name,
     # or "auto" (see `resolve_vision_codec`).
     vision_kv_dtype: str = "auto"
+    # Decode steps in piecewise CUDA graphs (SGLang's flag names): on by default on CUDA (nothing to
+    # do on CPU); batches above cuda_graph_max_bs (None: max_running_requests) run eager.
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None
 
     def __post_init__(self) -> None:
         """Fill the window, rotation and sinks left unset from the shipped defaults (or the plan file)."""
@@ -132,8 +136,14 @@ class EngineArgs:
             raise ValueError(f"kv_plan_tokens must be >= 2 pages, got {self.kv_plan_tokens}")
         if (self.kv_plan_kl_budget or 0) < 0 or self.kv_plan_extra_bytes < 0:
             raise ValueError("kv_plan_kl_budget and kv_plan_extra_bytes must be >= 0")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
 
     # --- resolution ---------------------------------------------------------------------------
+    def resolve_cuda_graph_max_bs(self) -> int:
+        """Largest decode batch captured: cuda_graph_max_bs, at most max_running_requests."""
+        return min(self.cuda_graph_max_bs or self.max_running_requests, self.max_running_requests)
+
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -3,6 +3,7 @@
 Python work per step is kept flat: one list build for ids and positions, one ``logits_at`` index,
 one attention closure bound to the batch (the model calls it per layer), one ``tolist`` of sampled
 ids. Logits are computed only for the last token of sequences that reached their end this step.
+Decode steps replay the piecewise CUDA graphs when the engine captured them (`cuda_graph.py`).
 """
 
 from __future__ import annotations
@@ -12,18 +13,27 @@ from typing import Any
 import torch
 
 from kvstrata.engine.attention import AttentionBackend
+from kvstrata.engine.cuda_graph import DecodeGraphs
 from kvstrata.engine.request import Request
 from kvstrata.engine.sampler import SampleOutput, Sampler
 from kvstrata.engine.scheduler import StepPlan
 
 
 class StepRunner:
-    def __init__(self, net: Any, cache: Any, backend: AttentionBackend, device: torch.device) -> None:
+    def __init__(
+        self,
+        net: Any,
+        cache: Any,
+        backend: AttentionBackend,
+        device: torch.device,
+        graphs: DecodeGraphs | None = None,
+    ) -> None:
         self.net = net
         self.cache = cache
         self.backend = backend
         self.device = device
         self.sampler = Sampler()
+        self.graphs = graphs  # decode steps of up to graphs.max_bs sequences replay CUDA graphs
 
     def run(self, plan: StepPlan) -> tuple[list[Request], SampleOutput | None, torch.Tensor | None]:
         """Forward the plan; returns the requests that got a new token, the samples, and the logits."""
@@ -61,6 +71,8 @@ class StepRunner:
             if end == req.tokens_len:
                 logits_at.append(len(ids) - 1)
                 sampled.append(req)
+        if self.graphs is not None and not images and self._graph_step(plan, sampled):
+            return self.graphs.run(ids, positions, self.backend.bind(plan.batch)), sampled
         dev = self.device
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
@@ -68,6 +80,12 @@ class StepRunner:
         embeds = self._splice(input_ids, images) if images else None
         logits = self.net(input_ids, pos, attn=self.backend.bind(plan.batch), logits_at=at, embeds=embeds)
         return logits, sampled
+
+    def _graph_step(self, plan: StepPlan, sampled: list[Request]) -> bool:
+        """A decode step the graphs cover: one new token per sequence, every one sampled."""
+        assert self.graphs is not None
+        n = len(plan.reqs)
+        return len(sampled) == n <= self.graphs.max_bs and all(k == 1 for k in plan.n_new)
 
     def _splice(self, input_ids: torch.Tensor, images: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
         """Token embeddings with image feature rows in place of the placeholders (pad ids lie

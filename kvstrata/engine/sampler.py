@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -89,10 +90,6 @@ def filter_probs(
     return probs.masked_fill(~keep, 0.0)
 
 
-def _row_tensor(values: list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype, device=device)
-
-
 class Sampler:
     """Samples one token per row of logits [B, V]."""
 
@@ -113,44 +110,64 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         if not all(greedy):
             tokens = self._sample(logits, rows, greedy, tokens)
-        token_list = tokens.tolist()
+        # The step's one device-to-host copy: sampled ids and invalid flags travel together.
+        token_list, invalid_list = torch.stack((tokens, invalid.to(tokens.dtype))).tolist()
 
-        out = SampleOutput(tokens=token_list, invalid=invalid.tolist(), logprobs=logprobs)
+        out = SampleOutput(tokens=token_list, invalid=[bool(b) for b in invalid_list], logprobs=logprobs)
         if logprobs is not None:
-            out.token_logprobs, out.top_logprobs = _gather_logprobs(logprobs, token_list, rows)
+            out.token_logprobs, out.top_logprobs = _gather_logprobs(logprobs, tokens, rows)
         return out
 
     def _sample(
         self, logits: torch.Tensor, rows: Sequence[SampleRow], greedy: list[bool], tokens: torch.Tensor
     ) -> torch.Tensor:
         idx = [i for i, g in enumerate(greedy) if not g]
-        sub = logits[idx]
         dev = logits.device
-        temp = _row_tensor([rows[i].params.temperature for i in idx], torch.float32, dev)
-        probs = torch.softmax(sub / temp.unsqueeze(1), dim=-1)
-        if any(rows[i].params.needs_filters for i in idx):
-            probs = filter_probs(
-                probs,
-                _row_tensor([rows[i].params.top_k for i in idx], torch.long, dev),
-                _row_tensor([rows[i].params.top_p for i in idx], torch.float32, dev),
-                _row_tensor([rows[i].params.min_p for i in idx], torch.float32, dev),
-            )
+        every_row = len(idx) == len(rows)
+        sub = logits if every_row else logits.index_select(0, _to_device(idx, torch.long, dev))
+        # The rows' parameters reach the device in one asynchronous copy (no host sync).
+        params = [rows[i].params for i in idx]
+        knobs = _to_device(
+            [
+                [p.temperature for p in params],
+                [p.top_p for p in params],
+                [p.min_p for p in params],
+                [p.top_k for p in params],  # exact in float32: vocabularies are far below 2**24
+            ],
+            torch.float32,
+            dev,
+        )
+        probs = torch.softmax(sub / knobs[0].unsqueeze(1), dim=-1)
+        if any(p.needs_filters for p in params):
+            probs = filter_probs(probs, knobs[3].long(), knobs[1], knobs[2])
         seeded = [j for j, i in enumerate(idx) if rows[i].generator is not None]
-        picked = torch.empty(len(idx), dtype=torch.long, device=dev)
-        if len(seeded) < len(idx):
-            free = [j for j in range(len(idx)) if rows[idx[j]].generator is None]
-            picked[free] = torch.multinomial(probs[free], 1).squeeze(1)
-        for j in seeded:
-            picked[j] = torch.multinomial(probs[j], 1, generator=rows[idx[j]].generator)[0]
-        tokens = tokens.clone()
-        tokens[idx] = picked
-        return tokens
+        if not seeded:
+            picked = torch.multinomial(probs, 1).squeeze(1)
+        else:
+            picked = torch.empty(len(idx), dtype=torch.long, device=dev)
+            if len(seeded) < len(idx):
+                free = _to_device(
+                    [j for j in range(len(idx)) if rows[idx[j]].generator is None], torch.long, dev
+                )
+                picked.index_copy_(0, free, torch.multinomial(probs.index_select(0, free), 1).squeeze(1))
+            for j in seeded:
+                picked[j] = torch.multinomial(probs[j], 1, generator=rows[idx[j]].generator)[0]
+        if every_row:
+            return picked
+        return tokens.index_copy(0, _to_device(idx, torch.long, dev), picked)
+
+
+def _to_device(values: list[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a device tensor, copied without waiting for the device: from pinned
+    memory on CUDA (a plain ``torch.tensor(..., device=cuda)`` synchronizes the stream)."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
 
 
 def _gather_logprobs(
-    logprobs: torch.Tensor, tokens: list[int], rows: Sequence[SampleRow]
+    logprobs: torch.Tensor, tokens: torch.Tensor, rows: Sequence[SampleRow]
 ) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
-    chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device).unsqueeze(1)).squeeze(1)
+    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
     chosen_list = chosen.tolist()
     max_top = max(r.params.top_logprobs_num for r in rows)
     top_vals = top_ids = None

@@ -212,6 +212,14 @@ FLAGS: tuple[Flag, ...] = (
         "or a codec name",
         True,
     ),
+    Flag("disable_cuda_graph", _bool, None, "CUDA: run decode steps eagerly (no CUDA graphs)", True),
+    Flag(
+        "cuda_graph_max_bs",
+        _positive_int,
+        None,
+        "CUDA: largest decode batch captured in graphs (default: max running requests)",
+        True,
+    ),
 )
 
 
@@ -247,6 +255,8 @@ class ServerConfig:
     max_image_pixels: int | None = None
     image_fetch_timeout: float | None = None
     vision_kv_dtype: str | None = None
+    disable_cuda_graph: bool | None = None
+    cuda_graph_max_bs: int | None = None
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``kvstrata.Engine``: only the options that were set."""

@@ -1,0 +1,241 @@
+"""Piecewise CUDA graphs for decode steps (vLLM's approach): dense parts in graphs, attention eager.
+
+A decode step launches a few dozen small kernels per layer from Python; at batch 1 the GPU waits on
+the launches. The dense parts of the step are captured once per bucketed batch size and replayed:
+
+    piece 0      embedding, RoPE cos/sin, layer 0 up to q/k/v (norm, QKV projection, q/k-norm, RoPE)
+    piece i      layer i-1 after attention (output projection, residual, MLP) and layer i up to q/k/v
+    piece L      layer L-1 after attention, the final norm and the LM head (float32 logits)
+
+Between pieces, attention and the KV store run eagerly on the step's plan: they read page tables,
+ring rows and flush completed pages, whose shapes change every step. Pieces exchange data through
+static buffers (token ids, positions, residual stream, cos/sin, q/k/v, attention output, logits)
+sized for the largest bucket; a batch is padded to its bucket (pad rows are computed and ignored:
+every dense op is row-wise). All graphs share one memory pool and replay in the order they were
+captured, so their temporaries can share memory.
+
+`DecodePieces` is the same split run eagerly, and `DecodeGraphs.use_pieces` runs it on the static
+buffers in place of the replays: buffers, padding and buckets run on any device and are tested on CPU.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from kvstrata.engine.config import ModelConfig
+from kvstrata.engine.model import AttnFn, Transformer
+
+log = logging.getLogger("kvstrata.engine")
+FIRST_SIZES = (1, 2, 4, 8)
+SIZE_STEP = 8  # after 8: 16, 24, 32, ... as SGLang captures
+ALLOCATOR_SLACK = 64 << 20  # the caching allocator's segment rounding (2 MiB blocks and up)
+
+
+def capture_sizes(max_bs: int) -> list[int]:
+    """Bucketed batch sizes up to ``max_bs``: 1, 2, 4, 8, 16, 24, 32, ... and ``max_bs`` itself."""
+    if max_bs < 1:
+        raise ValueError(f"cuda_graph_max_bs must be >= 1, got {max_bs}")
+    sizes = [s for s in (*FIRST_SIZES, *range(16, max_bs + 1, SIZE_STEP)) if s <= max_bs]
+    if sizes[-1] != max_bs:
+        sizes.append(max_bs)
+    return sizes
+
+
+def graph_unsupported(net: Transformer) -> str | None:
+    """Why this model's decode step cannot be captured, or None."""
+    scaling = net.config.rope_scaling or {}
+    if scaling.get("rope_type") == "dynamic":
+        return "dynamic RoPE reads the largest position on the host every step"
+    return None
+
+
+def graph_memory_bytes(cfg: ModelConfig, max_bs: int, dtype: torch.dtype) -> int:
+    """Upper estimate of what the graphs hold at ``max_bs`` rows, for the memory plan: the static
+    buffers plus the shared pool, which keeps the temporaries of the largest piece (the LM head's
+    logits in the model dtype and in float32, the MLP's gate/up and product, a few residual-sized
+    and q/k/v-sized tensors)."""
+    es = torch.empty((), dtype=dtype).element_size()
+    qkv = (cfg.q_heads + 2 * cfg.kv_heads) * cfg.head_dim
+    static = (
+        16 + es * (cfg.hidden_size + 2 * cfg.head_dim + qkv + cfg.q_heads * cfg.head_dim) + 4 * cfg.vocab_size
+    )
+    pool = es * cfg.vocab_size + 4 * cfg.vocab_size + es * 4 * cfg.intermediate_size
+    pool += 4 * 8 * cfg.hidden_size + es * 4 * qkv
+    return max_bs * (static + pool) + ALLOCATOR_SLACK
+
+
+def graphs_wanted(net: Transformer, disable: bool) -> bool:
+    """Whether the engine captures decode graphs for ``net``: on CUDA unless disabled or unsupported."""
+    if disable or net.device.type != "cuda":
+        return False
+    why = graph_unsupported(net)
+    if why is not None:
+        log.info("CUDA graphs off: %s", why)
+    return why is None
+
+
+class DecodePieces:
+    """The decode forward cut at attention: ``first``, ``middle(i)`` for i in 1..L-1, ``last``."""
+
+    def __init__(self, net: Transformer) -> None:
+        self.net = net
+        self.num_layers = len(net.layers)
+
+    def first(self, ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """-> residual x, cos, sin, q, k, v of layer 0."""
+        x = self.net.embed(ids)
+        cos, sin = self.net.rope(positions)
+        return (x, cos, sin, *self.net.layers[0].pre_attn(x, cos, sin))
+
+    def middle(
+        self, layer: int, x: Tensor, attn_out: Tensor, cos: Tensor, sin: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Layer ``layer - 1`` after attention, then layer ``layer`` up to attention: x, q, k, v."""
+        x = self.net.layers[layer - 1].post_attn(x, attn_out)
+        return (x, *self.net.layers[layer].pre_attn(x, cos, sin))
+
+    def last(self, x: Tensor, attn_out: Tensor) -> Tensor:
+        x = self.net.layers[-1].post_attn(x, attn_out)
+        return self.net.lm_head(self.net.norm(x)).float()
+
+    def forward(self, ids: Tensor, positions: Tensor, attn: AttnFn) -> Tensor:
+        """The pieces chained eagerly: float32 logits of every row, as ``net(ids, positions, attn)``."""
+        x, cos, sin, q, k, v = self.first(ids, positions)
+        for layer in range(1, self.num_layers):
+            x, q, k, v = self.middle(layer, x, attn(layer - 1, q, k, v), cos, sin)
+        return self.last(x, attn(self.num_layers - 1, q, k, v))
+
+
+class DecodeGraphs:
+    """Captured pieces per bucketed batch size; `run` replays them around eager attention."""
+
+    def __init__(self, net: Transformer, max_bs: int) -> None:
+        why = graph_unsupported(net)
+        if why is not None:
+            raise ValueError(f"CUDA graphs: {why}")
+        self.pieces = DecodePieces(net)
+        self.sizes = capture_sizes(max_bs)
+        cfg, dev, dt = net.config, net.device, net.dtype
+        B, D = self.sizes[-1], cfg.head_dim
+        with torch.inference_mode():
+            self.inputs = torch.zeros((2, B), dtype=torch.long, device=dev)  # token ids, positions
+            self.host = torch.zeros((2, B), dtype=torch.long, pin_memory=dev.type == "cuda")
+            self.x = torch.zeros((B, cfg.hidden_size), dtype=dt, device=dev)
+            self.cos = torch.zeros((B, 1, D), dtype=dt, device=dev)
+            self.sin = torch.zeros((B, 1, D), dtype=dt, device=dev)
+            self.q = torch.zeros((B, cfg.q_heads, D), dtype=dt, device=dev)
+            self.k = torch.zeros((B, cfg.kv_heads, D), dtype=dt, device=dev)
+            self.v = torch.zeros((B, cfg.kv_heads, D), dtype=dt, device=dev)
+            self.attn_out = torch.zeros((B, cfg.q_heads, D), dtype=dt, device=dev)
+            self.logits = torch.zeros((B, cfg.vocab_size), dtype=torch.float32, device=dev)
+        self._host_np = self.host.numpy()
+        # Per bucket: what runs each piece (a captured graph's replay, or the piece itself).
+        self.graphs: dict[int, list[Callable[[], None]]] = {}
+        self.replayed_steps = 0
+
+    @property
+    def max_bs(self) -> int:
+        return self.sizes[-1]
+
+    def bucket(self, n: int) -> int | None:
+        """The smallest captured size >= n, or None (run eager)."""
+        i = bisect.bisect_left(self.sizes, n)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    # --- the pieces on the static buffers -------------------------------------------------------------
+    def _first(self, bs: int) -> None:
+        x, cos, sin, q, k, v = self.pieces.first(self.inputs[0, :bs], self.inputs[1, :bs])
+        for dst, src in (
+            (self.x, x),
+            (self.cos, cos),
+            (self.sin, sin),
+            (self.q, q),
+            (self.k, k),
+            (self.v, v),
+        ):
+            dst[:bs].copy_(src)
+
+    def _middle(self, layer: int, bs: int) -> None:
+        x, q, k, v = self.pieces.middle(layer, self.x[:bs], self.attn_out[:bs], self.cos[:bs], self.sin[:bs])
+        for dst, src in ((self.x, x), (self.q, q), (self.k, k), (self.v, v)):
+            dst[:bs].copy_(src)
+
+    def _last(self, bs: int) -> None:
+        self.logits[:bs].copy_(self.pieces.last(self.x[:bs], self.attn_out[:bs]))
+
+    def _piece_fns(self, bs: int) -> list[Callable[[], None]]:
+        middles = [lambda layer=layer: self._middle(layer, bs) for layer in range(1, self.pieces.num_layers)]
+        return [lambda: self._first(bs), *middles, lambda: self._last(bs)]
+
+    # --- capture and replay ---------------------------------------------------------------------------
+    def use_pieces(self) -> None:
+        """Run the pieces eagerly on the static buffers instead of replaying graphs (any device)."""
+        self.graphs = {bs: self._piece_fns(bs) for bs in self.sizes}
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first (later, smaller graphs reuse the pool's blocks)."""
+        if self.x.device.type != "cuda":
+            raise ValueError("CUDA graphs need the model on a CUDA device")
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up: cuBLAS handles and workspaces exist before capture
+            for bs in (self.sizes[-1], self.sizes[0]):
+                for _ in range(2):
+                    for fn in self._piece_fns(bs):
+                        fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        for bs in reversed(self.sizes):
+            replays = []
+            for fn in self._piece_fns(bs):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                    fn()
+                replays.append(graph.replay)
+            self.graphs[bs] = replays
+        torch.cuda.synchronize()
+
+    def run(self, ids: Sequence[int], positions: Sequence[int], attn: AttnFn) -> Tensor:
+        """One decode step of ``len(ids)`` <= max_bs sequences (one new token each): float32 logits
+        ``[n, V]``, a view of the static buffer valid until the next step."""
+        n = len(ids)
+        bs = self.bucket(n)
+        if bs is None:
+            raise ValueError(f"decode batch {n} exceeds the largest captured size {self.max_bs}")
+        # Pinned staging, copied without a host sync; the sampler's read-back at the end of each
+        # step orders this copy before the next step overwrites the staging buffer.
+        self._host_np[0, :n] = ids
+        self._host_np[1, :n] = positions
+        for row in range(2):
+            self.inputs[row, :n].copy_(self.host[row, :n], non_blocking=True)
+        pieces = self.graphs[bs]
+        q, k, v, attn_out = self.q[:n], self.k[:n], self.v[:n], self.attn_out[:n]
+        pieces[0]()
+        for layer in range(self.pieces.num_layers):
+            attn_out.copy_(attn(layer, q, k, v))
+            pieces[layer + 1]()
+        self.replayed_steps += 1
+        return self.logits[:n]
+
+
+def decode_graphs_for(net: Transformer, disable: bool, max_bs: int) -> DecodeGraphs | None:
+    """Captured graphs for ``net``'s decode steps, or None: disabled, not on CUDA, or unsupported."""
+    if not graphs_wanted(net, disable):
+        return None
+    start = time.perf_counter()
+    graphs = DecodeGraphs(net, max_bs)
+    graphs.capture()
+    log.info(
+        "captured decode CUDA graphs for batch sizes %s in %.1f s",
+        graphs.sizes,
+        time.perf_counter() - start,
+    )
+    return graphs
