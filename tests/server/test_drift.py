@@ -1,8 +1,8 @@
 """Forced drift: FP4 history with no BF16 window, every request re-scored, a low threshold.
 
 A story continuation reads most of its history from FP4 pages; greedy decoding makes its drift
-deterministic (about +0.01 with this engine: the served model is less sure of the same tokens), so
-the smoothed drift passes the threshold and the fallback level goes up. Then the traffic turns to
+deterministic (about +0.005 with this engine's fp4 layout: the served model is less sure of the same
+tokens), so the smoothed drift passes the threshold and the fallback level goes up. Then the traffic turns to
 requests short enough to live entirely in the BF16 ring (prompt + output < one page): their drift
 is ~0, the EWMA decays below half the threshold, and the level steps back down (hysteresis: a few
 consecutive low samples per step).
@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from .live import LiveServer, live_server
 
-THRESHOLD = 0.006
+THRESHOLD = 0.004  # below this prompt's deterministic fp4 drift (+0.00505 since fp4's BF16 globals)
 STORY = "Once upon a time, in a small village by the sea, there lived"
 
 
