@@ -386,10 +386,9 @@ class StratifiedKVCache:
                 self.image_pool,
             )
         if kernels and all(c is None for c in self.clips[layer]):
-            from kvstrata.radix.kernels.page_quantize import quantize_pages
+            from kvstrata.radix.kernels import page_quantize
 
-            counts = quantize_pages(layer, batch.write, k, v, self.pool, self.ring, self.sinks)
-            attention.write_ring(layer, batch, k, v, self.ring)
+            counts = page_quantize.store(layer, batch, k, v, self.pool, self.ring, self.sinks)
         else:
             counts = attention.store(
                 layer, batch, k, v, self.pool, self.ring, self.sinks, self.clips[layer], self.image_pool

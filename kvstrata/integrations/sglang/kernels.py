@@ -68,11 +68,9 @@ class TritonStrataKernels:
         return kernel_attend.attend(layer, batch, q, k, v, scale, pool, ring, None)
 
     def store(self, layer, batch, k, v, pool, ring):
-        from kvstrata.radix.kernels.page_quantize import quantize_pages
+        from kvstrata.radix.kernels import page_quantize
 
-        counts = quantize_pages(layer, batch.write, k, v, pool, ring, None)
-        attention.write_ring(layer, batch, k, v, ring)
-        return counts
+        return page_quantize.store(layer, batch, k, v, pool, ring, None)
 
 
 _KERNELS: dict[str, Callable[[], StrataKernels]] = {

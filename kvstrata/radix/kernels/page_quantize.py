@@ -14,7 +14,8 @@ import triton
 import triton.language as tl
 
 from kvstrata.quant.kernel_encode import encode_store, to_storage
-from kvstrata.radix.plan import WritePlan
+from kvstrata.radix.attention import write_ring
+from kvstrata.radix.plan import StepBatch, WritePlan
 from kvstrata.radix.pool import ColdPool, WriteCounts, as_raw
 from kvstrata.radix.ring import HotRing
 from kvstrata.radix.sinks import SinkStore
@@ -241,3 +242,19 @@ def quantize_pages(
     amax = stats[..., 0::2].amax(dim=(0, 1)).tolist()
     bad = stats[..., 1::2].sum(dim=(0, 1)).tolist()
     return WriteCounts(0, 0, int(bad[0]), int(bad[1]), amax[0], amax[1])
+
+
+def store(
+    layer: int,
+    batch: StepBatch,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pool: ColdPool,
+    ring: HotRing,
+    sinks: SinkStore | None,
+) -> WriteCounts:
+    """`kvstrata.radix.attention.store` with the Triton encoder: the step's completed pages are
+    quantized from the ring and the new rows, then the new rows go into the ring."""
+    counts = quantize_pages(layer, batch.write, k, v, pool, ring, sinks)
+    write_ring(layer, batch, k, v, ring)
+    return counts
