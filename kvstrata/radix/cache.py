@@ -82,9 +82,52 @@ class StratifiedKVCache:
         self.page_checksums: dict[int, int] = {}
         self.quantized_pages = self.evicted_pages = self.matched_tokens = self.missed_tokens = 0
         L = cfg.num_layers
-        self.overflow = {"k": [0] * L, "v": [0] * L}
-        self.nonfinite = {"k": [0] * L, "v": [0] * L}
-        self.absmax = {"k": [0.0] * L, "v": [0.0] * L}
+        self._overflow = {"k": [0] * L, "v": [0] * L}
+        self._nonfinite = {"k": [0] * L, "v": [0] * L}
+        self._absmax = {"k": [0.0] * L, "v": [0.0] * L}
+        # The Triton encoder's counts stay on the device, [layer, (absmax, NaN/Inf), (K, V)], until
+        # one of the three properties below is read: a step waits for nothing to account for them.
+        self._device_counts: torch.Tensor | None = None
+        self._device_counts_dirty = False
+
+    @property
+    def overflow(self) -> dict[str, list[int]]:
+        """Elements clipped by static scales, per kind and layer."""
+        return self._overflow
+
+    @property
+    def nonfinite(self) -> dict[str, list[int]]:
+        """NaN/Inf elements met while quantizing, per kind and layer."""
+        self._fold_device_counts()
+        return self._nonfinite
+
+    @property
+    def absmax(self) -> dict[str, list[float]]:
+        """Largest finite magnitude quantized so far, per kind and layer."""
+        self._fold_device_counts()
+        return self._absmax
+
+    def _add_device_counts(self, layer: int, counts: torch.Tensor) -> None:
+        """Accumulate one layer's ``[2, 2]`` encoder counts (`page_quantize.quantize_pages`) on the
+        device, in float64 so that NaN/Inf counts stay exact."""
+        acc = self._device_counts
+        if acc is None:
+            acc = torch.zeros((self.cfg.num_layers, 2, 2), dtype=torch.float64, device=counts.device)
+            self._device_counts = acc
+        torch.maximum(acc[layer, 0], counts[0], out=acc[layer, 0])
+        acc[layer, 1] += counts[1]
+        self._device_counts_dirty = True
+
+    def _fold_device_counts(self) -> None:
+        """Move the device counts into the host totals (one read back) and zero them."""
+        if not self._device_counts_dirty or self._device_counts is None:
+            return
+        for layer, ((absmax_k, absmax_v), (bad_k, bad_v)) in enumerate(self._device_counts.tolist()):
+            for kind, top, bad in (("k", absmax_k, bad_k), ("v", absmax_v, bad_v)):
+                self._absmax[kind][layer] = max(self._absmax[kind][layer], top)
+                self._nonfinite[kind][layer] += int(bad)
+        self._device_counts.zero_()
+        self._device_counts_dirty = False
 
     @staticmethod
     def _load_clips(cfg: CacheConfig) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
@@ -146,6 +189,8 @@ class StratifiedKVCache:
 
     def _alloc_pages(self, flags: list[bool]) -> list[int]:
         """Page ids for pages flagged image (image pool) or text (the pool), in order."""
+        if not flags:  # most sequences of a decode step
+            return []
         n_image = sum(flags)
         image: list[int] = []
         if n_image:
@@ -388,15 +433,18 @@ class StratifiedKVCache:
         if kernels and all(c is None for c in self.clips[layer]):
             from kvstrata.radix.kernels import page_quantize
 
-            counts = page_quantize.store(layer, batch, k, v, self.pool, self.ring, self.sinks)
+            device_counts = page_quantize.store_async(layer, batch, k, v, self.pool, self.ring, self.sinks)
+            if device_counts is not None:
+                self._add_device_counts(layer, device_counts)
         else:
             counts = attention.store(
                 layer, batch, k, v, self.pool, self.ring, self.sinks, self.clips[layer], self.image_pool
             )
-        for kind in ("k", "v"):
-            self.overflow[kind][layer] += getattr(counts, f"overflow_{kind}")
-            self.nonfinite[kind][layer] += getattr(counts, f"nonfinite_{kind}")
-            self.absmax[kind][layer] = max(self.absmax[kind][layer], getattr(counts, f"absmax_{kind}"))
+            for kind in ("k", "v"):
+                self._overflow[kind][layer] += getattr(counts, f"overflow_{kind}")
+                self._nonfinite[kind][layer] += getattr(counts, f"nonfinite_{kind}")
+                top = max(self._absmax[kind][layer], getattr(counts, f"absmax_{kind}"))
+                self._absmax[kind][layer] = top
         batch.layers_done.add(layer)
         if self._rotate is not None:
             out = self._rotate(out)  # V was rotated; the normalised transform is its own inverse

@@ -10,7 +10,7 @@ their own (rows of the image pool), attended as one more key segment after the t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import cached_property
 
 import torch
@@ -39,6 +39,8 @@ class GroupPlan:
     page_size: int
     image_table: torch.Tensor | None = None  # [B, Ni] rows of the image pool, padded with its null page
     image_pages: list[int] = field(default_factory=list)  # valid entries of each row of image_table
+    # [3, B] int64: cold pages, ring rows and sink flag (0/1) of each sequence (built with the plan)
+    lengths: torch.Tensor | None = None
     _tail_bias: dict[int, torch.Tensor] = field(default_factory=dict)
     _masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -87,9 +89,12 @@ class GroupPlan:
     @cached_property
     def kernel_lengths(self) -> torch.Tensor:
         """[3, B] int32 on the plan's device: cold pages, ring rows and sink flag (0/1) of each
-        sequence, for the Triton kernels (lengths instead of masks)."""
-        rows = [self.cold_pages, self.ring_len, [int(s) for s in self.sink_valid]]
-        return torch.tensor(rows, dtype=torch.int32).to(self.device)
+        sequence, for the Triton kernels (lengths instead of masks): a cast on the device of the
+        ``lengths`` uploaded with the plan, so no host copy waits on the device."""
+        if self.lengths is None:
+            rows = [self.cold_pages, self.ring_len, [int(s) for s in self.sink_valid]]
+            return torch.tensor(rows, dtype=torch.int32).to(self.device)
+        return self.lengths.to(torch.int32)
 
     @cached_property
     def cold_bias(self) -> torch.Tensor:
@@ -168,10 +173,6 @@ class StepBatch:
     closed: bool = False
 
 
-def _long(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long, device=device)
-
-
 def ring_start_after(seq: Sequence, new_length: int, window: int, page_size: int) -> int:
     """``max(ring_start, origin, floor((length - W) / P) * P)``: monotone, so a widened window
     never asks the ring for positions it already dropped."""
@@ -203,7 +204,10 @@ def build_step(
     image_base: int | None = None,
 ) -> StepBatch:
     """Plan a step; pages for the tokens must already be in ``seq.page_ids``. Page ids from
-    ``image_base`` on live in the image pool."""
+    ``image_base`` on live in the image pool.
+
+    The index tensors are built on the host, then reach ``device`` together in one copy (`upload`):
+    on CUDA one asynchronous copy from pinned memory per step, which waits for nothing."""
     P, R = page_size, ring_capacity
     offsets, total = [], 0
     for n in n_new:
@@ -224,16 +228,64 @@ def build_step(
             sink_of,
             nulls,
             every_token,
-            device,
             image_base,
         )
         for n, idx in by_size.items()
     ]
 
-    write, new_starts = _plan_writes(seqs, n_new, offsets, P, R, window, sink_of, device)
+    write, new_starts = _plan_writes(seqs, n_new, offsets, P, R, window, sink_of)
     if image_base is not None:
         write.image_split = _split_image_pages(write.page_ids, image_base)
-    return StepBatch(list(seqs), list(n_new), total, groups, write, new_starts, new_pages)
+    step = StepBatch(list(seqs), list(n_new), total, groups, write, new_starts, new_pages)
+    _upload_tensors([*groups, write], device)
+    return step
+
+
+def upload(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Host int64 tensors as tensors on ``device`` (same shapes) through a single copy: one pinned
+    staging buffer copied asynchronously on CUDA (no host sync; the caching host allocator keeps the
+    buffer until the copy is done), views of it everywhere."""
+    if device.type == "cpu" or not tensors:
+        return tensors
+    sizes = [t.numel() for t in tensors]
+    staging = torch.empty(sum(sizes), dtype=torch.long, pin_memory=device.type == "cuda")
+    torch.cat([t.reshape(-1) for t in tensors], out=staging)
+    flat = staging.to(device, non_blocking=True)
+    return [part.view(t.shape) for part, t in zip(flat.split(sizes), tensors, strict=True)]
+
+
+def _upload_tensors(plans: list[GroupPlan | WritePlan], device: torch.device) -> None:
+    """Move every tensor field of ``plans`` (alone or in a tuple) to ``device`` with one `upload`."""
+    found: list[torch.Tensor] = []
+    for plan in plans:
+        for f in fields(plan):
+            value = getattr(plan, f.name)
+            found.extend([value] if isinstance(value, torch.Tensor) else _tensor_tuple(value))
+    moved = iter(upload(found, device))
+    for plan in plans:
+        for f in fields(plan):
+            value = getattr(plan, f.name)
+            if isinstance(value, torch.Tensor):
+                setattr(plan, f.name, next(moved))
+            elif _tensor_tuple(value):
+                setattr(plan, f.name, tuple(next(moved) for _ in value))
+
+
+def _tensor_tuple(value: object) -> tuple[torch.Tensor, ...]:
+    if isinstance(value, tuple) and all(isinstance(t, torch.Tensor) for t in value):
+        return value
+    return ()
+
+
+def _ring_rows(base: int, start: int, stop: int, R: int, out: list[int]) -> None:
+    """Append the ring rows ``base + p % R`` of positions ``[start, stop)``, one ``range`` per wrap
+    of the ring (no per-token Python work)."""
+    p = start
+    while p < stop:
+        end = min(stop, (p // R + 1) * R)
+        row = base + p % R
+        out.extend(range(row, row + end - p))
+        p = end
 
 
 def _plan_writes(
@@ -244,21 +296,21 @@ def _plan_writes(
     R: int,
     window: int,
     sink_of: dict[int, int] | None,
-    device: torch.device,
 ) -> tuple[WritePlan, list[int]]:
-    """Where each completed page gathers its tokens, and which ring rows take the new tokens.
+    """Where each completed page gathers its tokens, and which ring rows take the new tokens (host
+    tensors).
 
     A page completed by this step holds positions ``[j * P, (j + 1) * P)``; those below the old
-    length ``L`` (fewer than ``P``) come from the ring, the rest from the new K/V. Index ranges
-    are built with ``arange``, so a prefill chunk costs no per-token Python work."""
+    length ``L`` (fewer than ``P``) come from the ring, the rest from the new K/V. Index runs are
+    appended as ``range`` objects, so a prefill chunk costs no per-token Python work and a decode
+    batch a few list operations per sequence."""
     write_pages: list[int] = []
-    from_ring: list[tuple[list[int], list[int]]] = []
-    from_new: list[torch.Tensor] = []
-    new_src: list[torch.Tensor] = []
+    ring_rows: tuple[list[int], list[int]] = ([], [])  # (rows of the [Nw*P] page tensor, ring rows)
+    new_rows: tuple[list[int], list[int]] = ([], [])  # (rows of the page tensor, rows of k/v)
     sink_pages: list[int] = []
     sink_slots: list[int] = []
-    ring_dst: list[torch.Tensor] = []
-    ring_src: list[torch.Tensor] = []
+    ring_dst: list[int] = []
+    ring_src: list[int] = []
     new_starts = []
     for seq, n, off in zip(seqs, n_new, offsets, strict=True):
         L, base = seq.length, seq.slot * R
@@ -269,31 +321,27 @@ def _plan_writes(
                 sink_pages.append(len(write_pages))
                 sink_slots.append(sink_of[seq.page_ids[0]])
             write_pages.extend(seq.page_ids[first:last])
-            old = range(first * P, L)
-            from_ring.append(([row0 + p for p in old], [base + p % R for p in old]))
-            pos = torch.arange(L, last * P)
-            from_new.append(row0 + pos)
-            new_src.append(off + pos - L)
+            ring_rows[0].extend(range(row0 + first * P, row0 + L))
+            _ring_rows(base, first * P, L, R, ring_rows[1])
+            new_rows[0].extend(range(row0 + L, row0 + last * P))
+            new_rows[1].extend(range(off, off + last * P - L))
         new_start = ring_start_after(seq, L + n, window, P)
         new_starts.append(new_start)
-        pos = torch.arange(max(L, new_start), L + n)
-        ring_dst.append(base + pos % R)
-        ring_src.append(off + pos - L)
+        kept = max(L, new_start)
+        _ring_rows(base, kept, L + n, R, ring_dst)
+        ring_src.extend(range(off + kept - L, off + n))
 
-    def cat(parts: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat(parts).to(device) if parts else torch.zeros(0, dtype=torch.long, device=device)
+    def host(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long)
 
     write = WritePlan(
-        page_ids=_long(write_pages, device),
-        from_ring=(
-            _long([r for rows, _ in from_ring for r in rows], device),
-            _long([r for _, rows in from_ring for r in rows], device),
-        ),
-        from_new=(cat(from_new), cat(new_src)),
-        sink_pages=_long(sink_pages, device),
-        sink_slots=_long(sink_slots, device),
-        ring_dst=cat(ring_dst),
-        ring_src=cat(ring_src),
+        page_ids=host(write_pages),
+        from_ring=(host(ring_rows[0]), host(ring_rows[1])),
+        from_new=(host(new_rows[0]), host(new_rows[1])),
+        sink_pages=host(sink_pages),
+        sink_slots=host(sink_slots),
+        ring_dst=host(ring_dst),
+        ring_src=host(ring_src),
     )
     return write, new_starts
 
@@ -301,8 +349,8 @@ def _plan_writes(
 def _split_image_pages(
     page_ids: torch.Tensor, image_base: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(indices of text pages, indices of image pages, their image pool rows) of ``page_ids``;
-    None when none is an image page."""
+    """(indices of text pages, indices of image pages, their image pool rows) of ``page_ids`` (on
+    the host); None when none is an image page."""
     is_image = page_ids >= image_base
     if not bool(is_image.any()):
         return None
@@ -310,10 +358,14 @@ def _split_image_pages(
     return (~is_image).nonzero().view(-1), image, page_ids.index_select(0, image) - image_base
 
 
-def _padded(rows: list[list[int]], null: int, device: torch.device) -> torch.Tensor:
-    """[len(rows), longest] table of ``rows`` padded with ``null``."""
+def _padded(rows: list[list[int]], null: int) -> torch.Tensor:
+    """[len(rows), longest] host table of ``rows`` padded with ``null``."""
     width = max(len(r) for r in rows)
-    return _long([p for r in rows for p in (*r, *[null] * (width - len(r)))], device).view(len(rows), width)
+    flat: list[int] = []
+    for r in rows:
+        flat.extend(r)
+        flat.extend([null] * (width - len(r)))
+    return torch.tensor(flat, dtype=torch.long).view(len(rows), width)
 
 
 def _plan_group(
@@ -325,11 +377,16 @@ def _plan_group(
     sink_of: dict[int, int] | None,
     nulls: NullRows,
     every_token: bool,
-    device: torch.device,
     image_base: int | None,
 ) -> GroupPlan:
+    """One group's plan (host tensors)."""
     B = len(seqs)
-    rows = None if every_token else torch.cat([torch.arange(o, o + n) for o in offsets]).to(device)
+    rows = None
+    if not every_token:
+        token_rows: list[int] = []
+        for o in offsets:
+            token_rows.extend(range(o, o + n))
+        rows = torch.tensor(token_rows, dtype=torch.long)
     cold: list[list[int]] = []
     sinks: list[int | None] = []
     for seq in seqs:
@@ -344,33 +401,35 @@ def _plan_group(
     if image_base is not None:
         image = [[p - image_base for p in c if p >= image_base] for c in cold]
         cold = [[p for p in c if p < image_base] for c in cold]
-    page_table = _padded(cold, nulls.page, device)
+    page_table = _padded(cold, nulls.page)
 
     sink_table = None
     if any(s is not None for s in sinks):
-        sink_table = _long([nulls.sink if s is None else s for s in sinks], device)
+        sink_table = torch.tensor([nulls.sink if s is None else s for s in sinks], dtype=torch.long)
 
+    # Ring rows of positions [ring_start, length), padded with the null row.
     ring_len = [seq.length - seq.ring_start for seq in seqs]
-    r_max = max(ring_len)
-    ring: list[int] = []
-    for seq, length in zip(seqs, ring_len, strict=True):
-        base = seq.slot * R
-        ring.extend(base + p % R for p in range(seq.ring_start, seq.length))
-        ring.extend([nulls.ring_row] * (r_max - length))
-    ring_rows = _long(ring, device).view(B, r_max)
+    starts = torch.tensor([seq.ring_start for seq in seqs], dtype=torch.long).view(B, 1)
+    bases = torch.tensor([seq.slot * R for seq in seqs], dtype=torch.long).view(B, 1)
+    col = torch.arange(max(ring_len)).view(1, -1)
+    real = col < torch.tensor(ring_len, dtype=torch.long).view(B, 1)
+    ring_rows = torch.where(real, bases + (starts + col) % R, nulls.ring_row)
+    cold_pages = [len(c) for c in cold]
+    sink_valid = [s is not None for s in sinks]
     return GroupPlan(
         rows,
         B,
         n,
         page_table,
-        [len(c) for c in cold],
+        cold_pages,
         sink_table,
-        [s is not None for s in sinks],
+        sink_valid,
         ring_rows,
         ring_len,
         P,
-        _padded(image, nulls.image_page, device) if image else None,
+        _padded(image, nulls.image_page) if image else None,
         [len(c) for c in image],
+        lengths=torch.tensor([cold_pages, ring_len, [int(v) for v in sink_valid]], dtype=torch.long),
     )
 
 

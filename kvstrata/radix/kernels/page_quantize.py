@@ -198,14 +198,18 @@ def quantize_pages(
     pool: ColdPool,
     ring: HotRing,
     sinks: SinkStore | None,
-) -> WriteCounts:
+) -> torch.Tensor | None:
     """Encode the step's completed pages of ``layer`` into the pool (and sinks); ``k``/``v`` are the
-    step's new rows ``[T, H, D]``. Must run before the new rows are written to the ring."""
+    step's new rows ``[T, H, D]``. Must run before the new rows are written to the ring.
+
+    Returns what the encoder counted as a ``[2, 2]`` float32 tensor on the device, rows (finite
+    absmax, NaN/Inf elements), columns (K, V), read by nobody until the caller wants it (no host
+    sync per layer); None when no page completes."""
     from kvstrata.quant.kernel_decode import kernel_format
 
     n = w.page_ids.numel()
     if n == 0:
-        return WriteCounts()
+        return None
     k_fmt, k_names = kernel_format(pool.k_codecs[layer])
     v_fmt, v_names = kernel_format(pool.v_codecs[layer])
     kp = [as_bits(pool.k[layer][name]) for name in k_names]
@@ -239,9 +243,32 @@ def quantize_pages(
         V_FMT=v_fmt,
         HAS_SINKS=has_sinks,
     )
-    amax = stats[..., 0::2].amax(dim=(0, 1)).tolist()
-    bad = stats[..., 1::2].sum(dim=(0, 1)).tolist()
-    return WriteCounts(0, 0, int(bad[0]), int(bad[1]), amax[0], amax[1])
+    return torch.stack((stats[..., 0::2].amax(dim=(0, 1)), stats[..., 1::2].sum(dim=(0, 1))))
+
+
+def write_counts(stats: torch.Tensor | None) -> WriteCounts:
+    """`WriteCounts` of `quantize_pages`' device counts (reads them back: a host sync)."""
+    if stats is None:
+        return WriteCounts()
+    (absmax_k, absmax_v), (bad_k, bad_v) = stats.tolist()
+    return WriteCounts(0, 0, int(bad_k), int(bad_v), absmax_k, absmax_v)
+
+
+def store_async(
+    layer: int,
+    batch: StepBatch,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pool: ColdPool,
+    ring: HotRing,
+    sinks: SinkStore | None,
+) -> torch.Tensor | None:
+    """`kvstrata.radix.attention.store` with the Triton encoder: the step's completed pages are
+    quantized from the ring and the new rows, then the new rows go into the ring. Returns the
+    encoder's counts on the device (`quantize_pages`), so nothing waits for the device."""
+    stats = quantize_pages(layer, batch.write, k, v, pool, ring, sinks)
+    write_ring(layer, batch, k, v, ring)
+    return stats
 
 
 def store(
@@ -253,8 +280,5 @@ def store(
     ring: HotRing,
     sinks: SinkStore | None,
 ) -> WriteCounts:
-    """`kvstrata.radix.attention.store` with the Triton encoder: the step's completed pages are
-    quantized from the ring and the new rows, then the new rows go into the ring."""
-    counts = quantize_pages(layer, batch.write, k, v, pool, ring, sinks)
-    write_ring(layer, batch, k, v, ring)
-    return counts
+    """`store_async` with the counts read back as `WriteCounts`."""
+    return write_counts(store_async(layer, batch, k, v, pool, ring, sinks))

@@ -1,0 +1,392 @@
+"""One decode step at large batch on one GPU: time per step against the bytes it must read, and a profile.
+
+    python benchmarks/decode_step_gpu.py [--batch 256] [--context 2048] [--kv auto,fp8_e4m3] [--steps 40]
+
+Llama-3-8B geometry with random BF16 weights (`--load-format dummy`'s `dummy_model`: nothing is read or
+downloaded). For each history codec (``auto``: BF16, no quantization; ``fp8_e4m3``: the shipped default,
+a BF16 ring of 128 tokens and sinks), ``--batch`` sequences of ``--context`` random tokens are put in a
+real `StratifiedKVCache` by one planned step whose K/V (random, seeded) go through the cache's own store,
+so pool, ring and sinks hold what a prefill would leave there (non-zero codes). Then the engine's decode
+step runs as the engine runs it: ``cache.begin_step`` (the plan), `StepRunner.run` (CUDA graphs of the
+dense parts captured for the batch size, Triton attention and page quantize between them, the GPU
+sampler with its one host read), greedy tokens appended.
+
+Printed per codec: median ms/step over ``--steps`` steps after ``--warmup``; the bytes floor
+(weights read once: every parameter but the input embedding, plus the K/V the step's plan reads: cold
+pages with their scales, ring rows, sink pages) over the HBM bandwidth measured in the same run (a
+device-to-device copy, bytes read + written); the ratio; the host time of ``begin_step``; and a
+torch.profiler summary of ``--profile-steps`` steps: kernel-busy time (the union of kernel intervals)
+against the steps' wall time, the idle rest, and the kernels by share. A checksum of every greedy token
+lets two versions of the code be compared for token-for-token equality on the same machine.
+
+``--geometry tiny --device cpu`` runs the same code on a small model on the CPU (a smoke test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from kvstrata.engine.attention import get_backend
+from kvstrata.engine.config import ModelConfig
+from kvstrata.engine.cuda_graph import DecodeGraphs
+from kvstrata.engine.loader import dummy_model
+from kvstrata.engine.options import EngineArgs
+from kvstrata.engine.runner import StepRunner
+from kvstrata.engine.sampler import SampleRow
+from kvstrata.engine.sampling_params import SamplingParams
+from kvstrata.engine.scheduler import StepPlan
+from kvstrata.radix import CacheConfig, StratifiedKVCache
+from kvstrata.radix import attention as radix_attention
+
+GEOMETRIES: dict[str, dict[str, Any]] = {
+    "llama3-8b": dict(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        bos_token_id=128000,
+        eos_token_id=128001,
+    ),
+    "tiny": dict(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+}
+
+
+class DecodeRequest:
+    """What `StepRunner` reads of a request: its tokens, its cache sequence and its sampling row."""
+
+    def __init__(self, seq: Any, prompt_ids: list[int]) -> None:
+        self.seq = seq
+        self.prompt_ids = prompt_ids
+        self.output_ids: list[int] = []
+        self.mm = None
+        self.row = SampleRow(SamplingParams(temperature=0.0, max_new_tokens=1 << 20, ignore_eos=True))
+
+    @property
+    def computed(self) -> int:
+        return self.seq.length
+
+    @property
+    def tokens_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def hbm_bandwidth(device: torch.device, nbytes: int = 4 << 30) -> float:
+    """Bytes/s of a large device-to-device copy (read + write), median of 20."""
+    if device.type != "cuda":
+        return float("nan")
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(22):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * nbytes / statistics.median(times[2:])
+
+
+def build_cache(net: Any, cfg: ModelConfig, kv: str, batch: int, tokens: int) -> StratifiedKVCache:
+    """The engine's cache for ``kv`` (codecs, ring, sinks as the engine resolves them), sized for
+    ``batch`` sequences of ``tokens`` tokens."""
+    args = EngineArgs(kv_cache_dtype=kv, kv_plan="off", max_running_requests=batch)
+    codecs = args.resolve_layer_codecs(cfg.num_layers, net.dtype)
+    pages = batch * (tokens // args.page_size + 2) + 16
+    cache_cfg = CacheConfig(
+        num_layers=cfg.num_layers,
+        kv_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim,
+        page_size=args.page_size,
+        recent_window=args.recent_window,
+        max_recent_window=args.recent_window,
+        layer_codecs=codecs,
+        ring_dtype=args.resolve_ring_dtype(net.dtype),
+        num_pages=pages,
+        max_running=batch,
+        sinks=args.resolve_sinks(codecs),
+        device=net.device,
+    )
+    return StratifiedKVCache(cache_cfg)
+
+
+@torch.inference_mode()
+def fill(
+    cache: StratifiedKVCache, cfg: ModelConfig, batch: int, context: int, seed: int
+) -> list[DecodeRequest]:
+    """``batch`` sequences of ``context`` random tokens whose K/V (random, seeded) the cache stored
+    through one planned step, as a prefill would: completed pages quantized, the window in the ring."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(10, cfg.vocab_size - 10, (batch, context), generator=g).tolist()
+    seqs = [cache.admit(list(p)) for p in prompts]
+    plan = cache.begin_step(seqs, [context] * batch)
+    dev_gen = torch.Generator(device=cache.device).manual_seed(seed)
+    shape = (batch * context, cfg.kv_heads, cfg.head_dim)
+    for layer in range(cfg.num_layers):
+        k = torch.randn(shape, generator=dev_gen, device=cache.device).to(cache.cfg.ring_dtype)
+        v = torch.randn(shape, generator=dev_gen, device=cache.device).to(cache.cfg.ring_dtype)
+        radix_attention.store(layer, plan, k, v, cache.pool, cache.ring, cache.sinks, cache.clips[layer])
+        plan.layers_done.add(layer)
+    cache.end_step(plan)
+    reqs = [DecodeRequest(seq, p) for seq, p in zip(seqs, prompts, strict=True)]
+    first = torch.randint(10, cfg.vocab_size - 10, (batch,), generator=g).tolist()
+    for req, tok in zip(reqs, first, strict=True):  # the token the prefill would have sampled
+        req.output_ids.append(tok)
+        req.seq.token_ids.append(tok)
+    return reqs
+
+
+def step_bytes(cache: StratifiedKVCache, plan: Any) -> int:
+    """K/V bytes the plan's attention reads, all layers: cold pages (codes and scales), ring rows,
+    sink pages."""
+    cfg = cache.cfg
+    row = (
+        cfg.num_layers
+        * 2
+        * cfg.kv_heads
+        * cfg.head_dim
+        * torch.empty((), dtype=cfg.ring_dtype).element_size()
+    )
+    total = 0
+    for g in plan.groups:
+        total += sum(g.cold_pages) * cache.pool.page_bytes
+        total += sum(g.ring_len) * row
+        total += sum(bool(s) for s in g.sink_valid) * cfg.page_size * row
+    return total
+
+
+class Decoder:
+    """The engine's decode loop over fixed requests: plan, run, append the greedy tokens."""
+
+    def __init__(self, cache: StratifiedKVCache, runner: StepRunner, reqs: list[DecodeRequest]) -> None:
+        self.cache, self.runner, self.reqs = cache, runner, reqs
+        self.ones = [1] * len(reqs)
+        self.plan_s: list[float] = []
+        self.last_plan: Any = None
+
+    def step(self) -> None:
+        t = time.perf_counter()
+        batch = self.cache.begin_step([r.seq for r in self.reqs], self.ones)
+        self.plan_s.append(time.perf_counter() - t)
+        self.last_plan = batch
+        sampled, out, _ = self.runner.run(StepPlan(self.reqs, self.ones, batch))
+        assert out is not None and len(sampled) == len(self.reqs)
+        for req, tok in zip(sampled, out.tokens, strict=True):
+            req.output_ids.append(tok)
+            req.seq.token_ids.append(tok)
+
+
+def profile_steps(decoder: Decoder, steps: int, device: torch.device) -> dict[str, Any]:
+    """Kernel-busy vs idle time over ``steps`` decode steps (torch.profiler, CUPTI kernel records)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            with record_function("decode_step"):
+                decoder.step()
+        sync(device)
+    events = prof.events()
+    windows = [(e.time_range.start, e.time_range.end) for e in events if e.name == "decode_step"]
+    kernels = [
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in events
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+    ]
+    if not kernels and device.type == "cuda":  # older layouts: read the raw Kineto records
+        raw = prof.profiler.kineto_results.events()
+        cuda = torch.autograd.DeviceType.CUDA
+        windows = [(e.start_ns() / 1e3, e.end_ns() / 1e3) for e in raw if e.name() == "decode_step"]
+        kernels = [(e.start_ns() / 1e3, e.end_ns() / 1e3, e.name()) for e in raw if e.device_type() == cuda]
+    if not windows:
+        return {}
+    t0, t1 = min(w[0] for w in windows), max(w[1] for w in windows)
+    # Longest first among equal starts, so that a record enclosing others (a graph-level record next
+    # to the kernels it ran) comes before them: one stream runs one kernel at a time, so any
+    # overlap marks an enclosing record, which counts for busy time but not in the breakdown.
+    inside = sorted(((max(s, t0), min(e, t1), n) for s, e, n in kernels if e > t0 and s < t1), key=_order)
+    busy, cur_s, cur_e = 0.0, 0.0, None
+    for s, e, _ in inside:
+        if cur_e is None or s > cur_e:
+            busy += 0.0 if cur_e is None else cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        busy += cur_e - cur_s
+    leaves = [r for i, r in enumerate(inside) if i + 1 == len(inside) or inside[i + 1][0] >= r[1]]
+    by_kind: dict[str, float] = {}
+    by_name: dict[str, float] = {}
+    for s, e, name in leaves:
+        by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + (e - s)
+        by_name[name] = by_name.get(name, 0.0) + (e - s)
+    wall = t1 - t0
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+    return {
+        "wall_ms_per_step": wall / steps / 1e3,
+        "busy_ms_per_step": busy / steps / 1e3,
+        "idle_ms_per_step": (wall - busy) / steps / 1e3,
+        "kernels_per_step": len(leaves) / steps,
+        "enclosing_records": len(inside) - len(leaves),
+        "kernel_ms_per_step_by_kind": {
+            k: v / steps / 1e3 for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])
+        },
+        "top_kernels_ms_per_step": {name[:90]: v / steps / 1e3 for name, v in top},
+    }
+
+
+def _order(record: tuple[float, float, str]) -> tuple[float, float]:
+    return record[0], -record[1]
+
+
+def kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    for kind, keys in (
+        ("attention (Triton)", ("_attend_kernel", "_merge_kernel")),
+        ("page quantize (Triton)", ("_page_quantize",)),
+        ("matmul (cuBLAS/CUTLASS)", ("gemm", "nvjet", "cutlass", "sm90_xmma", "gemv")),
+        ("copies", ("memcpy", "memset", "copy_kernel")),
+        ("sampling (argmax/reduce)", ("argmax", "reduce_kernel", "isnan", "isinf")),
+    ):
+        if any(k in lowered for k in keys):
+            return kind
+    return "other elementwise"
+
+
+def run_codec(net: Any, cfg: ModelConfig, kv: str, args: argparse.Namespace, bw: float) -> dict[str, Any]:
+    device = net.device
+    total = args.context + args.warmup + args.steps + args.profile_steps + 1
+    cache = build_cache(net, cfg, kv, args.batch, total)
+    reqs = fill(cache, cfg, args.batch, args.context, args.seed)
+    graphs = None
+    if device.type == "cuda":
+        graphs = DecodeGraphs(net, args.batch)
+        graphs.sizes = [args.batch]  # only the measured batch size is captured
+        graphs.capture()
+    backend = get_backend("triton" if device.type == "cuda" else "torch", cache, cfg.attn_scale)
+    runner = StepRunner(net, cache, backend, device, graphs)
+    decoder = Decoder(cache, runner, reqs)
+    with torch.inference_mode():
+        for _ in range(args.warmup):
+            decoder.step()
+        sync(device)
+        times = []
+        for _ in range(args.steps):
+            t = time.perf_counter()
+            decoder.step()  # ends with the sampler's host read: the step is complete
+            sync(device)
+            times.append(time.perf_counter() - t)
+        kv_bytes = step_bytes(cache, decoder.last_plan)
+        prof = profile_steps(decoder, args.profile_steps, device)
+    weights = sum(
+        p.numel() * p.element_size() for n, p in net.named_parameters() if not n.startswith("embed.")
+    )
+    if cfg.tie_word_embeddings:
+        weights += net.embed.weight.numel() * net.embed.weight.element_size()
+    ms = 1e3 * statistics.median(times)
+    floor_ms = 1e3 * (weights + kv_bytes) / bw
+    tokens = hashlib.sha1(json.dumps([r.output_ids for r in reqs]).encode()).hexdigest()[:16]
+    assert graphs is None or graphs.replayed_steps == args.warmup + args.steps + args.profile_steps
+    plan_ms = 1e3 * statistics.median(decoder.plan_s[args.warmup :])
+    del decoder, runner, graphs, cache, reqs
+    return {
+        "kv": kv,
+        "ms_per_step": ms,
+        "ms_mean": 1e3 * statistics.mean(times),
+        "ms_spread": [1e3 * min(times), 1e3 * max(times)],
+        "weight_bytes": weights,
+        "kv_bytes": kv_bytes,
+        "floor_ms": floor_ms,
+        "ratio": ms / floor_ms,
+        "begin_step_ms": plan_ms,
+        "tokens_sha1": tokens,
+        "profile": prof,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--kv", default="auto,fp8_e4m3", help="history codecs, comma-separated")
+    ap.add_argument("--warmup", type=int, default=17, help="steps first (17: one completes pages)")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--profile-steps", type=int, default=5)
+    ap.add_argument("--geometry", default="llama3-8b", choices=sorted(GEOMETRIES))
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--label", default="", help="a name for this version of the code in the table")
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    cfg = ModelConfig.from_hf(GEOMETRIES[args.geometry])
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    net = dummy_model(cfg, dtype, device, seed=args.seed)
+    bw = hbm_bandwidth(device) if device.type == "cuda" else 50e9
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    results = [run_codec(net, cfg, kv, args, bw) for kv in args.kv.split(",")]
+    print(
+        f"\ndecode step, {args.geometry} geometry (random BF16 weights), batch {args.batch}, context "
+        f"{args.context}; {name}, torch {torch.__version__}; copy bandwidth {bw / 1e9:.0f} GB/s\n"
+    )
+    print(
+        "| code | history | ms/step (median) | mean | floor ms (weights + KV read) | ratio | begin_step ms "
+        "| GPU busy ms | idle ms | tokens sha1 |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    for r in results:
+        p = r["profile"]
+        print(
+            f"| {args.label} | {r['kv']} | {r['ms_per_step']:.2f} | {r['ms_mean']:.2f} | {r['floor_ms']:.2f} "
+            f"({(r['weight_bytes'] + r['kv_bytes']) / 1e9:.1f} GB) | {r['ratio']:.2f}x "
+            f"| {r['begin_step_ms']:.2f} | {p.get('busy_ms_per_step', float('nan')):.2f} "
+            f"| {p.get('idle_ms_per_step', float('nan')):.2f} | {r['tokens_sha1']} |"
+        )
+    for r in results:
+        kinds = r["profile"].get("kernel_ms_per_step_by_kind", {})
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in kinds.items())
+        print(f"{args.label} {r['kv']}: kernel ms/step by kind: {parts}")
+        for name, ms in r["profile"].get("top_kernels_ms_per_step", {}).items():
+            print(f"    {ms:7.3f} ms  {name}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"label": args.label, "device": name, "bandwidth": bw, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
