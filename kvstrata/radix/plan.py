@@ -10,6 +10,7 @@ their own (rows of the image pool), attended as one more key segment after the t
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field, fields
 from functools import cached_property
 
@@ -245,6 +246,7 @@ def upload(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tens
     """Host int64 tensors as tensors on ``device`` (same shapes) through a single copy: one pinned
     staging buffer copied asynchronously on CUDA (no host sync; the caching host allocator keeps the
     buffer until the copy is done), views of it everywhere."""
+    device = torch.device(device)
     if device.type == "cpu" or not tensors:
         return tensors
     sizes = [t.numel() for t in tensors]
@@ -361,11 +363,13 @@ def _split_image_pages(
 def _padded(rows: list[list[int]], null: int) -> torch.Tensor:
     """[len(rows), longest] host table of ``rows`` padded with ``null``."""
     width = max(len(r) for r in rows)
-    flat: list[int] = []
+    if width == 0:
+        return torch.empty((len(rows), 0), dtype=torch.long)
+    flat = array("q")  # a typed buffer: no per-element conversion into the tensor
     for r in rows:
         flat.extend(r)
         flat.extend([null] * (width - len(r)))
-    return torch.tensor(flat, dtype=torch.long).view(len(rows), width)
+    return torch.frombuffer(flat, dtype=torch.long).view(len(rows), width)
 
 
 def _plan_group(
