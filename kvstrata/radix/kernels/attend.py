@@ -25,9 +25,11 @@ import triton
 import triton.language as tl
 
 from kvstrata.quant.kernel_decode import (
+    fp8_value,
     kernel_format,
     key_block_scales,
     load_decoded,
+    pow2_scale,
     tile_codes,
     value_block_scales,
     value_tile_scales,
@@ -39,17 +41,19 @@ from kvstrata.radix.sinks import SinkStore
 
 LOG2E = 1.4426950408889634
 # Launch shapes by [4-bit codes in the layer] (H200, Triton 3.6, best of benchmarks/attention_sweep.py):
-# query rows, raw keys per tile (ring, sinks, new tokens; cold pages on the per-element path), 16-token
-# cold blocks per tile. 4-bit pages are half as many bytes, so a tile takes twice as many blocks.
+# query rows, raw keys per tile (ring, sinks, new tokens; cold pages on the per-key path), 16-token
+# cold blocks per tile, and ``blocks``: cold pages read by 16-token blocks (`kernel_decode`'s block
+# functions, pages of a multiple of 16 tokens) rather than by keys across pages (`_cold_tile`).
+# 4-bit pages are half as many bytes, so a tile takes twice as many blocks.
 DECODE_LAUNCH = {
-    False: dict(block_m=64, block_n=32, blocks=4, num_warps=4, num_stages=2),
-    True: dict(block_m=64, block_n=32, blocks=8, num_warps=4, num_stages=2),
+    False: dict(block_m=64, block_n=32, blocks=4, num_warps=4, num_stages=2, by_blocks=True),
+    True: dict(block_m=64, block_n=32, blocks=8, num_warps=4, num_stages=2, by_blocks=True),
 }
-# Extend of 8- and 16-bit codes stays on the per-element path (measured faster there: its tiles serve
+# Extend of 8- and 16-bit codes reads keys across pages (codes straight into the dot; its tiles serve
 # 128 query rows, so decoding is a small share); 4-bit extend reads by blocks (byte loads once).
 EXTEND_LAUNCH = {
-    False: dict(block_m=128, block_n=128, blocks=8, num_warps=8, num_stages=2),
-    True: dict(block_m=128, block_n=64, blocks=4, num_warps=8, num_stages=2),
+    False: dict(block_m=128, block_n=128, blocks=8, num_warps=8, num_stages=2, by_blocks=False),
+    True: dict(block_m=128, block_n=64, blocks=4, num_warps=8, num_stages=2, by_blocks=True),
 }
 HALF_FORMATS = (5, 6)  # 4-bit codes: the decode kernel splits q and the output into even/odd channels
 TARGET_PROGRAMS = 512  # split-KV aims at about this many programs (a few per SM on an H100/H200)
@@ -124,6 +128,89 @@ def _raw_tile(
     p, alpha, m_i, l_i = _online(s, m_i, l_i)
     acc0, acc1 = _accumulate(acc0, acc1, alpha, p, v0, v1, HALF_V, DOT_PREC)
     return acc0, acc1, m_i, l_i
+
+
+@triton.jit
+def _codes(p, row, d, d_ok, D: tl.constexpr, BLOCK_D: tl.constexpr, FMT: tl.constexpr, DOT: tl.constexpr):
+    """``[N, BLOCK_D]`` codes of rows ``row`` (``[N, 1]``) as dot operands: raw values, or FP8/int8
+    codes converted exactly (their scales are the caller's). Rows past the keys are real rows (of the
+    page the masked page-table load gives), so only channels past D are masked."""
+    at = p + row * D + d
+    if BLOCK_D == D:  # noqa: SIM108  (constexpr branches of a Triton function)
+        x = tl.load(at)
+    else:
+        x = tl.load(at, mask=d_ok, other=0)
+    if FMT == 1 or FMT == 2:
+        x = fp8_value(x, FMT == 2)
+    return x.to(DOT)
+
+
+@triton.jit
+def _cold_tile(
+    qd,
+    acc,
+    m_i,
+    l_i,
+    PT,
+    K0,
+    K1,
+    K2,
+    V0,
+    V1,
+    V2,
+    j,
+    end,
+    d,
+    h,
+    H,
+    P: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    K_FMT: tl.constexpr,
+    V_FMT: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    """One tile of cold keys ``j`` (``[N]`` positions in the sequence's cold pages, ``MASKED``: those
+    at or past ``end`` are padding) read through the page table ``PT``. Keys and values with one
+    scale per key (raw, FP8 keys: one exponent per page and head; per-token value scales of every
+    8-bit codec) load as codes straight into the dot; the key scale multiplies the scores' columns and
+    the value scale the softmax weights (``(p * s_v) . codes + p . offset_v``). Per-channel key scales
+    (int8) and 4-bit codes decode per element (`load_decoded`)."""
+    ok = j < end
+    if MASKED:
+        page = tl.load(PT + j // P, mask=ok, other=0).to(tl.int64)
+    else:
+        page = tl.load(PT + j // P).to(tl.int64)
+    tok = (j % P).to(tl.int64)
+    row = (page * P + tok) * H + h
+    d_ok = (d < D)[None, :]
+    if K_FMT <= 2:
+        k = _codes(K0, row[:, None], d[None, :], d_ok, D, BLOCK_D, K_FMT, DOT_DTYPE)
+    else:
+        k = load_decoded(K0, K1, K2, page[:, None], tok[:, None], h, d[None, :], ok[:, None] & d_ok,
+                         ok[:, None], H, P, D, BLOCK_D, K_FMT, True).to(DOT_DTYPE)  # fmt: skip
+    s = tl.dot(qd, tl.trans(k), input_precision=DOT_PREC)
+    if K_FMT == 1 or K_FMT == 2:
+        s = s * pow2_scale(tl.load(K1 + page * H + h))[None, :]
+    if MASKED:
+        s = tl.where(ok[None, :], s, float("-inf"))
+    p, alpha, m_i, l_i = _online(s, m_i, l_i)
+    if V_FMT <= 4:
+        v = _codes(V0, row[:, None], d[None, :], d_ok, D, BLOCK_D, V_FMT, DOT_DTYPE)
+        w = p
+        if V_FMT != 0:
+            vs, vo = value_tile_scales(V1, V2, row, V_FMT)
+            w = p * vs[None, :]
+        acc = acc * alpha[:, None] + tl.dot(w.to(DOT_DTYPE), v, input_precision=DOT_PREC)
+        if V_FMT == 4:
+            acc += tl.sum(p * vo[None, :], 1)[:, None]
+    else:
+        v = load_decoded(V0, V1, V2, page[:, None], tok[:, None], h, d[None, :], ok[:, None] & d_ok,
+                         ok[:, None], H, P, D, BLOCK_D, V_FMT, False).to(DOT_DTYPE)  # fmt: skip
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PREC)
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -266,24 +353,22 @@ def _attend_kernel(
                 acc0 += pv_off
                 acc1 += pv_off
     else:
-        # Pages of any size: tiles across pages, decoded per element.
+        # Pages of any size: tiles of BLOCK_N keys across pages (`_cold_tile`); full tiles unmasked,
+        # then the last partial tile with its keys masked.
         n = tl.arange(0, BLOCK_N)
         d = tl.arange(0, BLOCK_D)
-        d_ok = d < D
-        for j0 in range(lo * P, hi * P, BLOCK_N):
-            j = j0 + n
-            ok = j < hi * P
-            page = tl.load(PT + b * pt_stride + j // P, mask=ok, other=0).to(tl.int64)
-            tok = (j % P).to(tl.int64)
-            valid = ok[:, None] & d_ok[None, :]
-            pg, tk, dd, rok = page[:, None], tok[:, None], d[None, :], ok[:, None]
-            k = load_decoded(K0, K1, K2, pg, tk, h, dd, valid, rok, H, P, D, BLOCK_D, K_FMT, True)
-            v = load_decoded(V0, V1, V2, pg, tk, h, dd, valid, rok, H, P, D, BLOCK_D, V_FMT, False)
-            k = k.to(DOT_DTYPE)
-            s = tl.where(ok[None, :], _scores(qd0, qd1, k, k, False, DOT_PREC), float("-inf"))
-            p, alpha, m_i, l_i = _online(s, m_i, l_i)
-            v = v.to(DOT_DTYPE)
-            acc0, acc1 = _accumulate(acc0, acc1, alpha, p, v, v, False, DOT_PREC)
+        end = hi * P
+        full = lo * P + tl.maximum(hi - lo, 0) * P // BLOCK_N * BLOCK_N
+        for j0 in range(lo * P, full, BLOCK_N):
+            acc0, m_i, l_i = _cold_tile(
+                qd0, acc0, m_i, l_i, PT + b * pt_stride, K0, K1, K2, V0, V1, V2, j0 + n, end, d, h,
+                H, P, D, BLOCK_D, K_FMT, V_FMT, False, DOT_PREC, DOT_DTYPE,
+            )  # fmt: skip
+        if full < end:
+            acc0, m_i, l_i = _cold_tile(
+                qd0, acc0, m_i, l_i, PT + b * pt_stride, K0, K1, K2, V0, V1, V2, full + n, end, d, h,
+                H, P, D, BLOCK_D, K_FMT, V_FMT, True, DOT_PREC, DOT_DTYPE,
+            )  # fmt: skip
 
     if split == num_splits - 1:
         n = tl.arange(0, BLOCK_N)
@@ -388,10 +473,10 @@ def attend_group(
     n_pages = g.page_table.shape[1]
     page = pool.page_size
     # Cold tiles of whole 16-token blocks (one key-scale vector each) need pages of a multiple of 16
-    # tokens; other page sizes, and extend of 8/16-bit codes, decode per element (`load_decoded`).
+    # tokens; other page sizes read keys across pages (`_cold_tile`).
     four_bit = k_fmt in HALF_FORMATS or v_fmt in HALF_FORMATS
-    fold = page % 16 == 0 and (T == 1 or four_bit)
     launch = (DECODE_LAUNCH if T == 1 else EXTEND_LAUNCH)[four_bit]
+    fold = page % 16 == 0 and launch["by_blocks"]
     half_k, half_v = fold and k_fmt in HALF_FORMATS, fold and v_fmt in HALF_FORMATS
     block_m = max(16, min(launch["block_m"], triton.next_power_of_2(T * group)))
     m_blocks = triton.cdiv(T * group, block_m)
