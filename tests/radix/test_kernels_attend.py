@@ -144,13 +144,14 @@ def test_extend_8_and_16_bit_tiles(codec, block_n, device, monkeypatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("by_blocks", [False, True])
 @pytest.mark.parametrize("codec", ["bf16", "fp8_e5m2", "int8_asym", "int4/fp4_e2m1"])
-def test_decode_keys_across_pages(codec, device, monkeypatch):
-    """Decode with the per-key cold tiles (``by_blocks`` off) on 16-token pages: the path extend of
-    8/16-bit codes takes, here with split-KV and sinks."""
+def test_decode_cold_tiles_both_ways(codec, by_blocks, device, monkeypatch):
+    """Decode with cold pages read by keys across pages and by 16-token blocks, whichever the launch
+    table picks for the codec, with split-KV and sinks."""
     from kvstrata.radix.kernels import attend
 
     for four_bit in (False, True):
-        monkeypatch.setitem(attend.DECODE_LAUNCH[four_bit], "by_blocks", False)
+        monkeypatch.setitem(attend.DECODE_LAUNCH[four_bit], "by_blocks", by_blocks)
     cache = make_cache(codec, device, sinks=True)
     assert check_steps(cache, [9, 70, 300], steps=2, n_new=1, tol=2e-5, splits=2) == 6

@@ -7,9 +7,12 @@ table (codes + scales decoded by `kvstrata.quant.kernel_decode`), the sink page,
 the step's new tokens (causal among themselves), with one online softmax in float32. Q·K and P·V run
 on the tensor cores in the model dtype (BF16 in, float32 accumulate; IEEE float32 for a float32 model).
 
-Cold pages are read in tiles of whole 16-token blocks: a key block's per-channel scales load once and
-broadcast over its tokens, value scales fold into the softmax weights, and 4-bit codes load once per
-byte, their low/high nibbles being the even/odd channels; q and the output are then split into
+Cold pages are read one of two ways (the launch table's ``by_blocks``). By keys across pages
+(`_cold_tile`; 8/16-bit codes, and pages that are not a multiple of 16 tokens): codes with one scale
+per key go straight into the dot, FP8 key exponents multiply the score columns and value scales the
+softmax weights. By whole 16-token blocks (4-bit codes): a key block's per-channel scales load once
+and broadcast over its tokens, value scales fold into the softmax weights, and 4-bit codes load once
+per byte, their low/high nibbles being the even/odd channels; q and the output are then split into
 even/odd channel halves (``HALF_K``/``HALF_V``) instead of interleaving codes.
 
 Split-KV: when a step has too few (sequence, head) pairs to fill the GPU (decode at small batch), the
@@ -40,19 +43,20 @@ from kvstrata.radix.ring import HotRing
 from kvstrata.radix.sinks import SinkStore
 
 LOG2E = 1.4426950408889634
-# Launch shapes by [4-bit codes in the layer] (H200, Triton 3.6, best of benchmarks/attention_sweep.py):
-# query rows, raw keys per tile (ring, sinks, new tokens; cold pages on the per-key path), 16-token
-# cold blocks per tile, and ``blocks``: cold pages read by 16-token blocks (`kernel_decode`'s block
-# functions, pages of a multiple of 16 tokens) rather than by keys across pages (`_cold_tile`).
-# 4-bit pages are half as many bytes, so a tile takes twice as many blocks.
+# Launch shapes by [4-bit codes in the layer] (H200, Triton 3.6, fastest of benchmarks/attention_sweep.py):
+# query rows, keys per tile (ring, sinks, new tokens; cold pages read by keys), 16-token cold blocks
+# per tile, and ``by_blocks``: cold pages read by 16-token blocks (`kernel_decode`'s block functions,
+# pages of a multiple of 16 tokens) rather than by keys across pages (`_cold_tile`). 8/16-bit codes
+# read by keys, 128 a tile (FP8 decode at B=64, 32K: 1.73 ms against 2.32 by 4 blocks); 4-bit codes
+# by blocks (bytes loaded once, twice as many blocks a tile as their pages are half the bytes).
 DECODE_LAUNCH = {
-    False: dict(block_m=64, block_n=32, blocks=4, num_warps=4, num_stages=2, by_blocks=True),
-    True: dict(block_m=64, block_n=32, blocks=8, num_warps=4, num_stages=2, by_blocks=True),
+    False: dict(block_m=64, block_n=128, blocks=4, num_warps=4, num_stages=2, by_blocks=False),
+    True: dict(block_m=64, block_n=32, blocks=8, num_warps=4, num_stages=3, by_blocks=True),
 }
-# Extend of 8- and 16-bit codes reads keys across pages (codes straight into the dot; its tiles serve
-# 128 query rows, so decoding is a small share); 4-bit extend reads by blocks (byte loads once).
+# Extend: 128 query rows a tile; 8/16-bit codes by keys, 128 a tile, 3 pipeline stages (BF16 history:
+# 3.11 ms against 3.65 with 2); 4-bit by blocks.
 EXTEND_LAUNCH = {
-    False: dict(block_m=128, block_n=128, blocks=8, num_warps=8, num_stages=2, by_blocks=False),
+    False: dict(block_m=128, block_n=128, blocks=8, num_warps=8, num_stages=3, by_blocks=False),
     True: dict(block_m=128, block_n=64, blocks=4, num_warps=8, num_stages=2, by_blocks=True),
 }
 HALF_FORMATS = (5, 6)  # 4-bit codes: the decode kernel splits q and the output into even/odd channels
