@@ -50,14 +50,18 @@ LOG2E = 1.4426950408889634
 # read by keys, 128 a tile (FP8 decode at B=64, 32K: 1.73 ms against 2.32 by 4 blocks); 4-bit codes
 # by blocks (bytes loaded once, twice as many blocks a tile as their pages are half the bytes).
 DECODE_LAUNCH = {
-    False: dict(block_m=64, block_n=128, blocks=4, num_warps=4, num_stages=2, by_blocks=False),
-    True: dict(block_m=64, block_n=32, blocks=8, num_warps=4, num_stages=3, by_blocks=True),
+    False: dict(
+        block_m=64, block_n=128, blocks=4, num_warps=4, num_stages=2, by_blocks=False, prefetch=False
+    ),
+    True: dict(block_m=64, block_n=32, blocks=8, num_warps=4, num_stages=3, by_blocks=True, prefetch=False),
 }
 # Extend: 128 query rows a tile; 8/16-bit codes by keys, 128 a tile, 3 pipeline stages (BF16 history:
 # 3.11 ms against 3.65 with 2); 4-bit by blocks.
 EXTEND_LAUNCH = {
-    False: dict(block_m=128, block_n=128, blocks=8, num_warps=8, num_stages=3, by_blocks=False),
-    True: dict(block_m=128, block_n=64, blocks=4, num_warps=8, num_stages=2, by_blocks=True),
+    False: dict(
+        block_m=128, block_n=128, blocks=8, num_warps=8, num_stages=3, by_blocks=False, prefetch=False
+    ),
+    True: dict(block_m=128, block_n=64, blocks=4, num_warps=8, num_stages=2, by_blocks=True, prefetch=False),
 }
 HALF_FORMATS = (5, 6)  # 4-bit codes: the decode kernel splits q and the output into even/odd channels
 TARGET_PROGRAMS = 512  # split-KV aims at about this many programs (a few per SM on an H100/H200)
@@ -155,7 +159,7 @@ def _cold_tile(
     acc,
     m_i,
     l_i,
-    PT,
+    page,
     K0,
     K1,
     K2,
@@ -177,16 +181,12 @@ def _cold_tile(
     DOT_DTYPE: tl.constexpr,
 ):
     """One tile of cold keys ``j`` (``[N]`` positions in the sequence's cold pages, ``MASKED``: those
-    at or past ``end`` are padding) read through the page table ``PT``. Keys and values with one
-    scale per key (raw, FP8 keys: one exponent per page and head; per-token value scales of every
-    8-bit codec) load as codes straight into the dot; the key scale multiplies the scores' columns and
-    the value scale the softmax weights (``(p * s_v) . codes + p . offset_v``). Per-channel key scales
-    (int8) and 4-bit codes decode per element (`load_decoded`)."""
+    at or past ``end`` are padding) in pages ``page`` (``[N]`` int64, from the page table). Keys and
+    values with one scale per key (raw, FP8 keys: one exponent per page and head; per-token value
+    scales of every 8-bit codec) load as codes straight into the dot; the key scale multiplies the
+    scores' columns and the value scale the softmax weights (``(p * s_v) . codes + p . offset_v``).
+    Per-channel key scales (int8) and 4-bit codes decode per element (`load_decoded`)."""
     ok = j < end
-    if MASKED:
-        page = tl.load(PT + j // P, mask=ok, other=0).to(tl.int64)
-    else:
-        page = tl.load(PT + j // P).to(tl.int64)
     tok = (j % P).to(tl.int64)
     row = (page * P + tok) * H + h
     d_ok = (d < D)[None, :]
@@ -271,6 +271,7 @@ def _attend_kernel(
     BLOCK_N: tl.constexpr,
     FOLD: tl.constexpr,
     BLOCKS: tl.constexpr,
+    PREFETCH: tl.constexpr,
     HALF_K: tl.constexpr,
     HALF_V: tl.constexpr,
     BLOCK_DK: tl.constexpr,
@@ -363,14 +364,28 @@ def _attend_kernel(
         d = tl.arange(0, BLOCK_D)
         end = hi * P
         full = lo * P + tl.maximum(hi - lo, 0) * P // BLOCK_N * BLOCK_N
+        pt = PT + b * pt_stride
+        if PREFETCH:
+            # Page-table entries loaded a tile ahead, so the copies of a tile's codes do not wait on
+            # a table load of the same iteration and the pipeliner can run them stages ahead.
+            page = tl.load(pt + (lo * P + n) // P, mask=lo * P + n < end, other=0).to(tl.int64)
         for j0 in range(lo * P, full, BLOCK_N):
+            if PREFETCH:
+                ahead = j0 + BLOCK_N + n
+                page_ahead = tl.load(pt + ahead // P, mask=ahead < end, other=0).to(tl.int64)
+            else:
+                page = tl.load(pt + (j0 + n) // P).to(tl.int64)
             acc0, m_i, l_i = _cold_tile(
-                qd0, acc0, m_i, l_i, PT + b * pt_stride, K0, K1, K2, V0, V1, V2, j0 + n, end, d, h,
+                qd0, acc0, m_i, l_i, page, K0, K1, K2, V0, V1, V2, j0 + n, end, d, h,
                 H, P, D, BLOCK_D, K_FMT, V_FMT, False, DOT_PREC, DOT_DTYPE,
             )  # fmt: skip
+            if PREFETCH:
+                page = page_ahead
         if full < end:
+            if not PREFETCH:
+                page = tl.load(pt + (full + n) // P, mask=full + n < end, other=0).to(tl.int64)
             acc0, m_i, l_i = _cold_tile(
-                qd0, acc0, m_i, l_i, PT + b * pt_stride, K0, K1, K2, V0, V1, V2, full + n, end, d, h,
+                qd0, acc0, m_i, l_i, page, K0, K1, K2, V0, V1, V2, full + n, end, d, h,
                 H, P, D, BLOCK_D, K_FMT, V_FMT, True, DOT_PREC, DOT_DTYPE,
             )  # fmt: skip
 
@@ -533,6 +548,7 @@ def attend_group(
         BLOCK_N=launch["block_n"],
         FOLD=fold,
         BLOCKS=launch["blocks"],
+        PREFETCH=launch["prefetch"],
         HALF_K=half_k,
         HALF_V=half_v,
         BLOCK_DK=max(16, block_d // 2) if half_k else block_d,
