@@ -8,6 +8,7 @@ set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the checkout's kvstrata, installed or not
 PY=${PYTHON:-python3}
 JOBS=${JOBS:-6}
 $PY -c "import torch, triton; print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__)" \
