@@ -1,16 +1,19 @@
 """Launch-shape sweep of the Triton attention kernels on one GPU (picks `DECODE_LAUNCH`/`EXTEND_LAUNCH`).
 
-    python benchmarks/attention_sweep.py
+    python benchmarks/attention_sweep.py            # time every variant, print a table
+    python benchmarks/attention_sweep.py --warm I   # compile variant I only (run several in parallel)
 
 Times `kvstrata.radix.kernels.attend.attend_group` at the 8B layer geometry (32 query / 8 KV heads,
 head_dim 128) on the same strata as `benchmarks/attention_gpu.py` builds, for several launch shapes:
-decode at B=64 and B=1, context 32K (16-token blocks per tile, warps, pipeline stages, split-KV
-target), and extend (a 2,048-token chunk over 30,720 cached tokens). Each line gives milliseconds,
-achieved TB/s and the ratio to SDPA BF16 measured in the same run.
+extend (a 2,048-token chunk over 30,720 cached tokens) and decode at B=64 and B=1, context 32K. Each
+line gives milliseconds and the ratio to SDPA BF16 measured in the same run. ``--warm`` compiles one
+variant into Triton's on-disk cache (same specializations as the timed run), so that a GPU call can
+compile all variants in parallel processes before timing them one after another.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import sys
 from functools import partial
@@ -23,66 +26,146 @@ import attention_gpu as bench  # noqa: E402
 
 from kvstrata.radix.kernels import attend as kernels  # noqa: E402
 
+CONTEXT, CHUNK = 32768, 2048
+FOUR_BIT = ("int4", "fp4_e2m1")
 
-def launch(blocks: int, warps: int, stages: int, target: int = 512, min_pages: int = 16) -> dict:
-    return dict(blocks=blocks, num_warps=warps, num_stages=stages, target=target, min_pages=min_pages)
+
+def shape(
+    m: int, n: int, warps: int, stages: int, by_blocks: bool, blocks: int = 4, prefetch: bool = False
+) -> dict:
+    return dict(
+        block_m=m,
+        block_n=n,
+        blocks=blocks,
+        num_warps=warps,
+        num_stages=stages,
+        by_blocks=by_blocks,
+        prefetch=prefetch,
+    )
 
 
-def decode(codecs: list[str], batch: int, context: int, shapes: list[dict]) -> None:
+# Prefetched page-table entries (Triton 3.6, sm_90, read from the compiled code): 128 x 64 with 4
+# stages keeps three tiles of copies in flight without spills; 128 x 128 with 3 stages spills.
+EXTEND = [
+    shape(128, 128, 8, 3, False),
+    shape(128, 64, 8, 4, False, prefetch=True),
+    shape(128, 64, 8, 3, False, prefetch=True),
+    shape(128, 128, 8, 3, False, prefetch=True),
+    shape(128, 128, 8, 2, False),
+    shape(64, 64, 4, 3, False),
+]
+EXTEND_4BIT = [shape(128, 64, 8, 2, True, 4), shape(128, 64, 8, 3, True, 4), shape(64, 64, 4, 3, True, 4)]
+DECODE = [
+    shape(64, 32, 4, 2, True, 4),
+    shape(64, 32, 4, 3, True, 8),
+    shape(64, 128, 4, 2, False),
+    shape(64, 128, 4, 3, False, prefetch=True),
+    shape(64, 128, 4, 4, False, prefetch=True),
+    shape(64, 256, 4, 2, False),
+]
+DECODE_4BIT = [shape(64, 32, 4, 2, True, 8), shape(64, 32, 4, 3, True, 8), shape(64, 32, 8, 2, True, 16)]
+
+# (kind, codec, batch, launch shape)
+VARIANTS = [("extend", c, 1, s) for c in ("bf16", "fp8_e4m3") for s in EXTEND]
+VARIANTS += [("extend", "int4", 1, s) for s in EXTEND_4BIT]
+VARIANTS += [("decode", "fp8_e4m3", b, s) for b in (64, 1) for s in DECODE]
+VARIANTS += [("decode", "int4", b, s) for b in (64, 1) for s in DECODE_4BIT]
+# Compiled by --warm too: the default shapes of every codec `attention_gpu.py` times.
+WARM = VARIANTS + [("decode", c, b, None) for c in bench.CODECS for b in (64, 1)]
+WARM += [("extend", c, 1, None) for c in ("bf16", "fp8_e4m3", "int4")]
+
+
+def case(kind: str, codec: str, batch: int):
     hq, hkv, d = bench.GEOMETRIES["8b"]
-    fn, _ = bench.sdpa_case(batch, context, hq, hkv, d)
-    base = bench.bench(fn)
-    print(f"SDPA bf16 B={batch} context={context}: {base:.3f} ms", flush=True)
-    for codec in codecs:
-        cache, plan, q, k, v, moved = bench.build(codec, batch, context, hq, hkv, d)
-        args = (0, plan, q, k, v, 1 / math.sqrt(d), cache.pool, cache.ring, None)
-        four_bit = codec in ("int4", "fp4_e2m1")
-        for shape in shapes:
-            shape = dict(shape)
-            kernels.TARGET_PROGRAMS, kernels.MIN_PAGES_PER_SPLIT = shape.pop("target"), shape.pop("min_pages")
-            kernels.DECODE_LAUNCH[four_bit].update(shape)
-            ms = bench.bench(partial(kernels.attend_group, *args))
-            split = f"T={kernels.TARGET_PROGRAMS}/{kernels.MIN_PAGES_PER_SPLIT}"
-            print(
-                f"  B={batch} {codec:9s} {shape} {split}: {ms:.3f} ms {moved / ms / 1e9:.2f} TB/s "
-                f"x{base / ms:.2f}",
-                flush=True,
-            )
-        cache = plan = q = k = v = None
-        torch.cuda.empty_cache()
+    tokens = CHUNK if kind == "extend" else 1
+    cache, plan, q, k, v, moved = bench.build(codec, batch, CONTEXT, hq, hkv, d, tokens=tokens)
+    return (0, plan, q, k, v, 1 / math.sqrt(d), cache.pool, cache.ring, None), moved
 
 
-def extend(codecs: list[str], shapes: list[dict]) -> None:
+def use(kind: str, codec: str, launch: dict | None) -> None:
+    if launch is None:
+        return
+    table = kernels.EXTEND_LAUNCH if kind == "extend" else kernels.DECODE_LAUNCH
+    table[codec in FOUR_BIT].update(launch)
+
+
+def warm(index: int) -> None:
+    """Compile one variant. A decode variant at B=64 runs unsplit: B=4 with one split has the same
+    specializations (16-byte aligned length rows) at a fraction of the memory."""
+    kind, codec, batch, launch = WARM[index]
+    use(kind, codec, launch)
+    args, _ = case(kind, codec, 4 if batch == 64 else batch)
+    kernels.attend_group(*args, splits=1 if batch == 64 else None)
+    torch.cuda.synchronize()
+
+
+def sdpa(kind: str, batch: int) -> float:
     hq, hkv, d = bench.GEOMETRIES["8b"]
-    fn, _ = bench.sdpa_case(1, 32768, hq, hkv, d, tokens=2048)
-    base = bench.bench(fn)
-    print(f"extend SDPA bf16 {base:.3f} ms", flush=True)
-    for codec in codecs:
-        cache, plan, q, k, v, _ = bench.build(codec, 1, 32768, hq, hkv, d, tokens=2048)
-        args = (0, plan, q, k, v, 1 / math.sqrt(d), cache.pool, cache.ring, None)
-        for shape in shapes:
-            kernels.EXTEND_LAUNCH[codec in ("int4", "fp4_e2m1")].update(shape)
-            ms = bench.bench(partial(kernels.attend_group, *args))
-            print(f"  extend {codec:9s} {shape}: {ms:.3f} ms x{base / ms:.2f}", flush=True)
-        cache = plan = q = k = v = None
-        torch.cuda.empty_cache()
+    fn, _ = bench.sdpa_case(batch, CONTEXT, hq, hkv, d, tokens=CHUNK if kind == "extend" else 1)
+    return bench.bench(fn)
+
+
+def sweep() -> dict[tuple[str, bool], dict]:
+    """Time every variant; returns the fastest shape of each launch table entry (kind, 4-bit codes),
+    by the sum of its milliseconds over the swept batches."""
+    rows = []
+    base: dict[tuple[str, int], float] = {}
+    built = None
+    for kind, codec, batch, launch in VARIANTS:
+        if (kind, batch) not in base:
+            base[kind, batch] = sdpa(kind, batch)
+            print(f"SDPA bf16 {kind} B={batch}: {base[kind, batch]:.3f} ms", flush=True)
+        if built is None or built[0] != (kind, codec, batch):
+            built = None
+            torch.cuda.empty_cache()
+            built = ((kind, codec, batch), *case(kind, codec, batch))
+        _, args, moved = built
+        use(kind, codec, launch)
+        ms = bench.bench(partial(kernels.attend_group, *args))
+        rows.append((kind, codec, batch, launch, ms, moved, base[kind, batch] / ms))
+        print(f"  {kind} B={batch} {codec} {launch}: {ms:.3f} ms x{base[kind, batch] / ms:.2f}", flush=True)
+    print("\n| kind | B | codec | block_m x block_n | warps | stages | by blocks (n) | ms | TB/s | vs SDPA |")
+    print("|---|---:|---|---|---:|---:|---|---:|---:|---:|")
+    for kind, codec, batch, s, ms, moved, ratio in rows:
+        blocks = f"yes ({s['blocks']})" if s["by_blocks"] else ("no, prefetch" if s["prefetch"] else "no")
+        print(
+            f"| {kind} | {batch} | {codec} | {s['block_m']} x {s['block_n']} | {s['num_warps']} | "
+            f"{s['num_stages']} | {blocks} | {ms:.3f} | {moved / ms / 1e9:.2f} | {ratio:.2f}x |"
+        )
+    total: dict[tuple, float] = {}
+    for kind, codec, _, s, ms, _, _ in rows:
+        key = (kind, codec in FOUR_BIT, tuple(s.items()))
+        total[key] = total.get(key, 0.0) + ms
+    best: dict[tuple[str, bool], dict] = {}
+    for kind, four_bit, items in sorted(total, key=total.get, reverse=True):
+        best[kind, four_bit] = dict(items)
+    print("\nfastest shapes (kind, 4-bit): " + "; ".join(f"{k}: {v}" for k, v in best.items()), flush=True)
+    return best
 
 
 def main() -> None:
-    shapes = [launch(2, 4, 2), launch(4, 4, 2), launch(4, 4, 3), launch(8, 4, 2), launch(8, 8, 2)]
-    shapes += [launch(4, 4, 2, 2048), launch(2, 4, 2, 4096)]
-    decode(["fp8_e4m3", "int4", "fp4_e2m1", "bf16"], 64, 32768, shapes)
-    shapes = [launch(2, 4, 2), launch(4, 4, 2), launch(2, 4, 2, 2048, 8), launch(4, 4, 2, 2048, 8)]
-    decode(["fp8_e4m3", "int4"], 1, 32768, shapes + [launch(2, 4, 2, 4096, 4)])
-    extend(
-        ["bf16", "fp8_e4m3", "int4"],
-        [
-            dict(block_m=128, block_n=64, blocks=4, num_warps=8, num_stages=2),
-            dict(block_m=64, block_n=64, blocks=4, num_warps=4, num_stages=3),
-            dict(block_m=128, block_n=128, blocks=8, num_warps=8, num_stages=3),
-            dict(block_m=128, block_n=64, blocks=4, num_warps=4, num_stages=3),
-        ],
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--warm", type=int, help="compile variant WARM only")
+    ap.add_argument("--count", action="store_true", help="print the number of variants")
+    ap.add_argument(
+        "--then-bench",
+        nargs=argparse.REMAINDER,
+        help="then run attention_gpu.py (these arguments) with the fastest shapes",
     )
+    args = ap.parse_args()
+    if args.count:
+        print(len(WARM))
+    elif args.warm is not None:
+        warm(args.warm)
+    else:
+        best = sweep()
+        if args.then_bench is not None:
+            for (kind, four_bit), launch in best.items():
+                (kernels.EXTEND_LAUNCH if kind == "extend" else kernels.DECODE_LAUNCH)[four_bit].update(
+                    launch
+                )
+            sys.argv = ["attention_gpu.py", *args.then_bench]
+            bench.main()
 
 
 if __name__ == "__main__":

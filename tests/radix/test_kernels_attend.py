@@ -125,3 +125,38 @@ def test_pages_not_a_multiple_of_16(codec, device):
     assert check_steps(cache, [5, 30, 61], steps=2, n_new=1, tol=2e-5) == 6
     cache = make_cache(codec, device, page=8, window=8)
     check_steps(cache, [9, 44], steps=1, n_new=7, tol=2e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("block_n", [None, 32])
+@pytest.mark.parametrize("codec", ["bf16", "fp8_e4m3", "int8", "int8_asym/fp8_e4m3"])
+def test_extend_8_and_16_bit_tiles(codec, block_n, prefetch, device, monkeypatch):
+    """Extend over 8/16-bit codes reads cold keys in tiles across pages (codes straight into the dot,
+    FP8 key exponents on the score columns, value scales on the weights): whole tiles unmasked, then
+    the partial last one. 300 tokens span two full 128-key tiles and a partial one; ``block_n`` 32
+    makes several full tiles of the shorter sequences too; ``prefetch`` loads page-table entries a
+    tile ahead."""
+    from kvstrata.radix.kernels import attend
+
+    monkeypatch.setitem(attend.EXTEND_LAUNCH[False], "prefetch", prefetch)
+    if block_n is not None:
+        monkeypatch.setitem(attend.EXTEND_LAUNCH[False], "block_n", block_n)
+    cache = make_cache(codec, device, sinks=codec == "fp8_e4m3")
+    assert check_steps(cache, [3, 70, 300], steps=1, n_new=9, tol=2e-5) == 3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("way", ["keys", "keys, prefetch", "blocks"])
+@pytest.mark.parametrize("codec", ["bf16", "fp8_e5m2", "int8_asym", "int4/fp4_e2m1"])
+def test_decode_cold_tiles_both_ways(codec, way, device, monkeypatch):
+    """Decode with cold pages read by keys across pages (page-table entries loaded in the tile or a
+    tile ahead) and by 16-token blocks, whichever the launch table picks for the codec, with split-KV
+    (splits that start past the first page) and sinks."""
+    from kvstrata.radix.kernels import attend
+
+    for four_bit in (False, True):
+        monkeypatch.setitem(attend.DECODE_LAUNCH[four_bit], "by_blocks", way == "blocks")
+        monkeypatch.setitem(attend.DECODE_LAUNCH[four_bit], "prefetch", way == "keys, prefetch")
+    cache = make_cache(codec, device, sinks=True)
+    assert check_steps(cache, [9, 70, 300], steps=2, n_new=1, tol=2e-5, splits=2) == 6

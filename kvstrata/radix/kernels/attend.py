@@ -7,9 +7,12 @@ table (codes + scales decoded by `kvstrata.quant.kernel_decode`), the sink page,
 the step's new tokens (causal among themselves), with one online softmax in float32. Q·K and P·V run
 on the tensor cores in the model dtype (BF16 in, float32 accumulate; IEEE float32 for a float32 model).
 
-Cold pages are read in tiles of whole 16-token blocks: a key block's per-channel scales load once and
-broadcast over its tokens, value scales fold into the softmax weights, and 4-bit codes load once per
-byte, their low/high nibbles being the even/odd channels; q and the output are then split into
+Cold pages are read one of two ways (the launch table's ``by_blocks``). By keys across pages
+(`_cold_tile`; 8/16-bit codes, and pages that are not a multiple of 16 tokens): codes with one scale
+per key go straight into the dot, FP8 key exponents multiply the score columns and value scales the
+softmax weights. By whole 16-token blocks (4-bit codes): a key block's per-channel scales load once
+and broadcast over its tokens, value scales fold into the softmax weights, and 4-bit codes load once
+per byte, their low/high nibbles being the even/odd channels; q and the output are then split into
 even/odd channel halves (``HALF_K``/``HALF_V``) instead of interleaving codes.
 
 Split-KV: when a step has too few (sequence, head) pairs to fill the GPU (decode at small batch), the
@@ -25,9 +28,11 @@ import triton
 import triton.language as tl
 
 from kvstrata.quant.kernel_decode import (
+    fp8_value,
     kernel_format,
     key_block_scales,
     load_decoded,
+    pow2_scale,
     tile_codes,
     value_block_scales,
     value_tile_scales,
@@ -38,18 +43,25 @@ from kvstrata.radix.ring import HotRing
 from kvstrata.radix.sinks import SinkStore
 
 LOG2E = 1.4426950408889634
-# Launch shapes by [4-bit codes in the layer] (H200, Triton 3.6, best of benchmarks/attention_sweep.py):
-# query rows, raw keys per tile (ring, sinks, new tokens; cold pages on the per-element path), 16-token
-# cold blocks per tile. 4-bit pages are half as many bytes, so a tile takes twice as many blocks.
+# Launch shapes by [4-bit codes in the layer] (H200, Triton 3.6, fastest of benchmarks/attention_sweep.py):
+# query rows, keys per tile (ring, sinks, new tokens; cold pages read by keys), 16-token cold blocks
+# per tile, and ``by_blocks``: cold pages read by 16-token blocks (`kernel_decode`'s block functions,
+# pages of a multiple of 16 tokens) rather than by keys across pages (`_cold_tile`). 8/16-bit codes
+# read by keys, 128 a tile (FP8 decode at B=64, 32K: 1.73 ms against 2.32 by 4 blocks); 4-bit codes
+# by blocks (bytes loaded once, twice as many blocks a tile as their pages are half the bytes).
 DECODE_LAUNCH = {
-    False: dict(block_m=64, block_n=32, blocks=4, num_warps=4, num_stages=2),
-    True: dict(block_m=64, block_n=32, blocks=8, num_warps=4, num_stages=2),
+    False: dict(
+        block_m=64, block_n=128, blocks=4, num_warps=4, num_stages=2, by_blocks=False, prefetch=False
+    ),
+    True: dict(block_m=64, block_n=32, blocks=8, num_warps=4, num_stages=3, by_blocks=True, prefetch=False),
 }
-# Extend of 8- and 16-bit codes stays on the per-element path (measured faster there: its tiles serve
-# 128 query rows, so decoding is a small share); 4-bit extend reads by blocks (byte loads once).
+# Extend: 128 query rows a tile; 8/16-bit codes by keys, 128 a tile, 3 pipeline stages (BF16 history:
+# 3.11 ms against 3.65 with 2); 4-bit by blocks.
 EXTEND_LAUNCH = {
-    False: dict(block_m=128, block_n=128, blocks=8, num_warps=8, num_stages=2),
-    True: dict(block_m=128, block_n=64, blocks=4, num_warps=8, num_stages=2),
+    False: dict(
+        block_m=128, block_n=128, blocks=8, num_warps=8, num_stages=3, by_blocks=False, prefetch=False
+    ),
+    True: dict(block_m=128, block_n=64, blocks=4, num_warps=8, num_stages=2, by_blocks=True, prefetch=False),
 }
 HALF_FORMATS = (5, 6)  # 4-bit codes: the decode kernel splits q and the output into even/odd channels
 TARGET_PROGRAMS = 512  # split-KV aims at about this many programs (a few per SM on an H100/H200)
@@ -127,6 +139,85 @@ def _raw_tile(
 
 
 @triton.jit
+def _codes(p, row, d, d_ok, D: tl.constexpr, BLOCK_D: tl.constexpr, FMT: tl.constexpr, DOT: tl.constexpr):
+    """``[N, BLOCK_D]`` codes of rows ``row`` (``[N, 1]``) as dot operands: raw values, or FP8/int8
+    codes converted exactly (their scales are the caller's). Rows past the keys are real rows (of the
+    page the masked page-table load gives), so only channels past D are masked."""
+    at = p + row * D + d
+    if BLOCK_D == D:  # noqa: SIM108  (constexpr branches of a Triton function)
+        x = tl.load(at)
+    else:
+        x = tl.load(at, mask=d_ok, other=0)
+    if FMT == 1 or FMT == 2:
+        x = fp8_value(x, FMT == 2)
+    return x.to(DOT)
+
+
+@triton.jit
+def _cold_tile(
+    qd,
+    acc,
+    m_i,
+    l_i,
+    page,
+    K0,
+    K1,
+    K2,
+    V0,
+    V1,
+    V2,
+    j,
+    end,
+    d,
+    h,
+    H,
+    P: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    K_FMT: tl.constexpr,
+    V_FMT: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    """One tile of cold keys ``j`` (``[N]`` positions in the sequence's cold pages, ``MASKED``: those
+    at or past ``end`` are padding) in pages ``page`` (``[N]`` int64, from the page table). Keys and
+    values with one scale per key (raw, FP8 keys: one exponent per page and head; per-token value
+    scales of every 8-bit codec) load as codes straight into the dot; the key scale multiplies the
+    scores' columns and the value scale the softmax weights (``(p * s_v) . codes + p . offset_v``).
+    Per-channel key scales (int8) and 4-bit codes decode per element (`load_decoded`)."""
+    ok = j < end
+    tok = (j % P).to(tl.int64)
+    row = (page * P + tok) * H + h
+    d_ok = (d < D)[None, :]
+    if K_FMT <= 2:
+        k = _codes(K0, row[:, None], d[None, :], d_ok, D, BLOCK_D, K_FMT, DOT_DTYPE)
+    else:
+        k = load_decoded(K0, K1, K2, page[:, None], tok[:, None], h, d[None, :], ok[:, None] & d_ok,
+                         ok[:, None], H, P, D, BLOCK_D, K_FMT, True).to(DOT_DTYPE)  # fmt: skip
+    s = tl.dot(qd, tl.trans(k), input_precision=DOT_PREC)
+    if K_FMT == 1 or K_FMT == 2:
+        s = s * pow2_scale(tl.load(K1 + page * H + h))[None, :]
+    if MASKED:
+        s = tl.where(ok[None, :], s, float("-inf"))
+    p, alpha, m_i, l_i = _online(s, m_i, l_i)
+    if V_FMT <= 4:
+        v = _codes(V0, row[:, None], d[None, :], d_ok, D, BLOCK_D, V_FMT, DOT_DTYPE)
+        w = p
+        if V_FMT != 0:
+            vs, vo = value_tile_scales(V1, V2, row, V_FMT)
+            w = p * vs[None, :]
+        acc = acc * alpha[:, None] + tl.dot(w.to(DOT_DTYPE), v, input_precision=DOT_PREC)
+        if V_FMT == 4:
+            acc += tl.sum(p * vo[None, :], 1)[:, None]
+    else:
+        v = load_decoded(V0, V1, V2, page[:, None], tok[:, None], h, d[None, :], ok[:, None] & d_ok,
+                         ok[:, None], H, P, D, BLOCK_D, V_FMT, False).to(DOT_DTYPE)  # fmt: skip
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PREC)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _channels(HALF: tl.constexpr, BLOCK: tl.constexpr):
     """Channel indices ``(c0, c1)`` of an operand: ``HALF`` the even and odd channels (BLOCK each),
     else every channel (twice)."""
@@ -180,6 +271,7 @@ def _attend_kernel(
     BLOCK_N: tl.constexpr,
     FOLD: tl.constexpr,
     BLOCKS: tl.constexpr,
+    PREFETCH: tl.constexpr,
     HALF_K: tl.constexpr,
     HALF_V: tl.constexpr,
     BLOCK_DK: tl.constexpr,
@@ -266,24 +358,36 @@ def _attend_kernel(
                 acc0 += pv_off
                 acc1 += pv_off
     else:
-        # Pages of any size: tiles across pages, decoded per element.
+        # Pages of any size: tiles of BLOCK_N keys across pages (`_cold_tile`); full tiles unmasked,
+        # then the last partial tile with its keys masked.
         n = tl.arange(0, BLOCK_N)
         d = tl.arange(0, BLOCK_D)
-        d_ok = d < D
-        for j0 in range(lo * P, hi * P, BLOCK_N):
-            j = j0 + n
-            ok = j < hi * P
-            page = tl.load(PT + b * pt_stride + j // P, mask=ok, other=0).to(tl.int64)
-            tok = (j % P).to(tl.int64)
-            valid = ok[:, None] & d_ok[None, :]
-            pg, tk, dd, rok = page[:, None], tok[:, None], d[None, :], ok[:, None]
-            k = load_decoded(K0, K1, K2, pg, tk, h, dd, valid, rok, H, P, D, BLOCK_D, K_FMT, True)
-            v = load_decoded(V0, V1, V2, pg, tk, h, dd, valid, rok, H, P, D, BLOCK_D, V_FMT, False)
-            k = k.to(DOT_DTYPE)
-            s = tl.where(ok[None, :], _scores(qd0, qd1, k, k, False, DOT_PREC), float("-inf"))
-            p, alpha, m_i, l_i = _online(s, m_i, l_i)
-            v = v.to(DOT_DTYPE)
-            acc0, acc1 = _accumulate(acc0, acc1, alpha, p, v, v, False, DOT_PREC)
+        end = hi * P
+        full = lo * P + tl.maximum(hi - lo, 0) * P // BLOCK_N * BLOCK_N
+        pt = PT + b * pt_stride
+        if PREFETCH:
+            # Page-table entries loaded a tile ahead, so the copies of a tile's codes do not wait on
+            # a table load of the same iteration and the pipeliner can run them stages ahead.
+            page = tl.load(pt + (lo * P + n) // P, mask=lo * P + n < end, other=0).to(tl.int64)
+        for j0 in range(lo * P, full, BLOCK_N):
+            if PREFETCH:
+                ahead = j0 + BLOCK_N + n
+                page_ahead = tl.load(pt + ahead // P, mask=ahead < end, other=0).to(tl.int64)
+            else:
+                page = tl.load(pt + (j0 + n) // P).to(tl.int64)
+            acc0, m_i, l_i = _cold_tile(
+                qd0, acc0, m_i, l_i, page, K0, K1, K2, V0, V1, V2, j0 + n, end, d, h,
+                H, P, D, BLOCK_D, K_FMT, V_FMT, False, DOT_PREC, DOT_DTYPE,
+            )  # fmt: skip
+            if PREFETCH:
+                page = page_ahead
+        if full < end:
+            if not PREFETCH:
+                page = tl.load(pt + (full + n) // P, mask=full + n < end, other=0).to(tl.int64)
+            acc0, m_i, l_i = _cold_tile(
+                qd0, acc0, m_i, l_i, page, K0, K1, K2, V0, V1, V2, full + n, end, d, h,
+                H, P, D, BLOCK_D, K_FMT, V_FMT, True, DOT_PREC, DOT_DTYPE,
+            )  # fmt: skip
 
     if split == num_splits - 1:
         n = tl.arange(0, BLOCK_N)
@@ -388,10 +492,10 @@ def attend_group(
     n_pages = g.page_table.shape[1]
     page = pool.page_size
     # Cold tiles of whole 16-token blocks (one key-scale vector each) need pages of a multiple of 16
-    # tokens; other page sizes, and extend of 8/16-bit codes, decode per element (`load_decoded`).
+    # tokens; other page sizes read keys across pages (`_cold_tile`).
     four_bit = k_fmt in HALF_FORMATS or v_fmt in HALF_FORMATS
-    fold = page % 16 == 0 and (T == 1 or four_bit)
     launch = (DECODE_LAUNCH if T == 1 else EXTEND_LAUNCH)[four_bit]
+    fold = page % 16 == 0 and launch["by_blocks"]
     half_k, half_v = fold and k_fmt in HALF_FORMATS, fold and v_fmt in HALF_FORMATS
     block_m = max(16, min(launch["block_m"], triton.next_power_of_2(T * group)))
     m_blocks = triton.cdiv(T * group, block_m)
@@ -444,6 +548,7 @@ def attend_group(
         BLOCK_N=launch["block_n"],
         FOLD=fold,
         BLOCKS=launch["blocks"],
+        PREFETCH=launch["prefetch"],
         HALF_K=half_k,
         HALF_V=half_v,
         BLOCK_DK=max(16, block_d // 2) if half_k else block_d,
