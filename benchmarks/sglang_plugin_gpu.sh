@@ -6,24 +6,28 @@
 # kvstrata on PYTHONPATH with an entry-point record so SGLang's load_plugins() finds the plugin in
 # every process, per-config environment (KVSTRATA_*), a cap on each bench, and a result table.
 #
-#   SGL_DIR=/path/to/.sgl bash benchmarks/sglang_plugin_gpu.sh [CONFIG ...]     (from the repo root)
+#   PAYLOAD_DIR=/path/to/.sgl bash benchmarks/sglang_plugin_gpu.sh [CONFIG ...]     (from the repo root)
 #   CONFIG = name:attention_backend:kv_cache_dtype[:extra,server,flags[:ENV=VALUE,ENV=VALUE]]
+#   attention_backend "@kvstrata" serves with `kvstrata serve` (kvstrata's own engine; kv_cache_dtype
+#   is its history codec) instead of SGLang. (That path and BENCH_TOOL=kvstrata have not run on a GPU yet.)
 #
-# SGL_DIR holds payload.tar.xz (once per machine), model/ and bin/envcheck.py, as written by
+# (PAYLOAD_DIR, not SGL_DIR: SGLang reads SGL_DIR as its deprecated name of SGLANG_DIR.)
+# PAYLOAD_DIR holds payload.tar.xz (once per machine), model/ and bin/envcheck.py, as written by
 # ../shared/sglang-gpu/build_payload.sh. Knobs: DEADLINE (s, 470), NPROMPTS (256), CONC (256), ILEN
-# (1536), OLEN (512), MIN_LEFT (s needed to start a config, 100), BENCH_CAP (s, 170).
+# (1536), OLEN (512), MIN_LEFT (s needed to start a config, 100), BENCH_CAP (s, 170),
+# BENCH_TOOL (sglang: SGLang's bench_serving; kvstrata: `kvstrata bench`, the same workload).
 # Writes to $OUT: summary.txt (the table last), env.txt, bench.log, bench.jsonl, server_<name>.log.
 set -u
 T0=$(date +%s)
 DEADLINE=${DEADLINE:-470}
 NPROMPTS=${NPROMPTS:-256}; CONC=${CONC:-256}; ILEN=${ILEN:-1536}; OLEN=${OLEN:-512}
-MIN_LEFT=${MIN_LEFT:-100}; BENCH_CAP=${BENCH_CAP:-170}
+MIN_LEFT=${MIN_LEFT:-100}; BENCH_CAP=${BENCH_CAP:-170}; BENCH_TOOL=${BENCH_TOOL:-sglang}
 OUT=${OUT:-/tmp/sgl_out}; mkdir -p "$OUT"
 REPO=$(pwd)
-SGL_DIR=${SGL_DIR:-$REPO/.sgl}
+PAYLOAD_DIR=${PAYLOAD_DIR:-$REPO/.sgl}
 SITE=/tmp/sglsite
 PLUGIN_META=/tmp/kvstrata_plugin_meta
-MODEL=$SGL_DIR/model
+MODEL=$PAYLOAD_DIR/model
 PORT=30000
 TABLE=/tmp/sglang_plugin_table.md
 left() { echo $(( DEADLINE - ($(date +%s) - T0) )); }
@@ -33,7 +37,7 @@ log() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/summary.txt"; }
 #    would write), so that importlib.metadata finds the plugin in the group sglang.srt.plugins.
 if [ ! -f $SITE/.ok ]; then
   rm -rf $SITE; mkdir -p $SITE
-  tar -xJf "$SGL_DIR/payload.tar.xz" -C $SITE && touch $SITE/.ok
+  tar -xJf "$PAYLOAD_DIR/payload.tar.xz" -C $SITE && touch $SITE/.ok
 fi
 VERSION=$(python3 -c "import re,sys; print(re.search(r'__version__ = \"(.*)\"', open(sys.argv[1]).read())[1])" \
   "$REPO/kvstrata/__init__.py")
@@ -51,7 +55,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 # 2. environment, CUDA-path imports, and plugin discovery as SGLang does it
 {
   nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv
-  python3 "$SGL_DIR/bin/envcheck.py"
+  python3 "$PAYLOAD_DIR/bin/envcheck.py"
   python3 -c "from sglang.srt.plugins import load_plugins; load_plugins()
 from sglang.srt.mem_cache.registry import registered_radix_cache_backends as r
 from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS as a
@@ -70,15 +74,21 @@ bench() {
   local tb=$(date +%s) tl=$(( $(left) - 25 ))
   [ $tl -gt "$BENCH_CAP" ] && tl=$BENCH_CAP
   [ $tl -lt 10 ] && tl=10
-  local before=$(wc -l < "$OUT/bench.jsonl" 2>/dev/null || echo 0)
-  timeout $tl python3 -m sglang.bench_serving --backend sglang --host 127.0.0.1 --port $PORT \
-      --model "$MODEL" --tokenizer "$MODEL" --dataset-name random-ids --tokenize-prompt \
-      --random-input-len $ILEN --random-output-len $OLEN --random-range-ratio 1.0 \
-      --num-prompts $NPROMPTS --max-concurrency $CONC --seed 1 --warmup-requests 1 \
-      --output-file "$OUT/bench.jsonl" >> "$OUT/bench.log" 2>&1
+  local before=0
+  [ -f "$OUT/bench.jsonl" ] && before=$(wc -l < "$OUT/bench.jsonl")
+  local workload=(--random-input-len $ILEN --random-output-len $OLEN --random-range-ratio 1.0
+      --num-prompts $NPROMPTS --max-concurrency $CONC --seed 1 --warmup-requests 1 --dataset-name random-ids)
+  if [ "$BENCH_TOOL" = kvstrata ]; then
+    timeout $tl python3 -m kvstrata bench --base-url http://127.0.0.1:$PORT --tokenizer "$MODEL" \
+        "${workload[@]}" --disable-tqdm --output-file "$OUT/bench.jsonl" >> "$OUT/bench.log" 2>&1
+  else
+    timeout $tl python3 -m sglang.bench_serving --backend sglang --host 127.0.0.1 --port $PORT \
+        --model "$MODEL" --tokenizer "$MODEL" --tokenize-prompt "${workload[@]}" \
+        --output-file "$OUT/bench.jsonl" >> "$OUT/bench.log" 2>&1
+  fi
   local rc=$?
-  log "$name: bench rc=$rc in $(( $(date +%s) - tb ))s"
-  if [ "$(wc -l < "$OUT/bench.jsonl" 2>/dev/null || echo 0)" -gt "$before" ]; then
+  log "$name: bench ($BENCH_TOOL) rc=$rc in $(( $(date +%s) - tb ))s"
+  if [ -f "$OUT/bench.jsonl" ] && [ "$(wc -l < "$OUT/bench.jsonl")" -gt "$before" ]; then
     tail -1 "$OUT/bench.jsonl" | python3 -c "import json,sys; r=json.load(sys.stdin); print(
       f\"| $name | {r['completed']} | {r['output_throughput']:,.0f} | {r['total_throughput']:,.0f} |\"
       f\" {r['median_ttft_ms']:,.0f} | {r['median_itl_ms']:.1f} | $tokens |\")" >> "$TABLE"
@@ -94,9 +104,14 @@ run_cfg() {
   local slog="$OUT/server_$name.log"
   log "$name: launching backend=$backend kv=$kvd extra='$extra' env='$envs'"
   # shellcheck disable=SC2086
-  env ${envs//,/ } setsid python3 -m sglang.launch_server --model-path "$MODEL" --load-format dummy \
-      --host 127.0.0.1 --port $PORT --attention-backend "$backend" --kv-cache-dtype "$kvd" \
-      --cuda-graph-max-bs 256 $extra > "$slog" 2>&1 &
+  if [ "$backend" = @kvstrata ]; then
+    env ${envs//,/ } setsid python3 -m kvstrata serve --model "$MODEL" --load-format dummy \
+        --host 127.0.0.1 --port $PORT --kv-cache-dtype "$kvd" $extra > "$slog" 2>&1 &
+  else
+    env ${envs//,/ } setsid python3 -m sglang.launch_server --model-path "$MODEL" --load-format dummy \
+        --host 127.0.0.1 --port $PORT --attention-backend "$backend" --kv-cache-dtype "$kvd" \
+        --cuda-graph-max-bs 256 $extra > "$slog" 2>&1 &
+  fi
   local pid=$! ts=$(date +%s) ok=0
   while [ "$(left)" -gt 40 ]; do
     kill -0 $pid 2>/dev/null || break
@@ -105,6 +120,8 @@ run_cfg() {
   done
   local tokens
   tokens=$(grep -o 'max_total_num_tokens=[0-9]*' "$slog" | head -1 | cut -d= -f2)
+  # kvstrata serve logs its memory plan as a table: "cold pool | x GiB | N tokens (P pages)"
+  [ -z "$tokens" ] && tokens=$(grep 'cold pool' "$slog" | grep -oE '[0-9,]+ tokens' | head -1 | tr -d ', tokens')
   log "$name: server ready=$ok after $(( $(date +%s) - ts ))s; max_total_num_tokens=${tokens:-?}"
   if [ $ok = 1 ]; then
     bench "$name" "${tokens:-?}"
