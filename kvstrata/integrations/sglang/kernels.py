@@ -70,7 +70,8 @@ class TritonStrataKernels:
     def store(self, layer, batch, k, v, pool, ring):
         from kvstrata.radix.kernels import page_quantize
 
-        return page_quantize.store(layer, batch, k, v, pool, ring, None)
+        # The pool uses only the overflow counts, zero with the Triton encoder: no per-layer host read.
+        return page_quantize.store(layer, batch, k, v, pool, ring, None, read_counts=False)
 
 
 _KERNELS: dict[str, Callable[[], StrataKernels]] = {

@@ -198,9 +198,13 @@ def quantize_pages(
     pool: ColdPool,
     ring: HotRing,
     sinks: SinkStore | None,
+    read_counts: bool = True,
 ) -> WriteCounts:
     """Encode the step's completed pages of ``layer`` into the pool (and sinks); ``k``/``v`` are the
-    step's new rows ``[T, H, D]``. Must run before the new rows are written to the ring."""
+    step's new rows ``[T, H, D]``. Must run before the new rows are written to the ring.
+    ``read_counts=False`` leaves the non-finite counts and absmax on the device (reading them waits
+    for the device, once per layer) and returns zero counts; the overflow counts are zero either
+    way (dynamic scales clip nothing)."""
     from kvstrata.quant.kernel_decode import kernel_format
 
     n = w.page_ids.numel()
@@ -239,6 +243,8 @@ def quantize_pages(
         V_FMT=v_fmt,
         HAS_SINKS=has_sinks,
     )
+    if not read_counts:
+        return WriteCounts()
     amax = stats[..., 0::2].amax(dim=(0, 1)).tolist()
     bad = stats[..., 1::2].sum(dim=(0, 1)).tolist()
     return WriteCounts(0, 0, int(bad[0]), int(bad[1]), amax[0], amax[1])
@@ -252,9 +258,10 @@ def store(
     pool: ColdPool,
     ring: HotRing,
     sinks: SinkStore | None,
+    read_counts: bool = True,
 ) -> WriteCounts:
     """`kvstrata.radix.attention.store` with the Triton encoder: the step's completed pages are
     quantized from the ring and the new rows, then the new rows go into the ring."""
-    counts = quantize_pages(layer, batch.write, k, v, pool, ring, sinks)
+    counts = quantize_pages(layer, batch.write, k, v, pool, ring, sinks, read_counts)
     write_ring(layer, batch, k, v, ring)
     return counts
