@@ -70,7 +70,10 @@ class TritonStrataKernels:
     def store(self, layer, batch, k, v, pool, ring):
         from kvstrata.radix.kernels import page_quantize
 
-        return page_quantize.store(layer, batch, k, v, pool, ring, None)
+        # The pool uses only the overflow counts, zero with the Triton encoder: the encoder's other
+        # counts stay on the device, so no layer waits for a host read.
+        page_quantize.store_async(layer, batch, k, v, pool, ring, None)
+        return WriteCounts()
 
 
 _KERNELS: dict[str, Callable[[], StrataKernels]] = {

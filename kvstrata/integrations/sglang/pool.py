@@ -80,7 +80,7 @@ class StratifiedTokenToKVPool(MHATokenToKVPool):
         if self.rings is None:
             raise RuntimeError("kvstrata pool: no request rows bound (use --attention-backend kvstrata)")
         pool = self.req_to_token_pool
-        generations = [int(pool.req_generation[r]) for r in rows]
+        generations = pool.req_generation[rows].tolist()  # a CPU tensor: one gather, not one per row
         self.step = self.rings.plan(
             rows, generations, prefix_lens, extend_lens, pool.req_to_token, torch.device(self.device)
         )

@@ -30,6 +30,20 @@ class RowRing:
     length: int = 0
 
 
+def page_tables(
+    rows: list[int], full_pages: list[int], req_to_token: torch.Tensor, P: int
+) -> list[list[int]]:
+    """The page ids (``slot // P`` of each page's first slot) of the first ``full_pages[i]`` pages of
+    each request row, read from SGLang's ``req_to_token`` in one gather and one device-to-host copy
+    (a copy per row would synchronize with the device once per running request, every step)."""
+    most = max(full_pages, default=0)
+    if most == 0:
+        return [[] for _ in rows]
+    index = torch.tensor(rows, dtype=torch.long, device=req_to_token.device)
+    table = (req_to_token[index, 0 : most * P : P].to(torch.long) // P).tolist()
+    return [ids[:full] for ids, full in zip(table, full_pages, strict=True)]
+
+
 class RingBook:
     def __init__(self, rows: int, page_size: int, ring_capacity: int, window: int, nulls: NullRows) -> None:
         self.rows = [RowRing() for _ in range(rows)]
@@ -60,14 +74,14 @@ class RingBook:
     ) -> StepBatch:
         """Plan one forward step and record the rings as they will be after it."""
         P = self.page_size
+        full_pages = [(L + n) // P for L, n in zip(prefix_lens, extend_lens, strict=True)]
+        tables = page_tables(rows, full_pages, req_to_token, P)
         seqs, new_pages, rings = [], [], []
         for i, (row, gen, L, n) in enumerate(zip(rows, generations, prefix_lens, extend_lens, strict=True)):
             if n < 1:
                 raise ValueError(f"request row {row}: {n} new tokens")
             ring = self.ring_of(row, gen, L)
-            full = (L + n) // P
-            slots = req_to_token[row, 0 : full * P : P].to(torch.long) if full else None
-            page_ids = [] if slots is None else (slots // P).tolist()
+            page_ids = tables[i]
             seqs.append(
                 Sequence(
                     seq_id=i,

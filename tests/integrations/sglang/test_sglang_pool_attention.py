@@ -233,3 +233,20 @@ def test_kernel_choice(monkeypatch):
         make_kernels(device="cpu")
     with pytest.raises(ValueError, match="not registered"):
         make_kernels("cutlass")
+
+
+def test_page_tables_read_every_row_in_one_gather():
+    """`page_tables` (one gather for the whole batch) gives each row's first pages exactly as reading
+    ``req_to_token`` row by row does; rows with no complete page get none."""
+    from kvstrata.integrations.sglang.step import page_tables
+
+    gen = torch.Generator().manual_seed(7)
+    req_to_token = torch.randint(0, 1 << 20, (12, 40 * PAGE), dtype=torch.int32, generator=gen)
+    rows = [5, 0, 11, 3, 7]
+    full_pages = [3, 0, 40, 1, 0]
+    tables = page_tables(rows, full_pages, req_to_token, PAGE)
+    for row, full, ids in zip(rows, full_pages, tables, strict=True):
+        slots = req_to_token[row, 0 : full * PAGE : PAGE].to(torch.long)
+        assert ids == (slots // PAGE).tolist()
+        assert len(ids) == full
+    assert page_tables([1, 2], [0, 0], req_to_token, PAGE) == [[], []]

@@ -1,0 +1,146 @@
+#!/bin/bash
+# SGLang 0.5.17 with and without the kvstrata plugin on one GPU: serve the Llama-3-8B-shaped
+# random-weight model and benchmark each config with SGLang's bench_serving (the workload of
+# ../shared/sglang-gpu/README.md: 1,536 in / 512 out tokens, 256 prompts, max concurrency 256).
+# Adapted from ../shared/sglang-gpu/device_run.sh (its payload, model dir and logic); what it adds:
+# kvstrata on PYTHONPATH with an entry-point record so SGLang's load_plugins() finds the plugin in
+# every process, per-config environment (KVSTRATA_*), a cap on each bench, and a result table.
+#
+#   PAYLOAD_DIR=/path/to/.sgl bash benchmarks/sglang_plugin_gpu.sh [CONFIG ...]     (from the repo root)
+#   CONFIG = name:attention_backend:kv_cache_dtype[:extra,server,flags[:ENV=VALUE,ENV=VALUE]]
+#   attention_backend "@kvstrata" serves with `kvstrata serve` (kvstrata's own engine; kv_cache_dtype
+#   is its history codec) instead of SGLang. (That path and BENCH_TOOL=kvstrata have not run on a GPU yet.)
+#
+# (PAYLOAD_DIR, not SGL_DIR: SGLang reads SGL_DIR as its deprecated name of SGLANG_DIR.)
+# PAYLOAD_DIR holds payload.tar.xz (once per machine), model/ and bin/envcheck.py, as written by
+# ../shared/sglang-gpu/build_payload.sh. Knobs: DEADLINE (s, 470), NPROMPTS (256), CONC (256), ILEN
+# (1536), OLEN (512), MIN_LEFT (s needed to start a config, 100), BENCH_CAP (s, 170),
+# BENCH_TOOL (sglang: SGLang's bench_serving; kvstrata: `kvstrata bench`, the same workload).
+# Writes to $OUT: summary.txt (the table last), env.txt, bench.log, bench.jsonl, server_<name>.log.
+set -u
+T0=$(date +%s)
+DEADLINE=${DEADLINE:-470}
+NPROMPTS=${NPROMPTS:-256}; CONC=${CONC:-256}; ILEN=${ILEN:-1536}; OLEN=${OLEN:-512}
+MIN_LEFT=${MIN_LEFT:-100}; BENCH_CAP=${BENCH_CAP:-170}; BENCH_TOOL=${BENCH_TOOL:-sglang}
+OUT=${OUT:-/tmp/sgl_out}; mkdir -p "$OUT"
+REPO=$(pwd)
+PAYLOAD_DIR=${PAYLOAD_DIR:-$REPO/.sgl}
+SITE=/tmp/sglsite
+PLUGIN_META=/tmp/kvstrata_plugin_meta
+MODEL=$PAYLOAD_DIR/model
+PORT=30000
+TABLE=/tmp/sglang_plugin_table.md
+left() { echo $(( DEADLINE - ($(date +%s) - T0) )); }
+log() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/summary.txt"; }
+
+# 1. SGLang's payload (once per machine), and an entry-point record for kvstrata (what `pip install`
+#    would write), so that importlib.metadata finds the plugin in the group sglang.srt.plugins.
+if [ ! -f $SITE/.ok ]; then
+  rm -rf $SITE; mkdir -p $SITE
+  tar -xJf "$PAYLOAD_DIR/payload.tar.xz" -C $SITE && touch $SITE/.ok
+fi
+VERSION=$(python3 -c "import re,sys; print(re.search(r'__version__ = \"(.*)\"', open(sys.argv[1]).read())[1])" \
+  "$REPO/kvstrata/__init__.py")
+mkdir -p "$PLUGIN_META/kvstrata-$VERSION.dist-info"
+printf 'Metadata-Version: 2.1\nName: kvstrata\nVersion: %s\n' "$VERSION" \
+  > "$PLUGIN_META/kvstrata-$VERSION.dist-info/METADATA"
+printf '[sglang.srt.plugins]\nkvstrata = kvstrata.integrations.sglang:register\n' \
+  > "$PLUGIN_META/kvstrata-$VERSION.dist-info/entry_points.txt"
+log "payload: $(du -sh $SITE | cut -f1); kvstrata $VERSION from $REPO"
+
+export PYTHONPATH=$SITE:$REPO:$PLUGIN_META
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+# 2. environment, CUDA-path imports, and plugin discovery as SGLang does it
+{
+  nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv
+  python3 "$PAYLOAD_DIR/bin/envcheck.py"
+  python3 -c "from sglang.srt.plugins import load_plugins; load_plugins()
+from sglang.srt.mem_cache.registry import registered_radix_cache_backends as r
+from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS as a
+print('plugin: radix backends', r(), 'kvstrata attention', 'kvstrata' in a)"
+} > "$OUT/env.txt" 2>&1
+log "envcheck: $(grep -c '^OK' "$OUT/env.txt") OK, $(grep -c '^FAIL' "$OUT/env.txt") FAIL; $(grep '^plugin:' "$OUT/env.txt")"
+
+health() {
+  python3 -c "import urllib.request,sys; sys.exit(urllib.request.urlopen('http://127.0.0.1:$PORT/health',timeout=3).status!=200)" \
+    >/dev/null 2>&1
+}
+
+bench() {
+  local name=$1 tokens=$2
+  echo "===== $name backend=$backend kv=$kvd extra='$extra' env='$envs' nprompts=$NPROMPTS conc=$CONC" >> "$OUT/bench.log"
+  local tb=$(date +%s) tl=$(( $(left) - 25 ))
+  [ $tl -gt "$BENCH_CAP" ] && tl=$BENCH_CAP
+  [ $tl -lt 10 ] && tl=10
+  local before=0
+  [ -f "$OUT/bench.jsonl" ] && before=$(wc -l < "$OUT/bench.jsonl")
+  local workload=(--random-input-len $ILEN --random-output-len $OLEN --random-range-ratio 1.0
+      --num-prompts $NPROMPTS --max-concurrency $CONC --seed 1 --warmup-requests 1 --dataset-name random-ids)
+  if [ "$BENCH_TOOL" = kvstrata ]; then
+    timeout $tl python3 -m kvstrata bench --base-url http://127.0.0.1:$PORT --tokenizer "$MODEL" \
+        "${workload[@]}" --disable-tqdm --output-file "$OUT/bench.jsonl" >> "$OUT/bench.log" 2>&1
+  else
+    timeout $tl python3 -m sglang.bench_serving --backend sglang --host 127.0.0.1 --port $PORT \
+        --model "$MODEL" --tokenizer "$MODEL" --tokenize-prompt "${workload[@]}" \
+        --output-file "$OUT/bench.jsonl" >> "$OUT/bench.log" 2>&1
+  fi
+  local rc=$?
+  log "$name: bench ($BENCH_TOOL) rc=$rc in $(( $(date +%s) - tb ))s"
+  if [ -f "$OUT/bench.jsonl" ] && [ "$(wc -l < "$OUT/bench.jsonl")" -gt "$before" ]; then
+    tail -1 "$OUT/bench.jsonl" | python3 -c "import json,sys; r=json.load(sys.stdin); print(
+      f\"| $name | {r['completed']} | {r['output_throughput']:,.0f} | {r['total_throughput']:,.0f} |\"
+      f\" {r['median_ttft_ms']:,.0f} | {r['median_itl_ms']:.1f} | $tokens |\")" >> "$TABLE"
+  else
+    echo "| $name | bench failed (rc=$rc) | | | | | $tokens |" >> "$TABLE"
+  fi
+}
+
+run_cfg() {
+  local name=$1 backend=$2 kvd=$3 extra=${4:-} envs=${5:-}
+  extra=${extra//,/ }
+  if [ "$(left)" -lt "$MIN_LEFT" ]; then log "$name: SKIPPED, only $(left)s left"; return; fi
+  local slog="$OUT/server_$name.log"
+  log "$name: launching backend=$backend kv=$kvd extra='$extra' env='$envs'"
+  # shellcheck disable=SC2086
+  if [ "$backend" = @kvstrata ]; then
+    env ${envs//,/ } setsid python3 -m kvstrata serve --model "$MODEL" --load-format dummy \
+        --host 127.0.0.1 --port $PORT --kv-cache-dtype "$kvd" $extra > "$slog" 2>&1 &
+  else
+    env ${envs//,/ } setsid python3 -m sglang.launch_server --model-path "$MODEL" --load-format dummy \
+        --host 127.0.0.1 --port $PORT --attention-backend "$backend" --kv-cache-dtype "$kvd" \
+        --cuda-graph-max-bs 256 $extra > "$slog" 2>&1 &
+  fi
+  local pid=$! ts=$(date +%s) ok=0
+  while [ "$(left)" -gt 40 ]; do
+    kill -0 $pid 2>/dev/null || break
+    if health; then ok=1; break; fi
+    sleep 2
+  done
+  local tokens
+  tokens=$(grep -o 'max_total_num_tokens=[0-9]*' "$slog" | head -1 | cut -d= -f2)
+  # kvstrata serve logs its memory plan as a table: "cold pool | x GiB | N tokens (P pages)"
+  [ -z "$tokens" ] && tokens=$(grep 'cold pool' "$slog" | grep -oE '[0-9,]+ tokens' | head -1 | tr -d ', tokens')
+  log "$name: server ready=$ok after $(( $(date +%s) - ts ))s; max_total_num_tokens=${tokens:-?}"
+  if [ $ok = 1 ]; then
+    bench "$name" "${tokens:-?}"
+  else
+    echo "| $name | server failed | | | | | ${tokens:-?} |" >> "$TABLE"
+    log "$name: server not ready; tail: $(grep -v '^\s*$' "$slog" | tail -12 | tr '\n' '|' | cut -c1-1500)"
+  fi
+  kill -TERM -- -$pid 2>/dev/null
+  for _ in $(seq 1 20); do kill -0 $pid 2>/dev/null || break; sleep 1; done
+  kill -KILL -- -$pid 2>/dev/null
+  sleep 2
+  log "$name: stopped; gpu mem used now $(nvidia-smi --query-gpu=memory.used --format=csv,noheader)"
+}
+
+echo "| config | completed | output tok/s | total tok/s | median TTFT ms | median ITL ms | max_total_num_tokens |" > "$TABLE"
+echo "|---|---:|---:|---:|---:|---:|---:|" >> "$TABLE"
+for c in "$@"; do
+  IFS=: read -r n b k x e <<< "$c"
+  run_cfg "$n" "$b" "$k" "${x:-}" "${e:-}"
+done
+log "done; $(left)s left of DEADLINE"
+cat "$TABLE" | tee -a "$OUT/summary.txt"
