@@ -198,12 +198,44 @@ def quantize_pages(
     pool: ColdPool,
     ring: HotRing,
     sinks: SinkStore | None,
+    image_pool: ColdPool | None = None,
 ) -> WriteCounts:
     """Encode the step's completed pages of ``layer`` into the pool (and sinks); ``k``/``v`` are the
-    step's new rows ``[T, H, D]``. Must run before the new rows are written to the ring."""
+    step's new rows ``[T, H, D]``. Must run before the new rows are written to the ring. Image pages
+    (``w.image_split``) go to ``image_pool``, one launch per pool."""
+    P = pool.page_size
+    src, sink_slots = w.kernel_sources(P), w.kernel_sink_slots
+    has_sinks = sinks is not None and w.sink_pages.numel() > 0
+    if w.image_split is None:
+        return _quantize(layer, w.page_ids, src, sink_slots, has_sinks, k, v, pool, ring, sinks)
+    if image_pool is None:
+        raise ValueError("the step completes image pages but no image pool was given")
+    text, image, rows = w.image_split
+    by_page = src.view(-1, P)
+    counts = WriteCounts()
+    for which, ids, target in ((text, w.page_ids.index_select(0, text), pool), (image, rows, image_pool)):
+        rows_src, slots = by_page.index_select(0, which).view(-1), sink_slots.index_select(0, which)
+        counts = counts.merge(_quantize(layer, ids, rows_src, slots, has_sinks, k, v, target, ring, sinks))
+    return counts
+
+
+def _quantize(
+    layer: int,
+    page_ids: torch.Tensor,
+    src: torch.Tensor,
+    sink_slots: torch.Tensor,
+    has_sinks: bool,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pool: ColdPool,
+    ring: HotRing,
+    sinks: SinkStore | None,
+) -> WriteCounts:
+    """One launch: pages ``page_ids`` of ``pool`` from the rows ``src`` (see `WritePlan.kernel_sources`),
+    each page also filling its sink slot (``sink_slots``, -1: none)."""
     from kvstrata.quant.kernel_decode import kernel_format
 
-    n = w.page_ids.numel()
+    n = page_ids.numel()
     if n == 0:
         return WriteCounts()
     k_fmt, k_names = kernel_format(pool.k_codecs[layer])
@@ -213,8 +245,6 @@ def quantize_pages(
     kp += [kp[0]] * (3 - len(kp))
     vp += [vp[0]] * (3 - len(vp))
     P, (_, _, H, D) = pool.page_size, ring.k.shape
-    src, sink_slots = w.kernel_sources(P), w.kernel_sink_slots
-    has_sinks = sinks is not None and w.sink_pages.numel() > 0
     sk, sv = (as_bits(sinks.k[layer]), as_bits(sinks.v[layer])) if has_sinks and sinks is not None else (k, v)
     stats = torch.empty((n, H, 4), dtype=torch.float32, device=k.device)
     _page_quantize_kernel[(n, H)](
@@ -223,7 +253,7 @@ def quantize_pages(
         k.contiguous(),
         v.contiguous(),
         src,
-        w.page_ids,
+        page_ids,
         sink_slots,
         *kp,
         *vp,
@@ -252,9 +282,10 @@ def store(
     pool: ColdPool,
     ring: HotRing,
     sinks: SinkStore | None,
+    image_pool: ColdPool | None = None,
 ) -> WriteCounts:
     """`kvstrata.radix.attention.store` with the Triton encoder: the step's completed pages are
     quantized from the ring and the new rows, then the new rows go into the ring."""
-    counts = quantize_pages(layer, batch.write, k, v, pool, ring, sinks)
+    counts = quantize_pages(layer, batch.write, k, v, pool, ring, sinks, image_pool)
     write_ring(layer, batch, k, v, ring)
     return counts
