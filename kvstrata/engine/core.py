@@ -21,13 +21,13 @@ from typing import Any
 
 import torch
 
-from kvstrata.engine.attention import get_backend, resolve_backend
+from kvstrata.engine.attention import get_backend
 from kvstrata.engine.cuda_graph import decode_graphs_for, graph_memory_bytes, graphs_wanted
 from kvstrata.engine.drift import DriftJob, DriftMonitor, fallback_window
 from kvstrata.engine.kvplan import resolve_plan
 from kvstrata.engine.loader import LoadedModel
-from kvstrata.engine.memory import plan_memory, weight_bytes
-from kvstrata.engine.options import EngineArgs, image_pool_pages, pin_budget_bytes, resolve_vision_codec
+from kvstrata.engine.memory import image_pool_need, plan_memory, weight_bytes
+from kvstrata.engine.options import EngineArgs, pin_budget_bytes, resolve_vision_codec
 from kvstrata.engine.request import Request, Status
 from kvstrata.engine.runner import StepRunner
 from kvstrata.engine.scheduler import Scheduler, StepPlan
@@ -63,8 +63,7 @@ class EngineCore:
         drift_on = args.drift_sample_rate > 0
         top_level = args.drift_max_level if drift_on else 0
         max_window = fallback_window(args.recent_window, args.page_size, top_level)
-        backend_name = resolve_backend(attention_backend, self.device)
-        image_codec = resolve_vision_codec(args, codecs, backend_name) if model.vision is not None else None
+        image_codec = resolve_vision_codec(args, codecs) if model.vision is not None else None
         page_bytes = [
             cold_page_bytes(c, args.page_size, cfg.kv_heads, cfg.head_dim)
             for c in (codecs, [image_codec] * cfg.num_layers if image_codec else [])
@@ -99,13 +98,16 @@ class EngineCore:
             self.dtype,
             self.device,
             cuda_graph_bytes=graph_bytes,
+            image=image_pool_need(args, self.cache_config, page_bytes[-1], model.vision.max_image_tokens)
+            if image_codec
+            else None,
         )
         self.cache_config = dataclasses.replace(self.cache_config, num_pages=self.memory_plan.cold_pages)
         if image_codec is not None:
             self.cache_config = dataclasses.replace(
                 self.cache_config,
                 image_codec=image_codec,
-                image_pages=image_pool_pages(args, self.cache_config, page_bytes, model.vision),
+                image_pages=self.memory_plan.image_pages,
                 image_token_from=model.vision.vocab_size,
             )
         log.info("%s", self.memory_plan.table())

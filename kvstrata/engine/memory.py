@@ -12,6 +12,12 @@ are sized by ``max_running_requests`` and the chunk size, so they come off the t
 takes the rest. ``max_total_tokens`` wins over the fraction. On CPU the pool keeps its fixed default
 (16,384 tokens, or ``mem_fraction_static`` of MemAvailable) unless ``max_total_tokens`` is given.
 
+A vision model with image pages in a codec of their own (``--vision-kv-dtype``) gets an image pool
+(`ImagePoolNeed`): the pin budget in image pages plus the image spans of the running requests. On CUDA
+it comes out of the same static bytes, so the cold pool shrinks by its bytes (the default pin budget is
+a quarter of the cold pool's bytes: the largest cold pool whose image pool still fits is taken); with
+``max_total_tokens`` or on CPU the cold pool keeps its size and the image pool is added to it.
+
 Byte counts of the ring, sinks and cold pool are exact (null rows included): they equal what
 `StratifiedKVCache` allocates. The workspace is an upper estimate of one step's activations (see
 `step_workspace_bytes`); the engine does not preallocate it yet, so the plan holds it back.
@@ -99,6 +105,38 @@ def step_workspace_bytes(
 
 
 @dataclass(frozen=True)
+class ImagePoolNeed:
+    """What the image pool needs: the bytes of one image page (every layer, the vision codec), the pin
+    budget in bytes (None: a quarter of the cold pool's bytes, as the cache's default) and the pages the
+    image spans of running requests may take outside the budget."""
+
+    page_bytes: int
+    pin_budget_bytes: int | None
+    span_pages: int
+
+    def pages(self, cold_pages: int, cold_page_bytes: int) -> int:
+        """Image pages next to a cold pool of ``cold_pages`` pages: the pin budget in image pages (at
+        least one) plus the running requests' spans."""
+        budget = self.pin_budget_bytes
+        if budget is None:
+            budget = cold_pages * cold_page_bytes // 4
+        return max(1, budget // self.page_bytes) + self.span_pages
+
+    def bytes(self, cold_pages: int, cold_page_bytes: int) -> int:
+        """The image pool's buffers (its null page included) next to ``cold_pages`` cold pages."""
+        return (self.pages(cold_pages, cold_page_bytes) + 1) * self.page_bytes
+
+
+def image_pool_need(
+    args: EngineArgs, cache: CacheConfig, image_page_bytes: int, max_image_tokens: int
+) -> ImagePoolNeed:
+    """The image pool of ``cache``'s pin budget (None: a quarter of the cold pool) and one image span
+    of ``max_image_tokens`` (and the two pages it may straddle) per running request."""
+    span_pages = max_image_tokens // args.page_size + 2
+    return ImagePoolNeed(image_page_bytes, cache.pin_budget_bytes, args.max_running_requests * span_pages)
+
+
+@dataclass(frozen=True)
 class MemoryPlan:
     device: str
     source: str  # what set the pool size: "max_total_tokens", "cpu default", "mem_fraction_static"
@@ -110,6 +148,8 @@ class MemoryPlan:
     sink_bytes: int
     workspace_bytes: int
     cuda_graph_bytes: int = 0
+    image_pages: int = 0  # the image pool (0: none)
+    image_page_bytes: int = 0
     total_bytes: int | None = None  # device memory (CUDA)
     free_bytes: int | None = None  # free after the weights (CUDA)
     mem_fraction_static: float | None = None
@@ -122,6 +162,11 @@ class MemoryPlan:
     def cold_bytes(self) -> int:
         """The pool's buffers: ``cold_pages`` pages and the null page."""
         return (self.cold_pages + 1) * self.cold_page_bytes
+
+    @property
+    def image_bytes(self) -> int:
+        """The image pool's buffers: ``image_pages`` pages and the null page (0 without one)."""
+        return (self.image_pages + 1) * self.image_page_bytes if self.image_pages else 0
 
     @property
     def reserved_bytes(self) -> int | None:
@@ -138,6 +183,17 @@ class MemoryPlan:
         rows = [
             ("weights", gib(self.weight_bytes), f"{self.weight_bytes:,} B"),
             ("cold pool", gib(self.cold_bytes), f"{self.cold_tokens:,} tokens ({self.cold_pages:,} pages)"),
+            *(
+                [
+                    (
+                        "image pool",
+                        gib(self.image_bytes),
+                        f"{self.image_pages * self.page_size:,} tokens ({self.image_pages:,} pages)",
+                    )
+                ]
+                if self.image_pages
+                else []
+            ),
             ("ring", gib(self.ring_bytes), f"{self.ring_bytes:,} B"),
             ("sinks", gib(self.sink_bytes), f"{self.sink_bytes:,} B"),
             ("workspace", gib(self.workspace_bytes), "estimate" + held),
@@ -169,9 +225,11 @@ def plan_memory(
     device: torch.device,
     reading: DeviceMemory | None = None,
     cuda_graph_bytes: int = 0,
+    image: ImagePoolNeed | None = None,
 ) -> MemoryPlan:
-    """The cold pool size for ``cache`` (its ``num_pages`` is ignored). On CUDA ``reading`` is the
-    device memory after the weights are loaded (read from the driver when None)."""
+    """The cold pool size for ``cache`` (its ``num_pages`` is ignored), and the image pool's when
+    ``image`` is given. On CUDA ``reading`` is the device memory after the weights are loaded (read
+    from the driver when None)."""
     page_bytes = cold_page_bytes(cache.layer_codecs, cache.page_size, cache.kv_heads, cache.head_dim)
     plan = MemoryPlan(
         device=str(device),
@@ -189,7 +247,8 @@ def plan_memory(
         source = "max_total_tokens" if args.max_total_tokens is not None else "cpu default"
         if args.max_total_tokens is None and args.mem_fraction_static is not None:
             source = "mem_fraction_static of MemAvailable"
-        return dataclasses.replace(plan, source=source, cold_pages=pool_pages(args, device, page_bytes))
+        pages = pool_pages(args, device, page_bytes)
+        return _with_image_pool(dataclasses.replace(plan, source=source, cold_pages=pages), image)
     reading = reading or read_device_memory(device)
     fraction = args.mem_fraction_static or DEFAULT_CUDA_MEM_FRACTION_STATIC
     plan = dataclasses.replace(
@@ -202,7 +261,7 @@ def plan_memory(
     assert plan.reserved_bytes is not None
     static_left = reading.free - plan.reserved_bytes
     held = plan.ring_bytes + plan.sink_bytes + plan.workspace_bytes + plan.cuda_graph_bytes
-    pages = (static_left - held) // page_bytes - 1  # the null page
+    pages = _cold_pages_that_fit(static_left - held, page_bytes, image)
     if pages < 1:
         raise ValueError(
             f"no memory left for the KV cache: {static_left / GIB:.2f} GiB free for static use "
@@ -210,4 +269,27 @@ def plan_memory(
             f"{reading.total / GIB:.2f} GiB) and ring + sinks + workspace need {held / GIB:.2f} GiB; "
             "raise --mem-fraction-static or lower --max-running-requests\n" + plan.table()
         )
-    return dataclasses.replace(plan, cold_pages=int(pages))
+    return _with_image_pool(dataclasses.replace(plan, cold_pages=int(pages)), image)
+
+
+def _cold_pages_that_fit(free: int, page_bytes: int, image: ImagePoolNeed | None) -> int:
+    """The most cold pages whose buffers (null page included), with the image pool that goes with
+    them, fit in ``free`` bytes (0 or less when none does). The image pool grows with the cold pool
+    (the default pin budget), so the answer is found by bisection."""
+    if image is None:
+        return free // page_bytes - 1  # the null page
+    lo, hi = 0, max(0, free // page_bytes)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if (mid + 1) * page_bytes + image.bytes(mid, page_bytes) <= free:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _with_image_pool(plan: MemoryPlan, image: ImagePoolNeed | None) -> MemoryPlan:
+    if image is None:
+        return plan
+    pages = image.pages(plan.cold_pages, plan.cold_page_bytes)
+    return dataclasses.replace(plan, image_pages=pages, image_page_bytes=image.page_bytes)

@@ -218,36 +218,19 @@ def pool_pages(args: EngineArgs, device: torch.device, bytes_per_page: int) -> i
     return max(1, int(available_memory(device) * fraction) // max(1, bytes_per_page))
 
 
-def resolve_vision_codec(args: EngineArgs, codecs: list[str], backend: str) -> str | None:
+def resolve_vision_codec(args: EngineArgs, codecs: list[str]) -> str | None:
     """The image pool's codec, or None when image pages share the text pool.
 
     ``auto``: no trained vision-language model is available to measure image-token K/V in the
     accuracy lab, so image pages are stored in BF16 (never quantized) when the text pool quantizes;
-    with an unquantized pool they share it. The Triton kernels read one cold pool: there ``auto``
-    keeps image pages in the pool's codec and an explicit codec is refused."""
+    with an unquantized pool they share it. Both attention backends read the image pool (the Triton
+    kernels in a pass of their own), so the answer is the same on both."""
     name = args.vision_kv_dtype
     if name == "auto":
-        if all(c in RAW_CODECS for c in codecs) or backend == "triton":
+        if all(c in RAW_CODECS for c in codecs):
             return None
         name = "bf16"
-    elif backend == "triton":
-        raise ValueError(
-            f"--vision-kv-dtype {name}: the Triton attention backend reads image pages from the text "
-            "pool (one codec per layer); use --attention-backend torch, or --vision-kv-dtype auto"
-        )
     return None if all(c == name for c in codecs) else name
-
-
-def image_pool_pages(args: EngineArgs, cache: Any, page_bytes: list[int], vision: Any) -> int:
-    """Pages of the image pool: the pin budget in image pages (``max_pinned_tokens``, else a quarter
-    of the text pool's bytes, as the cache's default) plus one image span (and the two pages it may
-    straddle) per running request."""
-    text_bytes, image_bytes = page_bytes
-    budget = cache.pin_budget_bytes
-    if budget is None:
-        budget = cache.num_pages * text_bytes // 4
-    span_pages = vision.max_image_tokens // args.page_size + 2
-    return max(1, budget // image_bytes) + args.max_running_requests * span_pages
 
 
 def pin_budget_bytes(args: EngineArgs, bytes_per_page: int) -> int | None:

@@ -114,6 +114,18 @@ class VisionLanguage:
         spans = self.preprocess.max_grid**2 + 1 if self.preprocess.split else 1
         return spans * self.cfg.tokens_per_image
 
+    def prompt_tokens(self, image: Any) -> int:
+        """Prompt positions one image (PIL) takes in place of its image token, counted from its size
+        as `_place` lays them out (tiles when the preprocessor splits it), without running anything."""
+        n = self.cfg.tokens_per_image
+        wrap = len(self.wrap) + 1 if self.wrap else 0
+        rows, cols = self.preprocess.grid(image.height, image.width)
+        split = self.split_tokens
+        if not rows or split is None:
+            return n + wrap
+        newlines = (rows - 1) * len(split.newline) + len(split.last_newline)
+        return rows * cols * (2 + n) + newlines + n + wrap
+
     def pad_id(self, digest: bytes) -> int:
         return self.vocab_size + int.from_bytes(digest[:7], "big")
 

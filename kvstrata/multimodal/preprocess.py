@@ -124,9 +124,24 @@ class Preprocessor:
         """The most rows (or columns) of tiles an image can be cut into."""
         return math.ceil((self.longest_edge or MAX_IMAGE_SIDE) / self.height)
 
+    def grid(self, height: int, width: int) -> tuple[int, int]:
+        """Rows and columns of tiles an image of ``height x width`` pixels is cut into ((0, 0): not
+        split), from its size alone: what `tiles` cuts, without touching pixels (the server counts an
+        image's prompt tokens with it before anything runs)."""
+        if not self.split:
+            return 0, 0
+        if self.longest_edge is not None:
+            height, width = fit_longest_edge(height, width, self.longest_edge)
+        t = self.height
+        h, w = multiple_of_tile(height, width, t)
+        if h <= t and w <= t:
+            return 0, 0
+        return (h - t) // t + 1, (w - t) // t + 1
+
     def tiles(self, image: Image.Image) -> Tiles:
         """The image as tiles plus its global image (Idefics3 splitting), or as itself."""
         image = image.convert("RGB")
+        rows, cols = self.grid(image.height, image.width)
         if self.longest_edge is not None:
             h, w = fit_longest_edge(image.height, image.width, self.longest_edge)
             image = image.resize((w, h), resample=self.resample)
@@ -135,9 +150,8 @@ class Preprocessor:
         t = self.height
         h, w = multiple_of_tile(image.height, image.width, t)
         image = image.resize((w, h), resample=self.resample)
-        if h <= t and w <= t:
+        if not rows:
             return Tiles([self._normalize(image)], 0, 0)
-        rows, cols = (h - t) // t + 1, (w - t) // t + 1
         crops = [image.crop((c * t, r * t, c * t + t, r * t + t)) for r in range(rows) for c in range(cols)]
         crops.append(image.resize((t, t), resample=self.resample))
         return Tiles([self._normalize(c) for c in crops], rows, cols)

@@ -407,15 +407,12 @@ class StratifiedKVCache:
             )
         if self._rotate is not None:
             q, k, v = self._rotate(q), self._rotate(k), self._rotate(v)
-        if kernels and self.image_pool is not None:
-            raise ValueError(
-                "the Triton attention kernels read one cold pool; image pages in their own codec "
-                "(--vision-kv-dtype) need the torch backend"
-            )
         if kernels:
             from kvstrata.radix.kernels import attend as kernel_attend
 
-            out = kernel_attend.attend(layer, batch, q, k, v, scale, self.pool, self.ring, self.sinks)
+            out = kernel_attend.attend(
+                layer, batch, q, k, v, scale, self.pool, self.ring, self.sinks, self.image_pool
+            )
         else:
             out = attention.attend(
                 layer,
@@ -433,7 +430,9 @@ class StratifiedKVCache:
         if kernels and all(c is None for c in self.clips[layer]):
             from kvstrata.radix.kernels import page_quantize
 
-            device_counts = page_quantize.store_async(layer, batch, k, v, self.pool, self.ring, self.sinks)
+            device_counts = page_quantize.store_async(
+                layer, batch, k, v, self.pool, self.ring, self.sinks, self.image_pool
+            )
             if device_counts is not None:
                 self._add_device_counts(layer, device_counts)
         else:

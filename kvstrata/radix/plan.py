@@ -98,6 +98,27 @@ class GroupPlan:
         return self.lengths.to(torch.int32)
 
     @cached_property
+    def image_plan(self) -> GroupPlan | None:
+        """The group's image pages as a plan of their own (``image_table`` as its page table, no sinks,
+        the same ring rows), for the Triton kernels' pass over the image pool; None when no sequence of
+        the group has an image page in the pool. Every cold page lies before the ring and the new tokens,
+        so all of them are visible to every query of the step (decode and extend alike)."""
+        if self.image_table is None or self.image_table.shape[1] == 0:
+            return None
+        return GroupPlan(
+            self.rows,
+            self.batch,
+            self.tokens,
+            self.image_table,
+            self.image_pages,
+            None,
+            [False] * self.batch,
+            self.ring_rows,
+            self.ring_len,
+            self.page_size,
+        )
+
+    @cached_property
     def cold_bias(self) -> torch.Tensor:
         """[B, 1, 1, Np*P] additive mask of the cold keys (block-wise pass)."""
         P = self.page_size

@@ -235,10 +235,13 @@ class EngineClient:
         """The image token as text, which the chat template and tokenizer turn back into its id."""
         return str(self.tokenizer.convert_ids_to_tokens([self._vision().image_token_id])[0])
 
-    def image_extra_tokens(self) -> int:
-        """Tokens one image adds to the prompt beyond its image token (its span and wrap tokens)."""
+    def image_extra_tokens(self, images: list[Any]) -> int:
+        """Tokens ``images`` (decoded) add to the prompt beyond their image tokens: each one's spans
+        (all its tiles with Idefics3 splitting) and wrap tokens, from the images' sizes (no tower run)."""
+        if not images:
+            return 0
         vision = self._vision()
-        return vision.cfg.tokens_per_image + (len(vision.wrap) + 1 if vision.wrap else 0) - 1
+        return sum(vision.prompt_tokens(image) - 1 for image in images)
 
     def load_image(self, url: str) -> Any:
         from kvstrata.multimodal.images import ImageError, load_image

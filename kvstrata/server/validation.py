@@ -201,7 +201,7 @@ def pin_prompt(client: EngineClient, req: PinRequest) -> tuple[list[int], list[A
         ids, param = client.encode(req.prompt), "prompt"
     else:
         ids, param = list(req.input_ids or []), "input_ids"
-    length = len(ids) + (len(images) * client.image_extra_tokens() if images else 0)
+    length = len(ids) + client.image_extra_tokens(images)
     _max_new_tokens(client, length, 1, param, param)
     return ids, images
 
@@ -209,7 +209,7 @@ def pin_prompt(client: EngineClient, req: PinRequest) -> tuple[list[int], list[A
 def chat_job(client: EngineClient, req: ChatCompletionRequest) -> Job:
     ids, images = chat_prompt(client, req.messages)
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    length = len(ids) + (len(images) * client.image_extra_tokens() if images else 0)
+    length = len(ids) + client.image_extra_tokens(images)
     max_new = _max_new_tokens(client, length, req.max_new_tokens, param, "messages")
     top = (req.top_logprobs or 0) if req.logprobs else None
     return Job([ids], _sampling(req, max_new, top), [images] if images else None)

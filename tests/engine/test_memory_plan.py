@@ -3,6 +3,7 @@ equal to what the cache allocates, and CPU sizing unchanged."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -12,6 +13,8 @@ from kvstrata.engine.config import ModelConfig
 from kvstrata.engine.memory import (
     DEFAULT_CUDA_MEM_FRACTION_STATIC,
     DeviceMemory,
+    ImagePoolNeed,
+    image_pool_need,
     plan_memory,
     ring_bytes,
     sink_bytes,
@@ -21,6 +24,7 @@ from kvstrata.engine.memory import (
 from kvstrata.engine.model import Transformer
 from kvstrata.engine.options import EngineArgs
 from kvstrata.radix import CacheConfig, StratifiedKVCache
+from kvstrata.radix.pool import cold_page_bytes
 
 GIB = 1 << 30
 CUDA = torch.device("cuda")
@@ -147,3 +151,75 @@ def test_engine_logs_the_plan_and_sizes_its_pool_from_it(default_model, caplog) 
         assert "memory plan on cpu" in caplog.text and "2,000 tokens (125 pages)" in caplog.text
     finally:
         engine.shutdown()
+
+
+def _image_need(cache: CacheConfig, budget: int | None = None, codec: str = "bf16") -> ImagePoolNeed:
+    """Image pages in ``codec`` for 576-token images (LLaVA-1.5), ``cache.max_running`` spans."""
+    image_page = cold_page_bytes([codec] * cache.num_layers, cache.page_size, cache.kv_heads, cache.head_dim)
+    args = EngineArgs(max_running_requests=cache.max_running, page_size=cache.page_size)
+    return image_pool_need(args, dataclasses.replace(cache, pin_budget_bytes=budget), image_page, 576)
+
+
+def _static_free(plan) -> int:
+    """What the fraction leaves for the pools: free after weights - reserved - ring - sinks - workspace."""
+    return plan.free_bytes - plan.reserved_bytes - plan.ring_bytes - plan.sink_bytes - plan.workspace_bytes
+
+
+def test_cuda_image_pool_comes_out_of_the_cold_pool() -> None:
+    """Default pin budget (a quarter of the cold pool's bytes): the largest cold pool whose image pool
+    still fits; the cold pool shrinks by the image pool's bytes and the table shows both."""
+    cache = _cache(LLAMA3_8B, max_running=64)
+    need = _image_need(cache)
+    assert need.page_bytes == 2 * 32 * 16 * 8 * 128 * 2 == 2_097_152  # bf16 image pages
+    assert need.span_pages == 64 * (576 // 16 + 2) == 2_432
+    alone = _on_cuda(EngineArgs(), cache, 123)
+    plan = plan_memory(EngineArgs(), LLAMA3_8B, cache, 16 * GIB, torch.bfloat16, CUDA,
+                       DeviceMemory(140 * GIB, 123 * GIB), image=need)  # fmt: skip
+    tb, ib, free = plan.cold_page_bytes, need.page_bytes, _static_free(plan)
+    assert tb == 1_052_928 and free == 107_578_851_328 and alone.cold_pages == free // tb - 1 == 102_170
+    # by hand: n cold pages and n * tb / 4 / ib + 2,432 image pages (null pages included) fill the
+    # 107.6 GB: n ~ (free - tb - 2,433 ib) / (1.25 tb) = 77,859.4; the floors let one more page in
+    n = plan.cold_pages
+    assert n == 77_860 and plan.image_pages == n * tb // 4 // ib + 2_432 == 12_204
+    assert (n + 1) * tb + (plan.image_pages + 1) * ib <= free < (n + 2) * tb + need.bytes(n + 1, tb)
+    assert plan.image_bytes == (plan.image_pages + 1) * ib == need.bytes(n, tb)
+    table = plan.table()
+    assert "image pool" in table and "195,264 tokens (12,204 pages)" in table
+
+
+def test_explicit_pin_budget_and_max_total_tokens() -> None:
+    cache = _cache(LLAMA3_8B, max_running=8)
+    need = _image_need(cache, budget=10 * GIB)
+    plan = plan_memory(EngineArgs(), LLAMA3_8B, cache, 16 * GIB, torch.bfloat16, CUDA,
+                       DeviceMemory(140 * GIB, 123 * GIB), image=need)  # fmt: skip
+    assert plan.image_pages == 10 * GIB // need.page_bytes + 8 * 38 == 5_424
+    free = _static_free(plan)
+    assert plan.cold_pages == (free - plan.image_bytes) // plan.cold_page_bytes - 1 == 92_734
+    # max_total_tokens (and CPU) keep the cold pool's size; the image pool comes on top
+    exact = plan_memory(EngineArgs(max_total_tokens=1000), LLAMA3_8B, cache, 0, torch.bfloat16, CUDA,
+                        image=_image_need(cache))  # fmt: skip
+    assert (
+        exact.cold_pages == 63 and exact.image_pages == 63 * exact.cold_page_bytes // 4 // 2**21 + 304 == 311
+    )
+
+
+@pytest.mark.parametrize("codec,image", [("int4", "bf16"), ("fp8_e4m3", "int4")])
+def test_planned_image_bytes_are_what_the_cache_allocates(codec: str, image: str) -> None:
+    model = ModelConfig("LlamaForCausalLM", 3, 64, 96, 4, 2, 16, 300)
+    cfg = _cache(model, codec, max_running=5, recent_window=32)
+    need = _image_need(cfg, codec=image)
+    plan = plan_memory(EngineArgs(max_total_tokens=480), model, cfg, 0, torch.float32, CPU, image=need)
+    cache = StratifiedKVCache(
+        CacheConfig(
+            **{
+                **cfg.__dict__,
+                "num_pages": plan.cold_pages,
+                "image_codec": image,
+                "image_pages": plan.image_pages,
+                "image_token_from": 300,
+            }
+        )  # fmt: skip
+    )
+    assert cache.image_pool is not None and cache.image_pool.allocator.total == plan.image_pages
+    pool = sum(t.nbytes for bufs in (*cache.image_pool.k, *cache.image_pool.v) for t in bufs.values())
+    assert plan.image_bytes == pool and plan.image_page_bytes == cache.image_pool.page_bytes

@@ -93,7 +93,7 @@ def test_image_parts_reach_the_processor_template(model_dir: Path, template: str
         assert ids == client.encode(expect, add_special_tokens=False)
         assert ids.count(client.image_token_id()) == 1 and len(images) == 1
         out = engine.generate(input_ids=ids, image_data=images, sampling_params={"max_new_tokens": 2})
-        assert out["meta_info"]["prompt_tokens"] == len(ids) + client.image_extra_tokens()
+        assert out["meta_info"]["prompt_tokens"] == len(ids) + client.image_extra_tokens(images)
 
 
 def test_a_template_that_loses_the_image_is_refused(model_dir: Path):

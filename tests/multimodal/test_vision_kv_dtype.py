@@ -65,6 +65,8 @@ def test_fp32_image_pages_next_to_int4_text_equal_transformers(llava):
         assert engine.cache.image_pool.codec_names == ["fp32"] * engine.config.num_layers
         assert engine.layer_codecs() == ["int4"] * engine.config.num_layers
         assert cold.pinned == 0 and stats.pinned_bytes == 4 * image.unit_bytes
+        plan = engine.core.memory_plan  # the image pool is a row of the memory plan
+        assert plan.image_pages == image.total and plan.image_bytes == image.bytes("total") + image.unit_bytes
 
 
 def test_image_pages_in_the_text_codec_lose_the_match(llava):
@@ -80,22 +82,19 @@ def test_image_pages_in_the_text_codec_lose_the_match(llava):
 
 
 @pytest.mark.parametrize(
-    ("value", "codecs", "backend", "expect"),
+    ("value", "codecs", "expect"),
     [
-        ("auto", ["fp32", "fp32"], "torch", None),  # an unquantized pool already holds images exactly
-        ("auto", ["int4", "int4"], "torch", "bf16"),  # nothing measured: BF16
-        ("auto", ["int4", "int4"], "triton", None),  # the kernels read one pool
-        ("fp8_e4m3", ["int4", "fp8_e4m3"], "torch", "fp8_e4m3"),
-        ("int4", ["int4", "int4"], "torch", None),  # the text codec: no second pool
+        ("auto", ["fp32", "fp32"], None),  # an unquantized pool already holds images exactly
+        ("auto", ["int4", "int4"], "bf16"),  # nothing measured: BF16, on both attention backends
+        ("fp8_e4m3", ["int4", "fp8_e4m3"], "fp8_e4m3"),
+        ("int4", ["int4", "int4"], None),  # the text codec: no second pool
     ],
 )
-def test_resolve_vision_codec(value: str, codecs: list[str], backend: str, expect: str | None):
-    assert resolve_vision_codec(EngineArgs(vision_kv_dtype=value), codecs, backend) == expect
+def test_resolve_vision_codec(value: str, codecs: list[str], expect: str | None):
+    assert resolve_vision_codec(EngineArgs(vision_kv_dtype=value), codecs) == expect
 
 
-def test_explicit_vision_codec_on_triton_and_unknown_codec_are_refused():
-    with pytest.raises(ValueError, match="Triton attention backend reads image pages from the text pool"):
-        resolve_vision_codec(EngineArgs(vision_kv_dtype="bf16"), ["int4"], "triton")
+def test_unknown_vision_codec_is_refused():
     with pytest.raises(ValueError, match="int3"):
         EngineArgs(vision_kv_dtype="int3").validate()
 

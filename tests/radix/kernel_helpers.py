@@ -38,12 +38,24 @@ def kernel_attend(cache, batch, q, k, v, scale, splits=None, layer: int = 0) -> 
     from kvstrata.radix.kernels import attend
 
     if splits is None:
-        return attend.attend(layer, batch, q, k, v, scale, cache.pool, cache.ring, cache.sinks)
+        return attend.attend(
+            layer, batch, q, k, v, scale, cache.pool, cache.ring, cache.sinks, cache.image_pool
+        )
     out = torch.empty_like(q)
     for grp in batch.groups:
         rows = torch.arange(q.shape[0], device=q.device) if grp.rows is None else grp.rows
         got = attend.attend_group(
-            layer, grp, q[rows], k[rows], v[rows], scale, cache.pool, cache.ring, cache.sinks, splits
+            layer,
+            grp,
+            q[rows],
+            k[rows],
+            v[rows],
+            scale,
+            cache.pool,
+            cache.ring,
+            cache.sinks,
+            splits,
+            cache.image_pool,
         )
         out[rows] = got
     return out
@@ -51,7 +63,8 @@ def kernel_attend(cache, batch, q, k, v, scale, splits=None, layer: int = 0) -> 
 
 def reference_attend(cache, batch, q, k, v, scale, layer: int = 0) -> torch.Tensor:
     """float64 ``[T, Hq, D]`` on CPU: per sequence, dense causal attention over its dequantized cold
-    pages, its sink page, its ring rows and the new tokens, read through the step's plan."""
+    pages (text pages from the pool, image pages from the image pool), its sink page, its ring rows and
+    the new tokens, read through the step's plan."""
     out = torch.empty(q.shape, dtype=torch.float64)
     P = cache.page_size
     for grp in batch.groups:
@@ -59,11 +72,14 @@ def reference_attend(cache, batch, q, k, v, scale, layer: int = 0) -> torch.Tens
         rows = torch.arange(q.shape[0]) if grp.rows is None else grp.rows.cpu()
         for b in range(grp.batch):
             keys, values = [], []
-            n_cold = grp.cold_pages[b]
-            if n_cold:
-                kc, vc = cache.pool.read(layer, grp.page_table[b, :n_cold], torch.float64)
-                keys.append(kc.reshape(n_cold * P, *kc.shape[-2:]).cpu())
-                values.append(vc.reshape(n_cold * P, *vc.shape[-2:]).cpu())
+            cold = [(cache.pool, grp.page_table, grp.cold_pages[b])]
+            if grp.image_table is not None:
+                cold.append((cache.image_pool, grp.image_table, grp.image_pages[b]))
+            for pool, table, n_cold in cold:
+                if n_cold:
+                    kc, vc = pool.read(layer, table[b, :n_cold], torch.float64)
+                    keys.append(kc.reshape(n_cold * P, *kc.shape[-2:]).cpu())
+                    values.append(vc.reshape(n_cold * P, *vc.shape[-2:]).cpu())
             if grp.sink_table is not None and grp.sink_valid[b]:
                 keys.append(cache.sinks.k[layer, grp.sink_table[b]].cpu().double())
                 values.append(cache.sinks.v[layer, grp.sink_table[b]].cpu().double())

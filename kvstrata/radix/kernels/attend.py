@@ -19,9 +19,16 @@ Split-KV: when a step has too few (sequence, head) pairs to fill the GPU (decode
 cold pages of each sequence are cut into ``splits`` ranges; each program writes its partial output
 and log-sum-exp, and `_merge` combines them. The last split also reads sink, ring and new tokens, so
 every row has at least one key in it.
+
+One pass per cold pool: image pages kept in a pool of their own (``image_pool``, the vision codec) are
+read by a second launch of the same kernel over the group's image page table (`GroupPlan.image_plan`),
+which reads no sink, ring or new token (``tail_split`` -1). Both passes write split partials and one
+log-sum-exp merge combines them, so another pool would be one more entry in `_cold_passes`.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -259,6 +266,7 @@ def _attend_kernel(
     rr_stride,
     pages_per_split,
     num_splits,
+    tail_split,
     GROUP: tl.constexpr,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -389,7 +397,7 @@ def _attend_kernel(
                 H, P, D, BLOCK_D, K_FMT, V_FMT, True, DOT_PREC, DOT_DTYPE,
             )  # fmt: skip
 
-    if split == num_splits - 1:
+    if split == tail_split:  # sinks, ring and new tokens: the last split of the text pool's pass
         n = tl.arange(0, BLOCK_N)
         if HAS_SINKS:
             sink_len = tl.load(SINK_OK + b) * P  # P keys when the sequence has a sink page, else 0
@@ -463,6 +471,39 @@ def _num_splits(programs: int, max_pages: int) -> int:
     return max(1, min(triton.cdiv(TARGET_PROGRAMS, programs), max_pages // MIN_PAGES_PER_SPLIT))
 
 
+class Partials(NamedTuple):
+    """Split partials of one pass: each split's normalised output and its base-2 log-sum-exp (-inf
+    where the split saw no key)."""
+
+    out: torch.Tensor  # [B*T, Hq, S, D] float32
+    lse: torch.Tensor  # [B*T, Hq, S] float32
+
+
+def _cold_passes(
+    g: GroupPlan, pool: ColdPool, image_pool: ColdPool | None
+) -> list[tuple[GroupPlan, ColdPool]]:
+    """(plan, pool) of each kernel pass of a group: the text pool's first (it also reads sinks, ring
+    and new tokens), then the image pool's when the group has image pages."""
+    passes = [(g, pool)]
+    if g.image_plan is not None:
+        if image_pool is None:
+            raise ValueError("the step's plan has image pages but no image pool was given")
+        passes.append((g.image_plan, image_pool))
+    return passes
+
+
+def merge_partials(parts: list[Partials], out: torch.Tensor) -> torch.Tensor:
+    """Combine the partials of every split of every pass into ``out`` ``[B*T, Hq, D]`` by log-sum-exp."""
+    po = parts[0].out if len(parts) == 1 else torch.cat([p.out for p in parts], dim=2)
+    pl = parts[0].lse if len(parts) == 1 else torch.cat([p.lse for p in parts], dim=2)
+    rows, hq, splits, d = po.shape
+    block_d = triton.next_power_of_2(d)
+    _merge_kernel[(rows * hq,)](
+        po, pl, out, splits, D=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits)
+    )
+    return out
+
+
 def attend_group(
     layer: int,
     g: GroupPlan,
@@ -474,9 +515,44 @@ def attend_group(
     ring: HotRing,
     sinks: SinkStore | None,
     splits: int | None = None,
+    image_pool: ColdPool | None = None,
 ) -> torch.Tensor:
     """``[B*T, Hq, D]`` outputs (q's dtype) of one group: q ``[B*T, Hq, D]``, k/v ``[B*T, H, D]`` (the
-    group's rows, contiguous). ``splits`` overrides the split-KV heuristic (tests)."""
+    group's rows, contiguous). ``splits`` overrides the split-KV heuristic of every pass (tests).
+
+    One kernel pass per cold pool (`_cold_passes`); a single pass without splits writes the output
+    directly, otherwise every pass writes split partials and `merge_partials` combines them."""
+    passes = _cold_passes(g, pool, image_pool)
+    out = torch.empty_like(q)
+    direct = out if len(passes) == 1 else None
+    parts: list[Partials] = []
+    for i, (plan, cold) in enumerate(passes):
+        tail = i == 0  # the first pass also reads the sink page, ring rows and new tokens
+        got = _attend_pass(
+            layer, plan, q, k, v, scale, cold, ring, sinks if tail else None, splits, direct, tail
+        )
+        if got is not None:
+            parts.append(got)
+    return merge_partials(parts, out) if parts else out
+
+
+def _attend_pass(
+    layer: int,
+    g: GroupPlan,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    pool: ColdPool,
+    ring: HotRing,
+    sinks: SinkStore | None,
+    splits: int | None,
+    out: torch.Tensor | None,
+    tail: bool,
+) -> Partials | None:
+    """One launch over ``g.page_table``'s pages of ``pool``; ``tail``: also the sink page, ring rows and
+    new tokens (in the last split). Writes ``out`` when given and the pass has one split (returns
+    None), else returns the split partials."""
     B, T = g.batch, g.tokens
     _, hq, d = q.shape
     h = k.shape[1]
@@ -502,9 +578,9 @@ def attend_group(
     if splits is None:
         splits = _num_splits(B * h * m_blocks, n_pages) if T == 1 else 1
     pages_per_split = triton.cdiv(max(n_pages, 1), splits)
-    out = torch.empty_like(q)
+    partial = out is None or splits > 1
     po = pl = out
-    if splits > 1:
+    if partial:
         po = torch.empty((B * T, hq, splits, d), dtype=torch.float32, device=q.device)
         pl = torch.empty((B * T, hq, splits), dtype=torch.float32, device=q.device)
     if sinks is not None and g.sink_table is not None:
@@ -517,7 +593,7 @@ def attend_group(
         q,
         k,
         v,
-        out,
+        po if out is None else out,
         po,
         pl,
         g.page_table,
@@ -536,6 +612,7 @@ def attend_group(
         g.ring_rows.stride(0),
         pages_per_split,
         splits,
+        splits - 1 if tail else -1,
         GROUP=group,
         D=d,
         BLOCK_D=block_d,
@@ -543,7 +620,7 @@ def attend_group(
         K_FMT=k_fmt,
         V_FMT=v_fmt,
         HAS_SINKS=sinks is not None and g.sink_table is not None,
-        SPLIT=splits > 1,
+        SPLIT=partial,
         BLOCK_M=block_m,
         BLOCK_N=launch["block_n"],
         FOLD=fold,
@@ -559,11 +636,7 @@ def attend_group(
         num_warps=launch["num_warps"],
         num_stages=launch["num_stages"],
     )
-    if splits > 1:
-        _merge_kernel[(B * T * hq,)](
-            po, pl, out, splits, D=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits)
-        )
-    return out
+    return Partials(po, pl) if partial else None
 
 
 def _take(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
@@ -580,18 +653,22 @@ def attend(
     pool: ColdPool,
     ring: HotRing,
     sinks: SinkStore | None,
+    image_pool: ColdPool | None = None,
 ) -> torch.Tensor:
     """Causal attention of the step's new tokens over each sequence's strata: ``[T, Hq, D]`` in q's
-    dtype, as `kvstrata.radix.attention.attend` computes it (same plan, same order of keys)."""
+    dtype, as `kvstrata.radix.attention.attend` computes it (same plan, same keys; image pages from
+    ``image_pool`` when the plan has them)."""
     if len(batch.groups) == 1 and batch.groups[0].rows is None:
         g = batch.groups[0]
         return attend_group(
-            layer, g, _take(q, None), _take(k, None), _take(v, None), scale, pool, ring, sinks
-        )
+            layer, g, _take(q, None), _take(k, None), _take(v, None), scale, pool, ring, sinks,
+            image_pool=image_pool,
+        )  # fmt: skip
     out = torch.empty_like(q)
     for g in batch.groups:
         got = attend_group(
-            layer, g, _take(q, g.rows), _take(k, g.rows), _take(v, g.rows), scale, pool, ring, sinks
-        )
+            layer, g, _take(q, g.rows), _take(k, g.rows), _take(v, g.rows), scale, pool, ring, sinks,
+            image_pool=image_pool,
+        )  # fmt: skip
         out.index_copy_(0, g.rows, got)
     return out

@@ -198,16 +198,57 @@ def quantize_pages(
     pool: ColdPool,
     ring: HotRing,
     sinks: SinkStore | None,
+    image_pool: ColdPool | None = None,
 ) -> torch.Tensor | None:
     """Encode the step's completed pages of ``layer`` into the pool (and sinks); ``k``/``v`` are the
-    step's new rows ``[T, H, D]``. Must run before the new rows are written to the ring.
+    step's new rows ``[T, H, D]``. Must run before the new rows are written to the ring. Image pages
+    (``w.image_split``) go to ``image_pool``, one launch per pool.
 
     Returns what the encoder counted as a ``[2, 2]`` float32 tensor on the device, rows (finite
     absmax, NaN/Inf elements), columns (K, V), read by nobody until the caller wants it (no host
     sync per layer); None when no page completes."""
+    P = pool.page_size
+    src, sink_slots = w.kernel_sources(P), w.kernel_sink_slots
+    has_sinks = sinks is not None and w.sink_pages.numel() > 0
+    if w.image_split is None:
+        return _quantize(layer, w.page_ids, src, sink_slots, has_sinks, k, v, pool, ring, sinks)
+    if image_pool is None:
+        raise ValueError("the step completes image pages but no image pool was given")
+    text, image, rows = w.image_split
+    by_page = src.view(-1, P)
+    stats = None
+    for which, ids, target in ((text, w.page_ids.index_select(0, text), pool), (image, rows, image_pool)):
+        rows_src, slots = by_page.index_select(0, which).view(-1), sink_slots.index_select(0, which)
+        part = _quantize(layer, ids, rows_src, slots, has_sinks, k, v, target, ring, sinks)
+        stats = _merge_counts(stats, part)
+    return stats
+
+
+def _merge_counts(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    """The device counts of two launches: absmax by max, NaN/Inf counts by sum."""
+    if a is None or b is None:
+        return b if a is None else a
+    return torch.stack((torch.maximum(a[0], b[0]), a[1] + b[1]))
+
+
+def _quantize(
+    layer: int,
+    page_ids: torch.Tensor,
+    src: torch.Tensor,
+    sink_slots: torch.Tensor,
+    has_sinks: bool,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pool: ColdPool,
+    ring: HotRing,
+    sinks: SinkStore | None,
+) -> torch.Tensor | None:
+    """One launch: pages ``page_ids`` of ``pool`` from the rows ``src`` (see `WritePlan.kernel_sources`),
+    each page also filling its sink slot (``sink_slots``, -1: none); its device counts, as
+    `quantize_pages` returns them."""
     from kvstrata.quant.kernel_decode import kernel_format
 
-    n = w.page_ids.numel()
+    n = page_ids.numel()
     if n == 0:
         return None
     k_fmt, k_names = kernel_format(pool.k_codecs[layer])
@@ -217,8 +258,6 @@ def quantize_pages(
     kp += [kp[0]] * (3 - len(kp))
     vp += [vp[0]] * (3 - len(vp))
     P, (_, _, H, D) = pool.page_size, ring.k.shape
-    src, sink_slots = w.kernel_sources(P), w.kernel_sink_slots
-    has_sinks = sinks is not None and w.sink_pages.numel() > 0
     sk, sv = (as_bits(sinks.k[layer]), as_bits(sinks.v[layer])) if has_sinks and sinks is not None else (k, v)
     stats = torch.empty((n, H, 4), dtype=torch.float32, device=k.device)
     _page_quantize_kernel[(n, H)](
@@ -227,7 +266,7 @@ def quantize_pages(
         k.contiguous(),
         v.contiguous(),
         src,
-        w.page_ids,
+        page_ids,
         sink_slots,
         *kp,
         *vp,
@@ -262,11 +301,12 @@ def store_async(
     pool: ColdPool,
     ring: HotRing,
     sinks: SinkStore | None,
+    image_pool: ColdPool | None = None,
 ) -> torch.Tensor | None:
     """`kvstrata.radix.attention.store` with the Triton encoder: the step's completed pages are
     quantized from the ring and the new rows, then the new rows go into the ring. Returns the
     encoder's counts on the device (`quantize_pages`), so nothing waits for the device."""
-    stats = quantize_pages(layer, batch.write, k, v, pool, ring, sinks)
+    stats = quantize_pages(layer, batch.write, k, v, pool, ring, sinks, image_pool)
     write_ring(layer, batch, k, v, ring)
     return stats
 
@@ -279,6 +319,7 @@ def store(
     pool: ColdPool,
     ring: HotRing,
     sinks: SinkStore | None,
+    image_pool: ColdPool | None = None,
 ) -> WriteCounts:
     """`store_async` with the counts read back as `WriteCounts`."""
-    return write_counts(store_async(layer, batch, k, v, pool, ring, sinks))
+    return write_counts(store_async(layer, batch, k, v, pool, ring, sinks, image_pool))
