@@ -120,8 +120,9 @@ def capture_qkv(net: Any, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.T
 def key_centers(
     captured: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], page_size: int
 ) -> torch.Tensor:
-    """[L, Hkv, D] float32: per layer, the mean key after RoPE over the captured tokens past the sink page."""
-    return torch.stack([k[page_size:].float().mean(0) for _, k, _ in captured])
+    """[L, Hkv, D] float32: per layer, the mean key after RoPE over the captured tokens past the sink page
+    (all of them when there is no more than one page)."""
+    return torch.stack([(k[page_size:] if len(k) > page_size else k).float().mean(0) for _, k, _ in captured])
 
 
 def centered_capture(
