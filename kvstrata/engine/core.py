@@ -24,7 +24,7 @@ import torch
 from kvstrata.engine.attention import get_backend
 from kvstrata.engine.cuda_graph import decode_graphs_for, graph_memory_bytes, graphs_wanted
 from kvstrata.engine.drift import DriftJob, DriftMonitor, fallback_window
-from kvstrata.engine.kvplan import resolve_plan
+from kvstrata.engine.kvplan import plan_key_centers, resolve_plan
 from kvstrata.engine.loader import LoadedModel
 from kvstrata.engine.memory import image_pool_need, plan_memory, weight_bytes
 from kvstrata.engine.options import EngineArgs, pin_budget_bytes, resolve_vision_codec
@@ -54,6 +54,7 @@ class EngineCore:
         self.max_context = cfg.max_position_embeddings
         codecs = args.resolve_layer_codecs(cfg.num_layers, self.dtype)
         codecs, self.kv_plan = resolve_plan(args, model, codecs)
+        model.net.set_key_centers(plan_key_centers(args, self.kv_plan))
         scales = None
         if args.kv_scales:
             from kvstrata.quant.scales import ScalesFile

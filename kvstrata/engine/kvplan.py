@@ -18,6 +18,16 @@ every layer, the engine runs this pass once per model and codec (the plan is cac
    Otherwise the other candidates run in lockstep, and the plan kept is the one raising the fewest
    entries within the budget, or, when none is, the one with the lowest KL.
 
+**Key centering** (candidates of step 3 when the uniform codec fails, zero bytes per token): every
+layer's keys minus a fixed per-(head, channel) vector, the mean of the captured keys after RoPE. A
+shift shared by all keys of a query leaves softmax, hence attention, exactly unchanged, but real keys
+carry large per-channel offsets (Qwen2.5's k_proj bias, hundreds of times a channel's spread on the
+lowest-frequency RoPE channels, which RoPE barely rotates) that a float grid with per-channel absmax
+scales spends its coarse top steps on. Centered candidates (uniform, then raising entries of a screen
+of the centered keys) run beside the uncentered ones; at equal raised entries a centered one is
+preferred. The engine applies the chosen centers in the model (`Transformer.set_key_centers`), so
+every key it stores, ring and sink page included, is centered.
+
 The chosen plan is logged, reported by `/v1/cache` and the ``kvstrata:kv_layer_codec`` metric, and can
 be written (``--kv-plan-out plan.json``) and served again (``--kv-cache-dtype plan.json``).
 """
@@ -39,7 +49,7 @@ import torch.nn.functional as F
 from kvstrata.radix.pool import ColdPool, cold_page_bytes, layer_codec_name, split_layer_codec
 
 log = logging.getLogger("kvstrata.kvplan")
-PLAN_VERSION = 1
+PLAN_VERSION = 2
 # The codec a failing part is raised to, per history codec. Keys get an affine (min/max per channel)
 # codec: what breaks float grids on real keys is a large per-channel offset (Qwen2.5's k_proj bias, up
 # to ~470x the channel's spread), whose variation a float grid's coarse top steps lose at any scale.
@@ -71,7 +81,7 @@ KL_BUDGET = {4: 0.03, 8: 0.003}
 @dataclass(frozen=True)
 class PlanSettings:
     tokens: int = 256  # corpus tokens of the pass
-    extra_bytes: float = 0.02  # most cold bytes per token a plan may add, as a share of BF16's
+    extra_bytes: float = 0.038  # cold bytes per token a plan may add, share of BF16 (fp4: <= 0.32x)
     kl_budget: float | None = None  # mean KL (nats/token) a plan must stay within; None: KL_BUDGET by width
 
 
@@ -105,6 +115,27 @@ def capture_qkv(net: Any, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.T
 
     net(ids, torch.arange(ids.shape[0], device=ids.device), attn=attn)
     return out
+
+
+def key_centers(
+    captured: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], page_size: int
+) -> torch.Tensor:
+    """[L, Hkv, D] float32: per layer, the mean key after RoPE over the captured tokens past the sink page
+    (all of them when there is no more than one page)."""
+    return torch.stack([(k[page_size:] if len(k) > page_size else k).float().mean(0) for _, k, _ in captured])
+
+
+def centered_capture(
+    captured: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], centers: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    return [(q, k.float() - centers[i].to(k.device), v) for i, (q, k, v) in enumerate(captured)]
+
+
+def centers_of(doc: dict[str, Any] | None) -> torch.Tensor | None:
+    """A plan document's key centers [L, Hkv, D] (None when it has none)."""
+    if not doc or doc.get("key_centers") is None:
+        return None
+    return torch.tensor(doc["key_centers"], dtype=torch.float32)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -180,10 +211,12 @@ def verify(
     plans: Sequence[list[str]],
     cache_geometry: dict[str, Any],
     scale: float,
+    centers: Sequence[torch.Tensor | None] | None = None,
 ) -> list[float]:
     """Mean KL(reference || plan) per plan, teacher forcing through `StratifiedKVCache` in lockstep.
 
     Window 0 with sinks; each page-sized chunk sees every older page from the cold pool, as in decode.
+    ``centers[i]`` [L, Hkv, D] (or None) is subtracted from plan i's keys before they enter its cache.
     """
     from kvstrata.radix import CacheConfig, StratifiedKVCache
 
@@ -191,6 +224,8 @@ def verify(
     n = (len(ids) // page) * page
     layers = cache_geometry["num_layers"]
     configs = [(["fp32"] * layers, torch.float32, False), *((p, torch.bfloat16, True) for p in plans)]
+    shifts = [None, *(centers if centers is not None else [None] * len(plans))]
+    shifts = [None if c is None else c.to(device=net.device, dtype=net.dtype) for c in shifts]
     caches, seqs = [], []
     for codecs, ring, sinks in configs:
         cache = StratifiedKVCache(
@@ -217,12 +252,13 @@ def verify(
         def attn(
             layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batches: list[Any] = batches
         ) -> torch.Tensor:
-            return torch.cat(
-                [
-                    c.attention(layer, b, *(t[i * page : (i + 1) * page] for t in (q, k, v)), scale)
-                    for i, (c, b) in enumerate(zip(caches, batches, strict=True))
-                ]
-            )
+            outs = []
+            for i, (c, b) in enumerate(zip(caches, batches, strict=True)):
+                qi, ki, vi = (t[i * page : (i + 1) * page] for t in (q, k, v))
+                if shifts[i] is not None:
+                    ki = ki - shifts[i][layer]
+                outs.append(c.attention(layer, b, qi, ki, vi, scale))
+            return torch.cat(outs)
 
         pos = torch.arange(start, start + page, device=net.device)
         logits = net(chunk.repeat(len(caches)), pos.repeat(len(caches)), attn=attn)
@@ -245,6 +281,13 @@ def choose(kls: Sequence[float], counts: Sequence[int], budget: float) -> int:
     return min(range(len(kls)), key=lambda i: (kls[i], counts[i]))
 
 
+@dataclass(frozen=True)
+class Candidate:
+    raised: tuple[EntryScore, ...]
+    centered: bool
+    codecs: list[str]
+
+
 def build_plan(
     net: Any,
     ids: list[int],
@@ -263,37 +306,62 @@ def build_plan(
 
     bf16 = page_bytes(["bf16"] * layers)
     uniform = page_bytes([codec] * layers)
+    max_bytes = uniform + settings.extra_bytes * bf16
     tokens = torch.tensor(ids, device=net.device)
-    ranking = screen(capture_qkv(net, tokens), codec, page, scale, sinks)
-    counts = candidate_plans(codec, ranking, layers, uniform + settings.extra_bytes * bf16, page_bytes)
-    plans = [plan_codecs(codec, layers, ranking[:j]) for j in counts]
+    captured = capture_qkv(net, tokens)
+    ranking = screen(captured, codec, page, scale, sinks)
     budget = settings.kl_budget
     if budget is None:
         budget = KL_BUDGET.get(codec_bits(codec, page, heads, dim), min(KL_BUDGET.values()))
-    kls = verify(net, ids, plans[:1], geometry, scale)  # the uniform codec first: most models pass
-    if kls[0] > budget and len(plans) > 1:
-        kls += verify(net, ids, plans[1:], geometry, scale)
-    counts, plans = counts[: len(kls)], plans[: len(kls)]
-    best = choose(kls, counts, budget)
-    codecs = plans[best]
-    return {
-        "layer_codecs": codecs,
+    cands = [Candidate((), False, [codec] * layers)]
+    kls = verify(net, ids, [cands[0].codecs], geometry, scale)  # the uniform codec first: most models pass
+    centers, centered_ranking = None, None
+    if kls[0] > budget:
+        centers = key_centers(captured, page)
+        centered_ranking = screen(centered_capture(captured, centers), codec, page, scale, sinks)
+        plain = candidate_plans(codec, ranking, layers, max_bytes, page_bytes)
+        shifted = candidate_plans(codec, centered_ranking, layers, max_bytes, page_bytes)
+        more = [(j, True, centered_ranking) for j in shifted] + [(j, False, ranking) for j in plain[1:]]
+        more.sort(key=lambda c: (c[0], not c[1]))  # fewest raised entries first, centered before plain
+        cands += [Candidate(tuple(r[:j]), c, plan_codecs(codec, layers, r[:j])) for j, c, r in more]
+        kls += verify(
+            net,
+            ids,
+            [c.codecs for c in cands[1:]],
+            geometry,
+            scale,
+            [centers if c.centered else None for c in cands[1:]],
+        )
+    best = cands[choose(kls, [len(c.raised) for c in cands], budget)]
+    doc = {
+        "layer_codecs": best.codecs,
         "codec": codec,
         "wider_codec": {"k": WIDER_K[codec], "v": WIDER_V[codec]},
-        "raised": [e.to_json() for e in ranking[: counts[best]]],
-        "bytes_per_token": page_bytes(codecs),
+        "raised": [e.to_json() for e in best.raised],
+        "keys_centered": best.centered,
+        "bytes_per_token": page_bytes(best.codecs),
         "bf16_bytes_per_token": bf16,
-        "ratio_to_bf16": page_bytes(codecs) / bf16,
+        "ratio_to_bf16": page_bytes(best.codecs) / bf16,
         "page_size": page,
         "tokens": len(ids),
         "kl_budget": budget,
         "candidates": [
-            {"raised_entries": j, "kl": round(kl, 6), "bytes_per_token": page_bytes(p)}
-            for j, kl, p in zip(counts, kls, plans, strict=True)
+            {
+                "raised_entries": len(c.raised),
+                "centered": c.centered,
+                "kl": round(kl, 6),
+                "bytes_per_token": page_bytes(c.codecs),
+            }
+            for c, kl in zip(cands, kls, strict=True)
         ],
         "screen": [e.to_json() for e in ranking],
         "version": PLAN_VERSION,
     }
+    if centered_ranking is not None:
+        doc["screen_centered"] = [e.to_json() for e in centered_ranking]
+    if best.centered and centers is not None:
+        doc["key_centers"] = [[[round(x, 5) for x in head] for head in layer] for layer in centers.tolist()]
+    return doc
 
 
 def raised_layers(codecs: Sequence[str], codec: str) -> list[dict[str, Any]]:
@@ -320,7 +388,16 @@ def plan_summary(doc: dict[str, Any] | None) -> dict[str, Any] | None:
     """What `/v1/cache` shows of a load-time plan (the screen and candidates stay in the plan file)."""
     if doc is None:
         return None
-    keys = ("codec", "wider_codec", "raised", "bytes_per_token", "ratio_to_bf16", "kl_budget", "candidates")
+    keys = (
+        "codec",
+        "wider_codec",
+        "raised",
+        "keys_centered",
+        "bytes_per_token",
+        "ratio_to_bf16",
+        "kl_budget",
+        "candidates",
+    )
     return {k: doc[k] for k in keys if k in doc}
 
 
@@ -369,17 +446,29 @@ def resolve_plan(args: Any, model: Any, codecs: list[str]) -> tuple[list[str], d
         cached.write_text(json.dumps(doc, indent=1) + "\n")
     raised = raised_layers(doc["layer_codecs"], codec)
     log.info(
-        "kv plan for %s: raised %s (%.1f B/token, %.3fx BF16; verify KL by raised entries %s)",
+        "kv plan for %s: raised %s%s (%.1f B/token, %.3fx BF16; verify KL by raised entries %s)",
         codec,
         ", ".join(f"layer {r['layer']} {r['kind'].upper()} -> {r['codec']}" for r in raised) or "none",
+        "; keys centered" if doc.get("keys_centered") else "",
         doc["bytes_per_token"],
         doc["ratio_to_bf16"],
-        ", ".join(f"{c['raised_entries']}:{c['kl']:.2e}" for c in doc["candidates"]),
+        ", ".join(
+            f"{c['raised_entries']}{'c' * bool(c.get('centered'))}:{c['kl']:.2e}" for c in doc["candidates"]
+        ),
     )
     if args.kv_plan_out:
         out = {**doc, "recent_window": args.recent_window, "rotation": False, "sinks": bool(args.sinks)}
         Path(args.kv_plan_out).write_text(json.dumps(out, indent=1) + "\n")
     return list(doc["layer_codecs"]), doc
+
+
+def plan_key_centers(args: Any, doc: dict[str, Any] | None) -> torch.Tensor | None:
+    """The key centers the engine applies: the load-time plan's, or those of a plan file it serves."""
+    if doc is None and isinstance(args.layer_plan, (str, Path)):
+        from kvstrata.engine.defaults import read_plan_file
+
+        doc = read_plan_file(args.layer_plan)
+    return centers_of(doc)
 
 
 def _read_cached(path: Path, num_layers: int) -> dict[str, Any] | None:

@@ -86,6 +86,10 @@ class Attention(nn.Module):
         self.wo = Linear(q_dim, cfg.hidden_size, bias=cfg.attention_out_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # [Hkv, D] subtracted from every key after RoPE (a load-time plan's key centering): softmax ignores
+        # a shift shared by all keys of a query, so attention is unchanged while the cache stores keys
+        # without their large per-channel offsets.
+        self.key_center: Tensor | None = None
 
     def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q [T, Hq, D], k, v [T, Hkv, D] after q/k-norm and RoPE."""
@@ -96,7 +100,8 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :hq]), self.k_norm(qk[:, hq:])), dim=1)
         qk = apply_rope(qk, cos, sin)
-        return qk[:, :hq], qk[:, hq:], v
+        k = qk[:, hq:] if self.key_center is None else qk[:, hq:] - self.key_center
+        return qk[:, :hq], k, v
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer_idx: int, attn: AttnFn) -> Tensor:
         out = attn(layer_idx, *self.project(x, cos, sin))
@@ -155,6 +160,18 @@ class Transformer(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
+
+    def set_key_centers(self, centers: Tensor | None) -> None:
+        """Subtract ``centers[layer]`` [L, Hkv, D] from each layer's keys after RoPE (None: stop)."""
+        cfg = self.config
+        if centers is not None and tuple(centers.shape) != (cfg.num_layers, cfg.kv_heads, cfg.head_dim):
+            raise ValueError(
+                f"key centers of shape {tuple(centers.shape)} do not fit this model "
+                f"({cfg.num_layers} layers, {cfg.kv_heads} KV heads of {cfg.head_dim})"
+            )
+        for i, layer in enumerate(self.layers):
+            c = None if centers is None else centers[i].to(device=self.device, dtype=self.dtype)
+            layer.attn.key_center = c
 
     @property
     def device(self) -> torch.device:

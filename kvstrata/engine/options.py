@@ -56,7 +56,7 @@ class EngineArgs:
     kv_plan_out: str | None = None  # also write the chosen plan here (reuse: --kv-cache-dtype plan.json)
     kv_plan_tokens: int = 256  # corpus tokens of the pass
     kv_plan_kl_budget: float | None = None  # KL (nats/token, window 0 + sinks); None: by codec width
-    kv_plan_extra_bytes: float = 0.02  # cold bytes/token a plan may add, as a share of BF16's
+    kv_plan_extra_bytes: float = 0.038  # cold bytes/token a plan may add, as a share of BF16's
     extra: dict[str, Any] = field(default_factory=dict)
     # Pinned prefixes (image spans, POST /v1/cache/pins): budget in tokens (None: a quarter of the
     # pool) and the time-to-live of image pins in seconds (None: until unpinned or flushed).

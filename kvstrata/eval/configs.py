@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kvstrata.engine.defaults import (
     PLAN_DEFAULTS,
@@ -18,6 +19,7 @@ from kvstrata.engine.defaults import (
     plan_defaults,
     read_plan_file,
 )
+from kvstrata.engine.kvplan import centers_of
 from kvstrata.radix.pool import split_layer_codec
 
 __all__ = ["PLAN_DEFAULTS", "SHIPPED_DEFAULTS", "Defaults", "EvalConfig", "build_grid", "load_plan"]
@@ -37,6 +39,8 @@ class EvalConfig:
     rotation: bool
     sinks: bool
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
+    # [L, Hkv, D] subtracted from every key before it enters the cache (a plan's key centering)
+    key_centers: Any = field(default=None, compare=False, hash=False)
 
     @property
     def label(self) -> str:
@@ -119,10 +123,11 @@ def build_grid(
         else:
             base = SHIPPED_DEFAULTS.get(name, PLAN_DEFAULTS)
         layer_codecs = tuple(plan["layer_codecs"]) if plan is not None else None  # type: ignore[arg-type]
+        centers = centers_of(plan) if plan is not None else None
         for w in windows if windows is not None else [base.recent_window]:
             for r in rotations if rotations is not None else [base.rotation]:
                 for s in sinks if sinks is not None else [base.sinks]:
-                    out.append(EvalConfig(name, layer_codecs, w, r, s))
+                    out.append(EvalConfig(name, layer_codecs, w, r, s, key_centers=centers))
     seen: set[EvalConfig] = set()
     unique = []
     for cfg in out:

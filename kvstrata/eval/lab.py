@@ -119,7 +119,7 @@ def with_load_plans(grid: list[EvalConfig], model: Any, reporter: Reporter) -> t
     this runs the same pass with the engine's defaults, so the lab measures what is served. A plan that
     raises nothing leaves the configuration as it was; one that does is labelled ``codec+plan``.
     """
-    from kvstrata.engine.kvplan import WIDER_K, PlanSettings, build_plan, corpus_ids
+    from kvstrata.engine.kvplan import WIDER_K, PlanSettings, build_plan, centers_of, corpus_ids
 
     settings = PlanSettings()
     ids = corpus_ids(model, settings.tokens)
@@ -139,11 +139,13 @@ def with_load_plans(grid: list[EvalConfig], model: Any, reporter: Reporter) -> t
                 model.net, ids, cfg.kv_cache_dtype, geometry, mc.attn_scale, cfg.sinks, settings
             )
         doc = plans[key]
-        if not doc["raised"]:
+        if not doc["raised"] and not doc.get("keys_centered"):
             out.append(cfg)
             continue
         name = f"{cfg.kv_cache_dtype}+plan"
-        out.append(EvalConfig(name, tuple(doc["layer_codecs"]), cfg.recent_window, False, cfg.sinks))
+        codecs = tuple(doc["layer_codecs"])
+        centers = centers_of(doc)
+        out.append(EvalConfig(name, codecs, cfg.recent_window, False, cfg.sinks, key_centers=centers))
     return out, {f"{codec}{' sinks' if sinks else ''}": doc for (codec, sinks), doc in plans.items()}
 
 

@@ -58,6 +58,9 @@ class CacheRunner:
 
         self.config = cfg
         self.scale = model.config.head_dim**-0.5
+        self.key_centers = None
+        if cfg.key_centers is not None:
+            self.key_centers = cfg.key_centers.to(device=model.net.device, dtype=model.net.dtype)
         self.cache = StratifiedKVCache(cache_config_for(model, cfg, page_size, context, width))
         self.seqs: list[Any] = []
         self.batch: Any = None
@@ -72,6 +75,8 @@ class CacheRunner:
         self.batch = self.cache.begin_step(self.seqs, [n_new] * len(self.seqs))
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.key_centers is not None:
+            k = k - self.key_centers[layer]
         return self.cache.attention(layer, self.batch, q, k, v, self.scale)
 
     def end(self) -> None:
