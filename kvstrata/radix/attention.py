@@ -228,13 +228,8 @@ def store(
             pages.index_copy_(0, w.from_ring[0], buf.index_select(0, w.from_ring[1]).to(COMPUTE))
             pages.index_copy_(0, w.from_new[0], new.index_select(0, w.from_new[1]).to(COMPUTE))
             pages_kv.append(pages.view(n, P, hkv, d))
-        if w.image_split is None:
-            counts = pool.write(layer, w.page_ids, pages_kv[0], pages_kv[1], *clips)
-        else:
-            assert image_pool is not None
-            text, image, rows = w.image_split
-            counts = _write_split(layer, pool, w.page_ids.index_select(0, text), pages_kv, text, clips)
-            counts = counts.merge(_write_split(layer, image_pool, rows, pages_kv, image, clips))
+        for which, page_ids, target in w.pool_writes(pool, image_pool):
+            counts = counts.merge(_write_pages(layer, target, page_ids, pages_kv, which, clips))
         if sinks is not None and w.sink_pages.numel():
             sinks.k[layer, w.sink_slots] = pages_kv[0][w.sink_pages].to(sinks.k.dtype)
             sinks.v[layer, w.sink_slots] = pages_kv[1][w.sink_pages].to(sinks.v.dtype)
@@ -242,18 +237,19 @@ def store(
     return counts
 
 
-def _write_split(
+def _write_pages(
     layer: int,
     pool: ColdPool,
     page_ids: torch.Tensor,
     pages_kv: list[torch.Tensor],
-    which: torch.Tensor,
+    which: torch.Tensor | None,
     clips: tuple[torch.Tensor | None, torch.Tensor | None],
 ) -> WriteCounts:
-    """Write the completed pages ``which`` (indices into the step's pages) to ``page_ids`` of ``pool``."""
-    if not which.numel():
+    """Write the completed pages ``which`` (indices into the step's pages, None: all) to ``page_ids``
+    of ``pool``."""
+    if not page_ids.numel():
         return WriteCounts()
-    k_pages, v_pages = (p.index_select(0, which) for p in pages_kv)
+    k_pages, v_pages = pages_kv if which is None else (p.index_select(0, which) for p in pages_kv)
     return pool.write(layer, page_ids, k_pages, v_pages, *clips)
 
 

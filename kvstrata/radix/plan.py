@@ -13,10 +13,14 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass, field, fields
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvstrata.radix.sequence import Sequence
+
+if TYPE_CHECKING:
+    from kvstrata.radix.pool import ColdPool
 
 NEG_INF = float("-inf")
 
@@ -160,6 +164,19 @@ class WritePlan:
     ring_src: torch.Tensor  # their rows in k/v
     # With image pages among page_ids: (indices of text pages, indices of image pages, image pool rows)
     image_split: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def pool_writes(
+        self, pool: ColdPool, image_pool: ColdPool | None
+    ) -> list[tuple[torch.Tensor | None, torch.Tensor, ColdPool]]:
+        """Where the completed pages go, one entry per pool: (their indices among ``page_ids``, None
+        for all; their ids in that pool; the pool). Text pages go to ``pool``, image pages
+        (``image_split``) to ``image_pool`` at their image pool rows."""
+        if self.image_split is None:
+            return [(None, self.page_ids, pool)]
+        if image_pool is None:
+            raise ValueError("the step completes image pages but no image pool was given")
+        text, image, rows = self.image_split
+        return [(text, self.page_ids.index_select(0, text), pool), (image, rows, image_pool)]
 
     def kernel_sources(self, page_size: int) -> torch.Tensor:
         """[Nw * P] int64, where each row of the completed pages comes from, for the Triton page

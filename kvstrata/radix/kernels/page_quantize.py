@@ -210,16 +210,13 @@ def quantize_pages(
     P = pool.page_size
     src, sink_slots = w.kernel_sources(P), w.kernel_sink_slots
     has_sinks = sinks is not None and w.sink_pages.numel() > 0
-    if w.image_split is None:
-        return _quantize(layer, w.page_ids, src, sink_slots, has_sinks, k, v, pool, ring, sinks)
-    if image_pool is None:
-        raise ValueError("the step completes image pages but no image pool was given")
-    text, image, rows = w.image_split
-    by_page = src.view(-1, P)
     stats = None
-    for which, ids, target in ((text, w.page_ids.index_select(0, text), pool), (image, rows, image_pool)):
-        rows_src, slots = by_page.index_select(0, which).view(-1), sink_slots.index_select(0, which)
-        part = _quantize(layer, ids, rows_src, slots, has_sinks, k, v, target, ring, sinks)
+    for which, page_ids, target in w.pool_writes(pool, image_pool):
+        rows_src, slots = src, sink_slots
+        if which is not None:  # some of the step's pages: their rows and sink slots
+            rows_src = src.view(-1, P).index_select(0, which).view(-1)
+            slots = sink_slots.index_select(0, which)
+        part = _quantize(layer, page_ids, rows_src, slots, has_sinks, k, v, target, ring, sinks)
         stats = _merge_counts(stats, part)
     return stats
 
