@@ -215,7 +215,12 @@ class StepBatch:
 def ring_start_after(seq: Sequence, new_length: int, window: int, page_size: int) -> int:
     """``max(ring_start, origin, floor((length - W) / P) * P)``: monotone, so a widened window
     never asks the ring for positions it already dropped."""
-    return max(seq.ring_start, seq.cached_tokens, (new_length - window) // page_size * page_size)
+    return next_ring_start(seq.ring_start, seq.cached_tokens, new_length, window, page_size)
+
+
+def next_ring_start(ring_start: int, origin: int, new_length: int, window: int, page_size: int) -> int:
+    """`ring_start_after` of a ring given by its start and origin (the SGLang plugin's rings)."""
+    return max(ring_start, origin, (new_length - window) // page_size * page_size)
 
 
 @dataclass(frozen=True)

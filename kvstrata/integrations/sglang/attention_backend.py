@@ -4,7 +4,12 @@ Per forward batch, `init_forward_metadata` plans one kvstrata step (cold page ta
 pages to quantize) from the batch's request rows, cached prefix lengths and new-token counts;
 every layer then attends with the selected `StrataKernels` and stores its new K/V through the
 pool. Attention runs before the store: a long chunk's ring writes alias rows the step still reads.
-CUDA graphs are not supported yet (run with ``--disable-cuda-graph``).
+
+Decode steps also run in SGLang's CUDA graphs (with the Triton kernels): `init_cuda_graph_state`
+makes the static buffers (`graph.DecodeGraphState`), ``init_forward_metadata_out_graph`` plans each
+captured or replayed step on the host and copies the plan in, and ``init_forward_metadata_in_graph``
+records the device gathers of page tables and page ids. Prefill steps run eagerly
+(``--disable-prefill-cuda-graph``).
 """
 
 from __future__ import annotations
@@ -12,7 +17,8 @@ from __future__ import annotations
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
-from kvstrata.integrations.sglang.kernels import StrataKernels, make_kernels
+from kvstrata.integrations.sglang.graph import DecodeGraphState
+from kvstrata.integrations.sglang.kernels import StrataKernels, TritonStrataKernels, make_kernels
 from kvstrata.integrations.sglang.pool import StratifiedTokenToKVPool
 
 BACKEND_NAME = "kvstrata"
@@ -48,6 +54,7 @@ class KvstrataAttnBackend(AttentionBackend):
         self.kernels = kernels or make_kernels(device=pool.device)
         pool.kernels = self.kernels
         pool.bind_requests(model_runner.req_to_token_pool)
+        self.graph: DecodeGraphState | None = None
 
     def init_forward_metadata(self, forward_batch) -> None:
         if forward_batch.forward_mode.is_idle():
@@ -56,9 +63,38 @@ class KvstrataAttnBackend(AttentionBackend):
         self.pool.plan_step(*step_lengths(forward_batch))
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        raise NotImplementedError(
-            "kvstrata attention does not support CUDA graphs yet: pass --disable-cuda-graph"
-        )
+        if not isinstance(self.kernels, TritonStrataKernels):
+            raise ValueError(
+                "kvstrata attention captures CUDA graphs with its Triton kernels only "
+                f"(KVSTRATA_ATTENTION_KERNELS=auto or triton); got {type(self.kernels).__name__}: "
+                "pass --disable-cuda-graph"
+            )
+        pool = self.pool
+        assert pool.ring is not None
+        max_context = pool.req_to_token_pool.req_to_token.shape[1]
+        self.graph = DecodeGraphState(max_bs, max_context, pool.page_size, pool.ring.capacity, pool.device)
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
+        """Plan a captured or replayed decode step on the host and copy it into the static inputs."""
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        if self.graph is None:
+            raise RuntimeError("kvstrata attention: init_cuda_graph_state was not called")
+        if forward_batch.forward_mode != ForwardMode.DECODE:
+            raise NotImplementedError(
+                f"kvstrata attention captures decode steps only, not {forward_batch.forward_mode.name}: "
+                "pass --disable-prefill-cuda-graph"
+            )
+        rows, prefix_lens, _ = step_lengths(forward_batch)
+        self.pool.step = self.graph.load(self.pool.plan_decode(rows, prefix_lens))
+
+    def init_forward_metadata_in_graph(self, forward_batch) -> None:
+        assert self.graph is not None
+        bs = forward_batch.req_pool_indices.shape[0]
+        self.graph.gather(bs, self.pool.req_to_token_pool.req_to_token)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache)

@@ -16,7 +16,7 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 
 from kvstrata.integrations.sglang.kernels import StrataKernels, TorchStrataKernels
 from kvstrata.integrations.sglang.options import PluginOptions
-from kvstrata.integrations.sglang.step import RingBook
+from kvstrata.integrations.sglang.step import DecodePlan, RingBook
 from kvstrata.radix.plan import NullRows, StepBatch
 from kvstrata.radix.pool import ColdPool
 from kvstrata.radix.ring import HotRing
@@ -77,15 +77,26 @@ class StratifiedTokenToKVPool(MHATokenToKVPool):
 
     def plan_step(self, rows: list[int], prefix_lens: list[int], extend_lens: list[int]) -> StepBatch:
         """Plan the forward step of these request rows; every layer's attention and store use it."""
-        if self.rings is None:
-            raise RuntimeError("kvstrata pool: no request rows bound (use --attention-backend kvstrata)")
-        pool = self.req_to_token_pool
+        book, pool = self._book(), self.req_to_token_pool
         generations = pool.req_generation[rows].tolist()  # a CPU tensor: one gather, not one per row
-        self.step = self.rings.plan(
+        self.step = book.plan(
             rows, generations, prefix_lens, extend_lens, pool.req_to_token, torch.device(self.device)
         )
         self.quantized_pages += int(self.step.write.page_ids.numel())
         return self.step
+
+    def plan_decode(self, rows: list[int], prefix_lens: list[int]) -> DecodePlan:
+        """Plan a decode step for a captured graph (`graph.DecodeGraphState`); row 0 is padding."""
+        book = self._book()
+        generations = self.req_to_token_pool.req_generation[rows].tolist()
+        plan = book.plan_decode(rows, generations, prefix_lens)
+        self.quantized_pages += plan.pages_completed
+        return plan
+
+    def _book(self) -> RingBook:
+        if self.rings is None:
+            raise RuntimeError("kvstrata pool: no request rows bound (use --attention-backend kvstrata)")
+        return self.rings
 
     # ---- writes and reads ----------------------------------------------------------------------
     def set_kv_buffer(self, layer, loc_info, cache_k, cache_v, k_scale=None, v_scale=None, **kwargs) -> None:

@@ -14,8 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstrata.radix.plan import NullRows, StepBatch, build_step
+from kvstrata.radix.plan import NullRows, StepBatch, build_step, next_ring_start
 from kvstrata.radix.sequence import Sequence
+
+PADDING_ROW = 0  # SGLang's ReqToTokenPool never gives row 0 to a request; padded batches use it
 
 
 @dataclass
@@ -42,6 +44,24 @@ def page_tables(
     index = torch.tensor(rows, dtype=torch.long, device=req_to_token.device)
     table = (req_to_token[index, 0 : most * P : P].to(torch.long) // P).tolist()
     return [ids[:full] for ids, full in zip(table, full_pages, strict=True)]
+
+
+@dataclass
+class DecodePlan:
+    """Host int64 tensors of one decode step of ``bs`` entries, for a captured graph (`graph`):
+    what the Triton kernels read, with the page ids left to a gather on the device (``page_col``,
+    ``complete``). Padding entries (row `PADDING_ROW`) read no history, complete no page (page 0,
+    SGLang's padding page, sourced from the null ring row) and write their token to a row of ring
+    slot 0, which belongs to no request."""
+
+    rows: torch.Tensor  # [bs] request rows
+    page_col: torch.Tensor  # [bs] page index of the new token's position (L // P)
+    complete: torch.Tensor  # [bs] 1 when the new token completes that page
+    lengths: torch.Tensor  # [3, bs] cold pages, ring rows, sink flag (0)
+    ring_rows: torch.Tensor  # [bs, R] ring rows of positions [ring_start, L), padded with the null row
+    sources: torch.Tensor  # [bs * P] rows of the completed pages (`WritePlan.kernel_sources`)
+    ring_dst: torch.Tensor  # [bs] ring row of each new token
+    pages_completed: int
 
 
 class RingBook:
@@ -113,3 +133,42 @@ class RingBook:
             ring.start, ring.length = start, L + n
             self.rows[row] = ring
         return batch
+
+    def plan_decode(self, rows: list[int], generations: list[int], prefix_lens: list[int]) -> DecodePlan:
+        """Plan a decode step (one new token per entry) as `DecodePlan` and record the rings as they
+        will be after it, exactly as `plan` does for the same batch."""
+        P, R, null = self.page_size, self.ring_capacity, self.nulls.ring_row
+        bs = len(rows)
+        starts, bases, lens, cols, complete = [0] * bs, [0] * bs, [0] * bs, [0] * bs, [0] * bs
+        ring_dst = [i % R for i in range(bs)]
+        for i, (row, gen, L) in enumerate(zip(rows, generations, prefix_lens, strict=True)):
+            if row == PADDING_ROW:
+                continue
+            ring = self.ring_of(row, gen, L)
+            starts[i], bases[i], lens[i], cols[i] = ring.start, row * R, L - ring.start, L // P
+            complete[i] = int((L + 1) % P == 0)
+            ring_dst[i] = row * R + L % R
+            ring.start = next_ring_start(ring.start, ring.origin, L + 1, self.window, P)
+            ring.length = L + 1
+            self.rows[row] = ring
+        start_t, base_t = torch.tensor(starts).view(bs, 1), torch.tensor(bases).view(bs, 1)
+        len_t, done_t = torch.tensor(lens).view(bs, 1), torch.tensor(complete).view(bs, 1)
+        col = torch.arange(R).view(1, R)
+        ring_rows = torch.where(col < len_t, base_t + (start_t + col) % R, null)
+        # Page of position L = page_col * P + P - 1: its first P - 1 rows from the ring, the last the new row.
+        tok = torch.arange(P).view(1, P)
+        first = torch.tensor(cols).view(bs, 1) * P
+        own = -1 - torch.arange(bs).view(bs, 1)
+        sources = torch.where(tok < P - 1, base_t + (first + tok) % R, own)
+        sources = torch.where(done_t.bool(), sources, null).reshape(-1)
+        n_cold = [s // P for s in starts]
+        return DecodePlan(
+            rows=torch.tensor(rows, dtype=torch.long),
+            page_col=torch.tensor(cols, dtype=torch.long),
+            complete=done_t.view(bs),
+            lengths=torch.tensor([n_cold, lens, [0] * bs], dtype=torch.long),
+            ring_rows=ring_rows,
+            sources=sources,
+            ring_dst=torch.tensor(ring_dst, dtype=torch.long),
+            pages_completed=sum(complete),
+        )

@@ -74,8 +74,10 @@ class World:
         assert self.seqs[name].cached_tokens == cached
         return cached
 
-    def step(self, batch: list[tuple[str, int, int]], decode: bool):
-        """One forward batch of (request, cached length, new tokens); returns both sides' outputs."""
+    def step(self, batch: list[tuple[str, int, int]], decode: bool, graph_bs: int | None = None):
+        """One forward batch of (request, cached length, new tokens); returns both sides' outputs.
+        ``graph_bs``: a decode batch padded to that bucket and run as SGLang replays a captured
+        graph (`padded_decode`)."""
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
         rows, locs, qs, ks, vs = [], [], [], [], []
@@ -97,17 +99,50 @@ class World:
             extend_seq_lens_cpu=[n for _, _, n in batch],
             out_cache_loc=torch.cat(locs),
         )
-        self.backend.init_forward_metadata(fb)
+        if graph_bs is None:
+            self.backend.init_forward_metadata(fb)
+        else:
+            fb, q, k, v = padded_decode(self.backend, fb, q, k, v, graph_bs)
         ref_batch = self.ref.begin_step([self.seqs[name] for name, _, _ in batch], [n for _, _, n in batch])
         outs, refs = [], []
+        real = sum(n for _, _, n in batch)
         for layer in self.layers:
             qb = q.to(torch.bfloat16)
             kb, vb = k[layer.layer_id].to(torch.bfloat16), v[layer.layer_id].to(torch.bfloat16)
             forward = self.backend.forward_decode if decode else self.backend.forward_extend
-            outs.append(forward(qb.reshape(-1, Q_HEADS * HEAD_DIM), kb, vb, layer, fb))
-            refs.append(self.ref.attention(layer.layer_id, ref_batch, qb, kb, vb, SCALE, self.ref_kernels))
+            outs.append(forward(qb.reshape(-1, Q_HEADS * HEAD_DIM), kb, vb, layer, fb)[:real])
+            qr, kr, vr = qb[:real], kb[:real], vb[:real]
+            refs.append(self.ref.attention(layer.layer_id, ref_batch, qr, kr, vr, SCALE, self.ref_kernels))
         self.ref.end_step(ref_batch)
         return q, outs, refs
+
+
+def padded_decode(backend, fb, q, k, v, bs: int):
+    """A decode batch padded to ``bs`` entries as SGLang's decode graph runner pads it (row 0, sequence
+    length 1, slot 0), planned as for a replay (``init_forward_metadata_out_graph``, then the graph's
+    ``init_forward_metadata_in_graph``); the padded batch and q/k/v (padding rows random)."""
+    n = fb.req_pool_indices.numel()
+    pad = bs - n
+
+    def padded(t: torch.Tensor, value: int) -> torch.Tensor:
+        return torch.cat([t, torch.full((pad,), value, dtype=t.dtype)])
+
+    fb = SimpleNamespace(
+        forward_mode=fb.forward_mode,
+        batch_size=bs,
+        num_padding=pad,
+        req_pool_indices=padded(fb.req_pool_indices, 0),
+        seq_lens=padded(fb.seq_lens, 1),
+        seq_lens_cpu=padded(fb.seq_lens_cpu, 1),
+        out_cache_loc=padded(fb.out_cache_loc, 0),
+    )
+    backend.init_forward_metadata_out_graph(fb)
+    backend.init_forward_metadata_in_graph(fb)
+    extra = torch.randn(pad, *q.shape[1:])
+    q = torch.cat([q, extra])
+    k = torch.cat([k, torch.randn(k.shape[0], pad, *k.shape[2:])], dim=1)
+    v = torch.cat([v, torch.randn(v.shape[0], pad, *v.shape[2:])], dim=1)
+    return fb, q, k, v
 
 
 def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
@@ -138,6 +173,21 @@ def run_schedule(w: World, check) -> None:
     check(w, [("c", cached, 5), ("b", 14, 1)], decode=False)
 
 
+def assert_pool_equals_cache(w: World, batch) -> None:
+    """Each request of ``batch`` holds in the pool (cold pages + ring) exactly what kvstrata's cache holds."""
+    for name, L, n in batch:
+        seq, row = w.seqs[name], w.rows[name]
+        assert w.pool.rings.rows[row].start == seq.ring_start
+        for layer in range(LAYERS):
+            k, v = w.pool.read_request(layer, row, L + n)
+            pages = torch.tensor(seq.page_ids[: seq.ring_start // PAGE], dtype=torch.long)
+            k_ref, v_ref = w.ref.pool.read(layer, pages, torch.float32)
+            ring = torch.tensor(w.ref.ring.rows(seq.slot, seq.ring_start, seq.length), dtype=torch.long)
+            k_ref = torch.cat([k_ref.reshape(-1, KV_HEADS, HEAD_DIM), w.ref.ring.k[layer][ring].float()])
+            v_ref = torch.cat([v_ref.reshape(-1, KV_HEADS, HEAD_DIM), w.ref.ring.v[layer][ring].float()])
+            assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+
+
 KERNELS = ["torch", "triton"]  # triton: under TRITON_INTERPRET=1 without CUDA (see conftest)
 
 
@@ -151,17 +201,7 @@ def test_pool_and_attention_equal_kvstrata_cache(codec, kernels):
         _, outs, refs = w.step(batch, decode)
         for out, ref in zip(outs, refs, strict=True):
             assert torch.equal(out, ref.reshape(out.shape))
-        for name, L, n in batch:
-            seq, row = w.seqs[name], w.rows[name]
-            assert w.pool.rings.rows[row].start == seq.ring_start
-            for layer in range(LAYERS):
-                k, v = w.pool.read_request(layer, row, L + n)
-                pages = torch.tensor(seq.page_ids[: seq.ring_start // PAGE], dtype=torch.long)
-                k_ref, v_ref = w.ref.pool.read(layer, pages, torch.float32)
-                ring = torch.tensor(w.ref.ring.rows(seq.slot, seq.ring_start, seq.length), dtype=torch.long)
-                k_ref = torch.cat([k_ref.reshape(-1, KV_HEADS, HEAD_DIM), w.ref.ring.k[layer][ring].float()])
-                v_ref = torch.cat([v_ref.reshape(-1, KV_HEADS, HEAD_DIM), w.ref.ring.v[layer][ring].float()])
-                assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+        assert_pool_equals_cache(w, batch)
 
     run_schedule(w, check)
     assert w.pool.quantized_pages == w.ref.quantized_pages > 0

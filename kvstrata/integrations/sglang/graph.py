@@ -1,0 +1,161 @@
+"""Decode steps of ``--attention-backend kvstrata`` inside SGLang's CUDA graphs.
+
+SGLang captures a decode forward once per batch bucket and replays it: every tensor the kernels
+read must live at the same address in every replay, with the same shapes. `DecodeGraphState` keeps
+one static `StepBatch` per bucket, all views of buffers sized for the largest bucket:
+
+- the host plans each replayed step (`RingBook.plan_decode`: ring rows, lengths, where a completed
+  page's rows come from, which ring row takes each new token) and `load` puts it on the device in
+  one asynchronous copy from pinned memory into ``inputs``;
+- `gather` (recorded in the graph) turns ``inputs`` into what the kernels read: every entry's page
+  table, read from SGLang's ``req_to_token`` on the device (the host never reads it), the id of the
+  page each entry completes (page 0, SGLang's padding page, when none) and the int32 lengths.
+
+The page table is as wide as a request can be long, so the attention kernel's split-KV choice is
+fixed per bucket; the kernel reads only each entry's ``lengths``. The page quantize runs over every
+entry (those that complete no page rewrite page 0 from the null ring row), so its grid is static.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvstrata.integrations.sglang.step import DecodePlan
+from kvstrata.radix.plan import GroupPlan, StepBatch, WritePlan
+
+STAGING_BUFFERS = 2  # pinned host buffers used in turn, each reused only after its copy is done
+
+
+class DecodeGraphState:
+    def __init__(
+        self, max_bs: int, max_context: int, page_size: int, ring_capacity: int, device: torch.device
+    ) -> None:
+        B, R, P = max_bs, ring_capacity, page_size
+        self.max_bs, self.page_size, self.ring_capacity = B, P, R
+        self.device = torch.device(device)
+        self.width = -(-max_context // P)
+        # Sections of the flat int64 input, each sized for max_bs entries.
+        self.sections = {
+            "rows": (B,),
+            "page_col": (B,),
+            "complete": (B,),
+            "lengths": (3, B),
+            "ring_rows": (B, R),
+            "sources": (B * P,),
+            "ring_dst": (B,),
+        }
+        sizes = [_numel(shape) for shape in self.sections.values()]
+        self.inputs = torch.zeros(sum(sizes), dtype=torch.long, device=self.device)
+        self.views = {
+            name: part.view(shape)
+            for (name, shape), part in zip(self.sections.items(), self.inputs.split(sizes), strict=True)
+        }
+        on_cuda = self.device.type == "cuda"
+        self.staging = [
+            torch.zeros(sum(sizes), dtype=torch.long, pin_memory=on_cuda) for _ in range(STAGING_BUFFERS)
+        ]
+        self.staged = [
+            dict(zip(self.sections, part.split(sizes), strict=True)) for part in self.staging
+        ]  # flat parts of each staging buffer
+        self.copied: list[torch.cuda.Event | None] = [None] * STAGING_BUFFERS
+        self.turn = 0
+        self.page_table = torch.zeros((B, self.width), dtype=torch.int32, device=self.device)
+        self.lengths = torch.zeros((3, B), dtype=torch.int32, device=self.device)
+        self.page_ids = torch.zeros(B, dtype=torch.long, device=self.device)
+        self.sink_slots = torch.full((B,), -1, dtype=torch.long, device=self.device)
+        self.ring_src = torch.arange(B, dtype=torch.long, device=self.device)
+        self.steps: dict[int, StepBatch] = {}
+
+    def step_for(self, bs: int) -> StepBatch:
+        """The static step of bucket ``bs``: views of the buffers, the same objects in every replay."""
+        step = self.steps.get(bs)
+        if step is None:
+            if not 1 <= bs <= self.max_bs:
+                raise ValueError(f"kvstrata graphs: batch of {bs} outside 1..{self.max_bs}")
+            step = _static_step(self, bs)
+            self.steps[bs] = step
+        return step
+
+    def load(self, plan: DecodePlan) -> StepBatch:
+        """Copy a planned step into the inputs (one copy, asynchronous on CUDA); its static step."""
+        bs = plan.rows.numel()
+        step = self.step_for(bs)
+        turn = self.turn
+        self.turn = (turn + 1) % STAGING_BUFFERS
+        event = self.copied[turn]
+        if event is not None:
+            event.synchronize()  # the copy of two steps ago; long done in practice
+        staged = self.staged[turn]
+        for name, shape in self.sections.items():
+            dst = staged[name].view(shape)
+            src = getattr(plan, name)
+            if len(shape) == 1:
+                dst[: src.numel()].copy_(src)
+            elif name == "lengths":
+                dst[:, :bs].copy_(src)
+            else:
+                dst[:bs].copy_(src)
+        self.inputs.copy_(self.staging[turn], non_blocking=True)
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            self.copied[turn] = event
+        return step
+
+    def gather(self, bs: int, req_to_token: torch.Tensor) -> None:
+        """Device ops of a step of bucket ``bs`` (recorded in the graph; no host read): page tables
+        from ``req_to_token``, completed page ids, int32 lengths."""
+        P, v = self.page_size, self.views
+        table = self.page_table[:bs]
+        torch.index_select(req_to_token[:, ::P], 0, v["rows"][:bs], out=table)
+        table.floor_divide_(P)
+        done = torch.gather(table, 1, v["page_col"][:bs].view(bs, 1)).view(bs).to(torch.long)
+        torch.mul(done, v["complete"][:bs], out=self.page_ids[:bs])
+        self.lengths[:, :bs].copy_(v["lengths"][:, :bs])
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _static_step(state: DecodeGraphState, bs: int) -> StepBatch:
+    """A `StepBatch` of ``bs`` decode entries over the state's buffers, as the Triton kernels read it
+    (``lengths`` instead of host lists and masks; the host lists stay empty placeholders of size bs)."""
+    P, v = state.page_size, state.views
+    empty = torch.empty(0, dtype=torch.long, device=state.device)
+    group = GroupPlan(
+        rows=None,
+        batch=bs,
+        tokens=1,
+        page_table=state.page_table[:bs],
+        cold_pages=[0] * bs,
+        sink_table=None,
+        sink_valid=[False] * bs,
+        ring_rows=v["ring_rows"][:bs],
+        ring_len=[0] * bs,
+        page_size=P,
+        lengths=state.lengths[:, :bs],
+    )
+    write = WritePlan(
+        page_ids=state.page_ids[:bs],
+        from_ring=(empty, empty),
+        from_new=(empty, empty),
+        sink_pages=empty,
+        sink_slots=empty,
+        ring_dst=v["ring_dst"][:bs],
+        ring_src=state.ring_src[:bs],
+    )
+    write._kernel_sources = v["sources"][: bs * P]  # what `WritePlan.kernel_sources` returns
+    write.__dict__["kernel_sink_slots"] = state.sink_slots[:bs]  # no sinks inside SGLang
+    return StepBatch(
+        seqs=[],
+        n_new=[1] * bs,
+        num_tokens=bs,
+        groups=[group],
+        write=write,
+        new_ring_start=[],
+        new_pages=[],
+    )
