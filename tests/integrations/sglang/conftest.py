@@ -83,12 +83,12 @@ def published():
         yield server_args
 
 
-def make_pools(pool_cls, size: int = SLOTS, rows: int = 8):
+def make_pools(pool_cls, size: int = SLOTS, rows: int = 8, max_context: int = 256):
     """(ReqToTokenPool, KV pool of ``pool_cls``, paged allocator) as SGLang builds them on CPU."""
     from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
-    req_pool = ReqToTokenPool(size=rows, max_context_len=256, device="cpu", enable_memory_saver=False)
+    req_pool = ReqToTokenPool(size=rows, max_context_len=max_context, device="cpu", enable_memory_saver=False)
     kv = pool_cls(
         size=size,
         page_size=PAGE,

@@ -27,7 +27,10 @@ from tests.integrations.sglang.test_sglang_pool_attention import (
     run_schedule,
 )
 
-BUCKET = 4  # run_schedule decodes two requests: two padding entries
+BUCKET = 3  # run_schedule decodes two requests: one padding entry
+# Requests of up to 128 tokens: the static page table has 32 columns, so the decode kernel splits each
+# history in two (as on a GPU at small batches), at half the interpreted work of the default 256.
+REPLAY_CONTEXT = 128
 
 
 def capture(w: World, bs: int):
@@ -111,7 +114,10 @@ def test_replayed_decode_equals_kvstrata_cache():
     """Decode steps run on the captured step of their bucket (Triton kernels, interpreted on CPU):
     pool contents equal kvstrata's own cache bit for bit, attention outputs up to the split-KV merge
     (the static page table is as wide as a request can be long, so the kernel splits the history)."""
-    w = World("fp8_e4m3", "triton")
+    from kvstrata.radix.kernels.attend import _num_splits
+
+    assert _num_splits(BUCKET * KV_HEADS, REPLAY_CONTEXT // PAGE) == 2  # the decode kernel splits
+    w = World("fp8_e4m3", "triton", max_context=REPLAY_CONTEXT)
     captured = capture(w, BUCKET)
     worst = []
 

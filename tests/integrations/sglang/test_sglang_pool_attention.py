@@ -28,7 +28,7 @@ VOCAB = 500
 class World:
     """One SGLang side (pool + backend) and one kvstrata side (its own cache), same tokens."""
 
-    def __init__(self, codec: str, kernels: str = "torch") -> None:
+    def __init__(self, codec: str, kernels: str = "torch", max_context: int = 256) -> None:
         from sglang.srt.layers.radix_attention import RadixAttention
 
         from kvstrata.integrations.sglang.attention_backend import KvstrataAttnBackend
@@ -39,7 +39,7 @@ class World:
         self.v_of = torch.randn(LAYERS, VOCAB, KV_HEADS, HEAD_DIM, generator=gen)
         self.gen = gen
         options = PluginOptions(codec=codec, recent_window=WINDOW)
-        self.req_pool, self.pool, self.allocator = make_pools(pool_class(options))
+        self.req_pool, self.pool, self.allocator = make_pools(pool_class(options), max_context=max_context)
         runner = SimpleNamespace(token_to_kv_pool=self.pool, req_to_token_pool=self.req_pool)
         self.backend = KvstrataAttnBackend(runner, make_kernels(kernels))
         self.ref_kernels = kernels == "triton"
