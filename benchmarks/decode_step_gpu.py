@@ -19,6 +19,10 @@ torch.profiler summary of ``--profile-steps`` steps: kernel-busy time (the union
 against the steps' wall time, the idle rest, and the kernels by share. A checksum of every greedy token
 lets two versions of the code be compared for token-for-token equality on the same machine.
 
+``--plan table,lists`` runs every codec twice in one process: with the cache's device page table
+(`SlotPageTable`, the CUDA default: page tables and ring rows gathered on the device) and with them
+built from the sequences' lists every step (the CPU default), for the host time of ``begin_step``.
+
 ``--geometry tiny --device cpu`` runs the same code on a small model on the CPU (a smoke test).
 """
 
@@ -288,10 +292,14 @@ def kernel_kind(name: str) -> str:
     return "other elementwise"
 
 
-def run_codec(net: Any, cfg: ModelConfig, kv: str, args: argparse.Namespace, bw: float) -> dict[str, Any]:
+def run_codec(
+    net: Any, cfg: ModelConfig, kv: str, plan: str, args: argparse.Namespace, bw: float
+) -> dict[str, Any]:
     device = net.device
     total = args.context + args.warmup + args.steps + args.profile_steps + 1
     cache = build_cache(net, cfg, kv, args.batch, total)
+    if plan == "lists":  # the plan's page tables and ring rows built on the host every step
+        cache.page_tables = None
     reqs = fill(cache, cfg, args.batch, args.context, args.seed)
     graphs = None
     if device.type == "cuda":
@@ -326,6 +334,7 @@ def run_codec(net: Any, cfg: ModelConfig, kv: str, args: argparse.Namespace, bw:
     del decoder, runner, graphs, cache, reqs
     return {
         "kv": kv,
+        "plan": plan,
         "ms_per_step": ms,
         "ms_mean": 1e3 * statistics.mean(times),
         "ms_spread": [1e3 * min(times), 1e3 * max(times)],
@@ -351,6 +360,12 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--label", default="", help="a name for this version of the code in the table")
+    ap.add_argument(
+        "--plan",
+        default="table",
+        help="comma-separated: table (page tables gathered from the cache's device table), lists "
+        "(built from the sequences' lists every step); each runs every codec",
+    )
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -359,7 +374,9 @@ def main() -> None:
     net = dummy_model(cfg, dtype, device, seed=args.seed)
     bw = hbm_bandwidth(device) if device.type == "cuda" else 50e9
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    results = [run_codec(net, cfg, kv, args, bw) for kv in args.kv.split(",")]
+    results = [
+        run_codec(net, cfg, kv, plan, args, bw) for plan in args.plan.split(",") for kv in args.kv.split(",")
+    ]
     print(
         f"\ndecode step, {args.geometry} geometry (random BF16 weights), batch {args.batch}, context "
         f"{args.context}; {name}, torch {torch.__version__}; copy bandwidth {bw / 1e9:.0f} GB/s\n"
@@ -372,7 +389,8 @@ def main() -> None:
     for r in results:
         p = r["profile"]
         print(
-            f"| {args.label} | {r['kv']} | {r['ms_per_step']:.2f} | {r['ms_mean']:.2f} | {r['floor_ms']:.2f} "
+            f"| {args.label} {r['plan']} | {r['kv']} | {r['ms_per_step']:.2f} | {r['ms_mean']:.2f} "
+            f"| {r['floor_ms']:.2f} "
             f"({(r['weight_bytes'] + r['kv_bytes']) / 1e9:.1f} GB) | {r['ratio']:.2f}x "
             f"| {r['begin_step_ms']:.2f} | {p.get('busy_ms_per_step', float('nan')):.2f} "
             f"| {p.get('idle_ms_per_step', float('nan')):.2f} | {r['tokens_sha1']} |"
@@ -380,7 +398,7 @@ def main() -> None:
     for r in results:
         kinds = r["profile"].get("kernel_ms_per_step_by_kind", {})
         parts = ", ".join(f"{k} {v:.2f}" for k, v in kinds.items())
-        print(f"{args.label} {r['kv']}: kernel ms/step by kind: {parts}")
+        print(f"{args.label} {r['plan']} {r['kv']}: kernel ms/step by kind: {parts}")
         for name, ms in r["profile"].get("top_kernels_ms_per_step", {}).items():
             print(f"    {ms:7.3f} ms  {name}")
     if args.json:

@@ -22,6 +22,7 @@ import torch
 from kvstrata.radix import attention
 from kvstrata.radix.config import CacheConfig
 from kvstrata.radix.errors import OutOfPages, OutOfSlots, PinBudgetExceeded
+from kvstrata.radix.page_table import SlotPageTable
 from kvstrata.radix.pins import PinTable
 from kvstrata.radix.plan import NullRows, StepBatch, build_step
 from kvstrata.radix.pool import ColdPool, cold_page_bytes
@@ -77,6 +78,13 @@ class StratifiedKVCache:
             self._rotate = hadamard_rotate
         self.running: dict[int, Sequence] = {}
         self._next_id = 0
+        # On CUDA each slot's page ids stay on the device, so a step sends only what changed (text pool
+        # only). On the CPU the gather costs what the list build costs: the plan is built from the lists.
+        self.page_tables = (
+            SlotPageTable(self.ring.slots.total, self.pool.null_page, self.device)
+            if self.image_pool is None and self.device.type == "cuda"
+            else None
+        )
         self.written = bytearray(self.image_base + cfg.image_pages if self.image_pool else num_pages)
         # Checksums of tree pages recorded by check_invariants (page immutability); freeing forgets.
         self.page_checksums: dict[int, int] = {}
@@ -302,11 +310,14 @@ class StratifiedKVCache:
                 nulls=self.nulls,
                 device=self.device,
                 image_base=self.image_base if self.image_pool is not None else None,
+                tables=self.page_tables,
             )
         except BaseException:
             # Planning failed (e.g. out of device memory while building the index tensors): no
             # step is open, so nothing may stay attached to the sequences.
             self._detach(seqs[: len(new_pages)], new_pages)
+            if self.page_tables is not None:
+                self.page_tables.forget(seqs)
             raise
 
     def _detach(self, seqs: list[Sequence], new_pages: list[list[int]]) -> None:
@@ -497,6 +508,8 @@ class StratifiedKVCache:
             return
         P = self.page_size
         res = self.tree.insert(seq.token_ids[: n_full * P], seq.page_ids[:n_full], seq.extra_key)
+        if self.page_tables is not None:  # pages after the tree's may become the tree's copies
+            self.page_tables.invalidate(seq, seq.tree_pages)
         self._free_pages(seq.page_ids[seq.tree_pages : res.present])
         seq.page_ids[:n_full] = res.pages
         self.tree.lock(res.node)

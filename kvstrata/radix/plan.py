@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvstrata.radix.page_table import SlotPageTable, TableUpdate
 from kvstrata.radix.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -46,6 +47,9 @@ class GroupPlan:
     image_pages: list[int] = field(default_factory=list)  # valid entries of each row of image_table
     # [3, B] int64: cold pages, ring rows and sink flag (0/1) of each sequence (built with the plan)
     lengths: torch.Tensor | None = None
+    # With a `SlotPageTable`: [B] slot, first table entry, ring start and ring base of each sequence,
+    # from which `build_step` makes page_table and ring_rows on the device after the upload.
+    device_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     _tail_bias: dict[int, torch.Tensor] = field(default_factory=dict)
     _masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -246,13 +250,20 @@ def build_step(
     nulls: NullRows,
     device: torch.device,
     image_base: int | None = None,
+    tables: SlotPageTable | None = None,
 ) -> StepBatch:
     """Plan a step; pages for the tokens must already be in ``seq.page_ids``. Page ids from
     ``image_base`` on live in the image pool.
 
     The index tensors are built on the host, then reach ``device`` together in one copy (`upload`):
-    on CUDA one asynchronous copy from pinned memory per step, which waits for nothing."""
+    on CUDA one asynchronous copy from pinned memory per step, which waits for nothing. With
+    ``tables`` (and no image pool) the cold page tables and ring rows are not built on the host: the
+    copy carries the table's changed entries and a few ids per sequence, and both are made on the
+    device (`_finish_on_device`)."""
     P, R = page_size, ring_capacity
+    if image_base is not None:
+        tables = None
+    update = tables.sync(seqs) if tables is not None else None
     offsets, total = [], 0
     for n in n_new:
         offsets.append(total)
@@ -273,6 +284,7 @@ def build_step(
             nulls,
             every_token,
             image_base,
+            tables is not None,
         )
         for n, idx in by_size.items()
     ]
@@ -281,8 +293,27 @@ def build_step(
     if image_base is not None:
         write.image_split = _split_image_pages(write.page_ids, image_base)
     step = StepBatch(list(seqs), list(n_new), total, groups, write, new_starts, new_pages)
-    _upload_tensors([*groups, write], device)
+    _upload_tensors([*groups, write, *([update] if update is not None else [])], device)
+    if tables is not None and update is not None:
+        _finish_on_device(groups, tables, update, R, nulls.ring_row)
     return step
+
+
+def _finish_on_device(
+    groups: list[GroupPlan], tables: SlotPageTable, update: TableUpdate, R: int, null_row: int
+) -> None:
+    """Write the table's changed entries, then each group's page table and ring rows (on the
+    table's device, from the uploaded ``device_index`` and ``lengths``)."""
+    tables.apply(update)
+    for g in groups:
+        assert g.device_index is not None and g.lengths is not None
+        slots, first, starts, bases = g.device_index
+        g.page_table = tables.gather(slots, first, g.lengths[0], max(g.cold_pages))
+        width = max(g.ring_len)
+        col = torch.arange(width, device=slots.device).view(1, width)
+        B = g.batch
+        rows = bases.view(B, 1) + (starts.view(B, 1) + col) % R
+        g.ring_rows = torch.where(col < g.lengths[1].view(B, 1), rows, null_row)
 
 
 def upload(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
@@ -299,7 +330,7 @@ def upload(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tens
     return [part.view(t.shape) for part, t in zip(flat.split(sizes), tensors, strict=True)]
 
 
-def _upload_tensors(plans: list[GroupPlan | WritePlan], device: torch.device) -> None:
+def _upload_tensors(plans: list[GroupPlan | WritePlan | TableUpdate], device: torch.device) -> None:
     """Move every tensor field of ``plans`` (alone or in a tuple) to ``device`` with one `upload`."""
     found: list[torch.Tensor] = []
     for plan in plans:
@@ -425,8 +456,10 @@ def _plan_group(
     nulls: NullRows,
     every_token: bool,
     image_base: int | None,
+    on_device: bool = False,
 ) -> GroupPlan:
-    """One group's plan (host tensors)."""
+    """One group's plan (host tensors). ``on_device``: page table and ring rows are left empty and
+    ``device_index`` holds what `_finish_on_device` makes them from."""
     B = len(seqs)
     rows = None
     if not every_token:
@@ -434,7 +467,7 @@ def _plan_group(
         for o in offsets:
             token_rows.extend(range(o, o + n))
         rows = torch.tensor(token_rows, dtype=torch.long)
-    cold: list[list[int]] = []
+    firsts: list[int] = []
     sinks: list[int | None] = []
     for seq in seqs:
         first = 0
@@ -443,25 +476,32 @@ def _plan_group(
             sink = sink_of[seq.page_ids[0]]
             first = 1
         sinks.append(sink)
-        cold.append(seq.page_ids[first : seq.ring_start // P])
+        firsts.append(first)
+    cold_pages = [seq.ring_start // P - first for seq, first in zip(seqs, firsts, strict=True)]
+    ring_len = [seq.length - seq.ring_start for seq in seqs]
+    starts = torch.tensor([seq.ring_start for seq in seqs], dtype=torch.long)
+    bases = torch.tensor([seq.slot * R for seq in seqs], dtype=torch.long)
     image: list[list[int]] = []
-    if image_base is not None:
-        image = [[p - image_base for p in c if p >= image_base] for c in cold]
-        cold = [[p for p in c if p < image_base] for c in cold]
-    page_table = _padded(cold, nulls.page)
+    device_index = None
+    if on_device:
+        slots = torch.tensor([seq.slot for seq in seqs], dtype=torch.long)
+        device_index = (slots, torch.tensor(firsts, dtype=torch.long), starts, bases)
+        page_table = ring_rows = torch.empty((B, 0), dtype=torch.long)
+    else:
+        cold = [seq.page_ids[f : f + c] for seq, f, c in zip(seqs, firsts, cold_pages, strict=True)]
+        if image_base is not None:
+            image = [[p - image_base for p in c if p >= image_base] for c in cold]
+            cold = [[p for p in c if p < image_base] for c in cold]
+            cold_pages = [len(c) for c in cold]
+        page_table = _padded(cold, nulls.page)
+        # Ring rows of positions [ring_start, length), padded with the null row.
+        col = torch.arange(max(ring_len)).view(1, -1)
+        real = col < torch.tensor(ring_len, dtype=torch.long).view(B, 1)
+        ring_rows = torch.where(real, bases.view(B, 1) + (starts.view(B, 1) + col) % R, nulls.ring_row)
 
     sink_table = None
     if any(s is not None for s in sinks):
         sink_table = torch.tensor([nulls.sink if s is None else s for s in sinks], dtype=torch.long)
-
-    # Ring rows of positions [ring_start, length), padded with the null row.
-    ring_len = [seq.length - seq.ring_start for seq in seqs]
-    starts = torch.tensor([seq.ring_start for seq in seqs], dtype=torch.long).view(B, 1)
-    bases = torch.tensor([seq.slot * R for seq in seqs], dtype=torch.long).view(B, 1)
-    col = torch.arange(max(ring_len)).view(1, -1)
-    real = col < torch.tensor(ring_len, dtype=torch.long).view(B, 1)
-    ring_rows = torch.where(real, bases + (starts + col) % R, nulls.ring_row)
-    cold_pages = [len(c) for c in cold]
     sink_valid = [s is not None for s in sinks]
     return GroupPlan(
         rows,
@@ -477,6 +517,7 @@ def _plan_group(
         _padded(image, nulls.image_page) if image else None,
         [len(c) for c in image],
         lengths=torch.tensor([cold_pages, ring_len, [int(v) for v in sink_valid]], dtype=torch.long),
+        device_index=device_index,
     )
 
 

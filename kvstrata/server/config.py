@@ -220,6 +220,13 @@ FLAGS: tuple[Flag, ...] = (
         "CUDA: largest decode batch captured in graphs (default: max running requests)",
         True,
     ),
+    Flag(
+        "chunked_prefill_size",
+        _positive_int,
+        None,
+        "prompt tokens computed per step, over all prefilling requests (engine default 512)",
+        True,
+    ),
 )
 
 
@@ -257,6 +264,7 @@ class ServerConfig:
     vision_kv_dtype: str | None = None
     disable_cuda_graph: bool | None = None
     cuda_graph_max_bs: int | None = None
+    chunked_prefill_size: int | None = None
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``kvstrata.Engine``: only the options that were set."""

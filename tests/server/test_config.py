@@ -88,3 +88,11 @@ def test_bad_values_exit_with_usage_error(argv: list[str], env: dict[str, str]) 
     with pytest.raises(SystemExit) as exc:
         parse(argv, env)
     assert exc.value.code == 2
+
+
+def test_chunked_prefill_size_reaches_the_engine() -> None:
+    assert parse(["--chunked-prefill-size", "8192"]).engine_kwargs() == {"chunked_prefill_size": 8192}
+    env = {"KVSTRATA_CHUNKED_PREFILL_SIZE": "4096"}
+    assert parse([], env).engine_kwargs() == {"chunked_prefill_size": 4096}
+    with pytest.raises(SystemExit):
+        parse(["--chunked-prefill-size", "0"])

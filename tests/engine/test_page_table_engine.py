@@ -1,0 +1,53 @@
+"""The engine with the cache's device page table (`SlotPageTable`, used on CUDA) forced on for the CPU
+gives token-for-token the greedy outputs of the list-built plans: fp8 history with sinks and a short
+window (cold pages are read every step), shared prefixes (inserts swap pages for the tree's copies),
+and a pool small enough to preempt."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvstrata import Engine
+from kvstrata.radix.page_table import SlotPageTable
+
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 300,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+PROMPTS = [[3, 9, 27, 81] * 12, [3, 9, 27, 81] * 12 + [5, 6], [7] * 40, [11, 13, 17] * 9, [3, 9, 27, 81] * 8]
+
+
+def generate(path: Path, table: bool, total_tokens: int) -> list[list[int]]:
+    with Engine(model=str(path), load_format="dummy", kv_cache_dtype="fp8_e4m3", recent_window=16,
+                kv_plan="off", max_total_tokens=total_tokens, max_running_requests=4,
+                chunked_prefill_size=32, seed=0) as engine:  # fmt: skip
+        cache = engine.core.cache
+        assert cache.page_tables is None  # the CPU default: plans built from the lists
+        if table:
+            cache.page_tables = SlotPageTable(cache.ring.slots.total, cache.nulls.page, cache.device, width=2)
+        params = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+        out = engine.generate(input_ids=PROMPTS, sampling_params=params)
+        engine.check_invariants()
+    return [o["output_ids"] for o in out]
+
+
+@pytest.mark.parametrize("total_tokens", [4096, 320])  # 320: 20 pages for 5 requests of up to 90 tokens
+def test_greedy_outputs_equal_with_and_without_the_device_table(tmp_path: Path, total_tokens: int) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    lists = generate(tmp_path, table=False, total_tokens=total_tokens)
+    assert generate(tmp_path, table=True, total_tokens=total_tokens) == lists
+    assert all(len(o) == 40 for o in lists)
