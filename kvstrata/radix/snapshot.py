@@ -14,16 +14,18 @@ def snapshot(cache: StratifiedKVCache) -> CacheStats:
     """`CacheStats` of ``cache`` now: tiers in pages of ``page_size`` tokens, counters, quality."""
     cfg, P = cache.cfg, cache.page_size
     alloc, t = cache.pool.allocator, cache.tree
+    # Raised pages count as text pages in the tree: the raised tier's share is counted from its nodes.
+    raised_tree = _raised_tree_pages(cache)
     cold = TierStats(
         "cold",
         cache.pool.page_bytes,
         alloc.total,
         alloc.num_free,
         alloc.num_used,
-        t.total_pages - t.image_pages,
-        t.pinned_pages - t.pinned_image_pages,
+        t.total_pages - t.image_pages - raised_tree[0],
+        t.pinned_pages - t.pinned_image_pages - raised_tree[1],
         cache.pool.page_bytes / P,
-        t.evictable_pages - t.evictable_image_pages,
+        t.evictable_pages - t.evictable_image_pages - raised_tree[2],
     )
     slot_pages = cache.ring.capacity // P
     ring = TierStats(
@@ -48,6 +50,20 @@ def snapshot(cache: StratifiedKVCache) -> CacheStats:
             t.pinned_image_pages,
             image.page_bytes / P,
             t.evictable_image_pages,
+        )
+    if cache.raised_pool is not None:
+        raised = cache.raised_pool
+        a = raised.allocator
+        tiers["raised"] = TierStats(
+            "raised",
+            raised.page_bytes,
+            a.total,
+            a.num_free,
+            a.num_used,
+            raised_tree[0],
+            raised_tree[1],
+            raised.page_bytes / P,
+            raised_tree[2],
         )
     if cache.sinks is not None:
         s = cache.sinks.allocator
@@ -87,6 +103,20 @@ def snapshot(cache: StratifiedKVCache) -> CacheStats:
         pins_refused=cache.pins.refused,
         pins=cache.pins.to_json(),
     )
+
+
+def _raised_tree_pages(cache: StratifiedKVCache) -> tuple[int, int, int]:
+    """(in the tree, pinned, evictable) raised pages, counted from the tree's nodes (0s without a
+    raised pool)."""
+    if cache.raised_pool is None:
+        return 0, 0, 0
+    cached = pinned = evictable = 0
+    for node in cache.tree.nodes():
+        n = sum(1 for p in node.pages if cache.is_raised_page(p))
+        cached += n
+        pinned += n if node.pin_ref > 0 else 0
+        evictable += 0 if node.protected else n
+    return cached, pinned, evictable
 
 
 def _absmax_ratio(cache: StratifiedKVCache, kind: str) -> list[float]:

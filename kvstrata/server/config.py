@@ -220,6 +220,15 @@ FLAGS: tuple[Flag, ...] = (
         "CUDA: largest decode batch captured in graphs (default: max running requests)",
         True,
     ),
+    Flag(
+        "drift_raise_dtype",
+        str,
+        None,
+        "codecs new text pages get at drift fallback level >= 1: auto (each layer's K and V one step "
+        "wider), a codec name, or off (the fallback only widens the window)",
+        True,
+    ),
+    Flag("drift_raise_share", _fraction, None, "share of the cold pool's bytes for the raised pool", True),
 )
 
 
@@ -257,6 +266,8 @@ class ServerConfig:
     vision_kv_dtype: str | None = None
     disable_cuda_graph: bool | None = None
     cuda_graph_max_bs: int | None = None
+    drift_raise_dtype: str | None = None
+    drift_raise_share: float | None = None
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``kvstrata.Engine``: only the options that were set."""
