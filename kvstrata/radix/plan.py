@@ -148,18 +148,17 @@ class GroupPlan:
     @cached_property
     def image_bias(self) -> torch.Tensor:
         """[B, 1, 1, Ni*P] additive mask of the image-pool keys (block-wise pass)."""
-        assert self.image_table is not None
-        P = self.page_size
-        valid = self._valid([n * P for n in self.image_pages], self.image_table.shape[1] * P)
-        return _bias(valid).view(self.batch, 1, 1, -1)
+        return self._table_bias(self.image_table, self.image_pages)
 
     @cached_property
     def raised_bias(self) -> torch.Tensor:
         """[B, 1, 1, Nr*P] additive mask of the raised-pool keys (block-wise pass)."""
-        assert self.raised_table is not None
+        return self._table_bias(self.raised_table, self.raised_pages)
+
+    def _table_bias(self, table: torch.Tensor | None, pages: list[int]) -> torch.Tensor:
+        assert table is not None
         P = self.page_size
-        valid = self._valid([n * P for n in self.raised_pages], self.raised_table.shape[1] * P)
-        return _bias(valid).view(self.batch, 1, 1, -1)
+        return _bias(self._valid([n * P for n in pages], table.shape[1] * P)).view(self.batch, 1, 1, -1)
 
     @cached_property
     def sink_bias(self) -> torch.Tensor:

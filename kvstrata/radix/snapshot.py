@@ -8,6 +8,7 @@ from kvstrata.radix.stats import CacheStats, TierStats
 
 if TYPE_CHECKING:
     from kvstrata.radix.cache import StratifiedKVCache
+    from kvstrata.radix.pool import ColdPool
 
 
 def snapshot(cache: StratifiedKVCache) -> CacheStats:
@@ -38,33 +39,10 @@ def snapshot(cache: StratifiedKVCache) -> CacheStats:
     )
     tiers = {"cold": cold, "ring": ring}
     if cache.image_pool is not None:
-        image = cache.image_pool
-        a = image.allocator
-        tiers["image"] = TierStats(
-            "image",
-            image.page_bytes,
-            a.total,
-            a.num_free,
-            a.num_used,
-            t.image_pages,
-            t.pinned_image_pages,
-            image.page_bytes / P,
-            t.evictable_image_pages,
-        )
+        image_tree = (t.image_pages, t.pinned_image_pages, t.evictable_image_pages)
+        tiers["image"] = _pool_tier("image", cache.image_pool, image_tree)
     if cache.raised_pool is not None:
-        raised = cache.raised_pool
-        a = raised.allocator
-        tiers["raised"] = TierStats(
-            "raised",
-            raised.page_bytes,
-            a.total,
-            a.num_free,
-            a.num_used,
-            raised_tree[0],
-            raised_tree[1],
-            raised.page_bytes / P,
-            raised_tree[2],
-        )
+        tiers["raised"] = _pool_tier("raised", cache.raised_pool, raised_tree)
     if cache.sinks is not None:
         s = cache.sinks.allocator
         tiers["sink"] = TierStats(
@@ -102,6 +80,15 @@ def snapshot(cache: StratifiedKVCache) -> CacheStats:
         pins_expired=cache.pins.expired,
         pins_refused=cache.pins.refused,
         pins=cache.pins.to_json(),
+    )
+
+
+def _pool_tier(name: str, pool: ColdPool, tree: tuple[int, int, int]) -> TierStats:
+    """The tier of a pool whose (in the tree, pinned, evictable) pages are ``tree``."""
+    a, (cached, pinned, evictable) = pool.allocator, tree
+    per_token = pool.page_bytes / pool.page_size
+    return TierStats(
+        name, pool.page_bytes, a.total, a.num_free, a.num_used, cached, pinned, per_token, evictable
     )
 
 
