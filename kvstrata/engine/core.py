@@ -23,10 +23,10 @@ import torch
 
 from kvstrata.engine.attention import get_backend
 from kvstrata.engine.cuda_graph import decode_graphs_for, graph_memory_bytes, graphs_wanted
-from kvstrata.engine.drift import DriftJob, DriftMonitor, fallback_window
-from kvstrata.engine.kvplan import plan_key_centers, resolve_plan
+from kvstrata.engine.drift import DriftJob, DriftMonitor, fallback_window, summarize_codecs
+from kvstrata.engine.kvplan import plan_key_centers, raise_codecs, resolve_plan
 from kvstrata.engine.loader import LoadedModel
-from kvstrata.engine.memory import image_pool_need, plan_memory, weight_bytes
+from kvstrata.engine.memory import image_pool_need, plan_memory, weight_bytes, with_raised_pool
 from kvstrata.engine.options import EngineArgs, pin_budget_bytes, resolve_vision_codec
 from kvstrata.engine.request import Request, Status
 from kvstrata.engine.runner import StepRunner
@@ -103,6 +103,18 @@ class EngineCore:
             if image_codec
             else None,
         )
+        raised = raise_codecs(codecs, args.drift_raise_dtype) if drift_on else None
+        if raised is not None:
+            raised_bytes = cold_page_bytes(raised, args.page_size, cfg.kv_heads, cfg.head_dim)
+            self.memory_plan = with_raised_pool(self.memory_plan, raised_bytes, args.drift_raise_share)
+            if self.memory_plan.raised_pages:
+                self.cache_config = dataclasses.replace(
+                    self.cache_config, raised_codecs=raised, raised_pages=self.memory_plan.raised_pages
+                )
+                log.info("drift fallback level 1 raises new text pages to %s", summarize_codecs(raised))
+            else:
+                log.warning("drift fallback: the cold pool is too small for a raised pool; window only")
+                raised = None
         self.cache_config = dataclasses.replace(self.cache_config, num_pages=self.memory_plan.cold_pages)
         if image_codec is not None:
             self.cache_config = dataclasses.replace(
@@ -141,6 +153,7 @@ class EngineCore:
                 on_level=self._on_level,
                 on_sample=self.stats.emit,
                 seed=args.seed,
+                raised_codecs=raised,
             )
         if args.seed is not None:
             torch.manual_seed(args.seed)
@@ -195,9 +208,12 @@ class EngineCore:
             return
         if self.drift is not None:
             # Pulled from the monitor, not handed over: a level change can never be lost between threads.
-            window = self.drift.window()
+            level = self.drift.policy.level  # read once: window and codecs of the same level
+            window, raised = self.drift.window(level), self.drift.raised(level)
             if window != self.cache.recent_window:
                 self.cache.set_recent_window(window)
+            if raised != self.cache.raised:
+                self.cache.set_raised(raised)
         self.cache.pins.expire()  # also while idle: the loop wakes at least once a second
         if self.scheduler.has_work():
             self._step()

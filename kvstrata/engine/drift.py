@@ -19,6 +19,13 @@ seen at the current level); level k asks for a BF16 window of ``base * 2**k`` to
 down one level after ``cooldown`` consecutive samples with EWMA < ``threshold / 2`` (hysteresis).
 Level changes are logged and reported through ``on_level(level, window)``, which wakes the engine;
 between steps the engine reads ``window()`` and applies it via ``cache.set_recent_window``.
+
+Precision raise (``raised_codecs`` given: the cache has a raised pool): level 1 raises precision first,
+new text pages are written in the raised pool's wider codecs at the configured window; levels 2 .. max + 1
+also widen the window as levels 1 .. max do without a raised pool (``max_level`` counts the window
+steps). Pages keep the codec they were written in, so a raise helps from the next completed page on and
+costs no re-encode; stepping back down to 0 sends new pages to the shipped codecs again. The engine reads
+``raised()`` between steps and applies it via ``cache.set_raised``.
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ class DriftStats:
     samples: int
     dropped: int
     level_changes: int
+    raised: bool = False  # new text pages go to the raised pool's wider codecs
     ppl_ratios: list[float] = field(default_factory=list)  # recent, oldest first
     kls: list[float] = field(default_factory=list)
 
@@ -94,6 +102,17 @@ def _device_of(fn: Callable[..., torch.Tensor]) -> torch.device:
         for p in owner.parameters():
             return p.device
     return torch.device("cpu")
+
+
+def summarize_codecs(codecs: list[str]) -> str:
+    """``"int4/fp8_e4m3 (layers 0-23)"``: each layer codec with its layers, runs merged."""
+    runs: list[tuple[str, int, int]] = []
+    for layer, name in enumerate(codecs):
+        if runs and runs[-1][0] == name and runs[-1][2] == layer - 1:
+            runs[-1] = (name, runs[-1][1], layer)
+        else:
+            runs.append((name, layer, layer))
+    return ", ".join(f"{n} (layer{'s' * (a != b)} {a}{f'-{b}' * (a != b)})" for n, a, b in runs)
 
 
 def fallback_window(base: int, page_size: int, level: int) -> int:
@@ -153,6 +172,7 @@ class DriftMonitor:
         on_sample: Callable[[DriftSample], None] | None = None,
         max_pending: int = 4,
         seed: int | None = None,
+        raised_codecs: list[str] | None = None,
     ) -> None:
         if metric not in ("ppl", "kl"):
             raise ValueError(f"drift metric must be 'ppl' or 'kl', got {metric!r}")
@@ -162,7 +182,9 @@ class DriftMonitor:
         self.page_size = page_size
         self.metric = metric
         self.max_tokens = max_tokens
-        self.policy = FallbackPolicy(threshold, max_level, alpha, cooldown)
+        self.raised_codecs = raised_codecs
+        self.raise_levels = 1 if raised_codecs else 0
+        self.policy = FallbackPolicy(threshold, max_level + self.raise_levels, alpha, cooldown)
         self.on_level = on_level
         self.on_sample = on_sample
         self.rng = random.Random(seed)
@@ -179,7 +201,19 @@ class DriftMonitor:
 
     def window(self, level: int | None = None) -> int:
         lvl = self.policy.level if level is None else level
-        return fallback_window(self.base_window, self.page_size, lvl)
+        return fallback_window(self.base_window, self.page_size, max(0, lvl - self.raise_levels))
+
+    def raised(self, level: int | None = None) -> bool:
+        """Whether level ``level`` (default: now) writes new text pages in the raised codecs."""
+        lvl = self.policy.level if level is None else level
+        return self.raise_levels > 0 and lvl >= 1
+
+    def describe(self, level: int) -> str:
+        """What level ``level`` asks for, for the log: the window and the codecs of new text pages."""
+        codecs = "shipped codecs"
+        if self.raised(level):
+            codecs = "raised codecs " + summarize_codecs(self.raised_codecs or [])
+        return f"recent window {self.window(level)}, new pages in {codecs}"
 
     def should_sample(self) -> bool:
         return self.sample_rate > 0 and self.rng.random() < self.sample_rate
@@ -228,12 +262,12 @@ class DriftMonitor:
         if step:
             new = old + step
             log.warning(
-                "kv precision fallback level %d -> %d (drift ewma %.4f, threshold %.4f): recent window %d",
+                "kv precision fallback level %d -> %d (drift ewma %.4f, threshold %.4f): %s",
                 old,
                 new,
                 sample.ewma,
                 self.policy.threshold,
-                self.window(new),
+                self.describe(new),
             )
             if self.on_level is not None:
                 self.on_level(new, self.window(new))
@@ -250,6 +284,7 @@ class DriftMonitor:
                 samples=self.samples,
                 dropped=self.dropped,
                 level_changes=self.policy.changes,
+                raised=self.raised(),
                 ppl_ratios=list(self.ratios),
                 kls=list(self.kls),
             )

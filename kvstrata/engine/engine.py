@@ -55,7 +55,7 @@ class Engine:
         self.device, self.dtype = core.device, core.dtype
         self.cache, self.cache_config, self.runner = core.cache, core.cache_config, core.runner
         self.stats, self.drift = core.stats, core.drift
-        self.capacity_tokens = self.cache_config.num_pages * args.page_size
+        self.capacity_tokens = self.cache.num_pages * args.page_size  # text pool + raised pool
         self.max_context = self.config.max_position_embeddings
         self.eos_ids = frozenset(self.config.eos_token_ids)
         self._closed = False
@@ -188,8 +188,15 @@ class Engine:
         return self.stats.subscribe(fn)
 
     def layer_codecs(self) -> list[str]:
-        """Per layer, the codec name new cold pages are written in (``"k/v"`` when K and V differ)."""
-        return list(self.cache.pool.codec_names)
+        """Per layer, the codec name new cold pages are written in (``"k/v"`` when K and V differ): the
+        raised pool's while the drift fallback raises precision."""
+        pool = self.cache.raised_pool if self.cache.raised else self.cache.pool
+        assert pool is not None
+        return list(pool.codec_names)
+
+    def raised_codecs(self) -> list[str]:
+        """Per layer, the codec of the drift fallback's raised pool (empty without one)."""
+        return list(self.cache.raised_pool.codec_names) if self.cache.raised_pool is not None else []
 
     def get_server_info(self) -> dict[str, Any]:
         c = self.cache_config

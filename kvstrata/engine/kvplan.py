@@ -462,6 +462,21 @@ def resolve_plan(args: Any, model: Any, codecs: list[str]) -> tuple[list[str], d
     return list(doc["layer_codecs"]), doc
 
 
+def raise_codecs(codecs: Sequence[str], choice: str) -> list[str] | None:
+    """The raised pool's layer codecs for the drift fallback's precision raise: ``choice`` "auto" widens
+    each layer's K and V one step (`WIDER_K`, `WIDER_V`; a part with no wider step keeps its codec),
+    a codec name is used for every layer, "off" gives None. None too when nothing would be wider."""
+    if choice == "off":
+        return None
+    if choice != "auto":
+        return [choice] * len(codecs)
+    out = []
+    for name in codecs:
+        k, v = split_layer_codec(name)
+        out.append(layer_codec_name(WIDER_K.get(k, k), WIDER_V.get(v, v)))
+    return out if out != list(codecs) else None
+
+
 def plan_key_centers(args: Any, doc: dict[str, Any] | None) -> torch.Tensor | None:
     """The key centers the engine applies: the load-time plan's, or those of a plan file it serves."""
     if doc is None and isinstance(args.layer_plan, (str, Path)):

@@ -18,6 +18,10 @@ it comes out of the same static bytes, so the cold pool shrinks by its bytes (th
 a quarter of the cold pool's bytes: the largest cold pool whose image pool still fits is taken); with
 ``max_total_tokens`` or on CPU the cold pool keeps its size and the image pool is added to it.
 
+With the drift monitor's precision raise on, a raised pool (text pages in wider codecs, written while the
+fallback is raised) takes ``drift_raise_share`` of the cold pool's bytes out of it (`with_raised_pool`):
+the two together never hold more bytes than the cold pool alone would have.
+
 Byte counts of the ring, sinks and cold pool are exact (null rows included): they equal what
 `StratifiedKVCache` allocates. The workspace is an upper estimate of one step's activations (see
 `step_workspace_bytes`); the engine does not preallocate it yet, so the plan holds it back.
@@ -150,6 +154,8 @@ class MemoryPlan:
     cuda_graph_bytes: int = 0
     image_pages: int = 0  # the image pool (0: none)
     image_page_bytes: int = 0
+    raised_pages: int = 0  # the raised pool (0: none)
+    raised_page_bytes: int = 0
     total_bytes: int | None = None  # device memory (CUDA)
     free_bytes: int | None = None  # free after the weights (CUDA)
     mem_fraction_static: float | None = None
@@ -167,6 +173,11 @@ class MemoryPlan:
     def image_bytes(self) -> int:
         """The image pool's buffers: ``image_pages`` pages and the null page (0 without one)."""
         return (self.image_pages + 1) * self.image_page_bytes if self.image_pages else 0
+
+    @property
+    def raised_bytes(self) -> int:
+        """The raised pool's buffers: ``raised_pages`` pages and the null page (0 without one)."""
+        return (self.raised_pages + 1) * self.raised_page_bytes if self.raised_pages else 0
 
     @property
     def reserved_bytes(self) -> int | None:
@@ -192,6 +203,17 @@ class MemoryPlan:
                     )
                 ]
                 if self.image_pages
+                else []
+            ),
+            *(
+                [
+                    (
+                        "raised pool",
+                        gib(self.raised_bytes),
+                        f"{self.raised_pages * self.page_size:,} tokens ({self.raised_pages:,} pages)",
+                    )
+                ]
+                if self.raised_pages
                 else []
             ),
             ("ring", gib(self.ring_bytes), f"{self.ring_bytes:,} B"),
@@ -293,3 +315,16 @@ def _with_image_pool(plan: MemoryPlan, image: ImagePoolNeed | None) -> MemoryPla
         return plan
     pages = image.pages(plan.cold_pages, plan.cold_page_bytes)
     return dataclasses.replace(plan, image_pages=pages, image_page_bytes=image.page_bytes)
+
+
+def with_raised_pool(plan: MemoryPlan, raised_page_bytes: int, share: float) -> MemoryPlan:
+    """``plan`` with ``share`` of its cold pool's bytes moved to a raised pool of pages of
+    ``raised_page_bytes`` (its null page included); unchanged when that holds no raised page or would
+    leave no cold page."""
+    pages = int(share * plan.cold_pages * plan.cold_page_bytes) // raised_page_bytes
+    taken = -(-(pages + 1) * raised_page_bytes // plan.cold_page_bytes)  # cold pages whose bytes it takes
+    if pages < 1 or plan.cold_pages - taken < 1:
+        return plan
+    return dataclasses.replace(
+        plan, cold_pages=plan.cold_pages - taken, raised_pages=pages, raised_page_bytes=raised_page_bytes
+    )

@@ -57,6 +57,12 @@ class EngineArgs:
     kv_plan_tokens: int = 256  # corpus tokens of the pass
     kv_plan_kl_budget: float | None = None  # KL (nats/token, window 0 + sinks); None: by codec width
     kv_plan_extra_bytes: float = 0.038  # cold bytes/token a plan may add, as a share of BF16's
+    # Precision raise of the drift fallback (kvstrata/engine/drift.py): codecs of the raised pool that new
+    # text pages go to at fallback level >= 1. "auto": each layer's K and V one step wider
+    # (kvplan.WIDER_K/WIDER_V); a codec name: that codec everywhere; "off": the fallback only widens the
+    # window. Only with drift_sample_rate > 0.
+    drift_raise_dtype: str = "auto"
+    drift_raise_share: float = 0.25  # share of the cold pool's bytes given to the raised pool
     extra: dict[str, Any] = field(default_factory=dict)
     # Pinned prefixes (image spans, POST /v1/cache/pins): budget in tokens (None: a quarter of the
     # pool) and the time-to-live of image pins in seconds (None: until unpinned or flushed).
@@ -128,6 +134,12 @@ class EngineArgs:
             raise ValueError(f"drift_metric must be 'ppl' or 'kl', got {self.drift_metric!r}")
         if self.drift_max_level < 0:
             raise ValueError(f"drift_max_level must be >= 0, got {self.drift_max_level}")
+        if self.drift_raise_dtype not in ("auto", "off"):
+            from kvstrata.quant import get_codec
+
+            get_codec(self.drift_raise_dtype)  # raises listing the known codecs
+        if not 0.0 < self.drift_raise_share < 1.0:
+            raise ValueError(f"drift_raise_share must be in (0, 1), got {self.drift_raise_share}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.kv_plan not in ("auto", "off"):

@@ -11,7 +11,8 @@ is never dequantized as a whole.
 
 Image pages kept in a pool of their own (``image_pool``, the vision codec) are one more key
 segment after the text pages: ``[cold | image | sinks | ring | new]`` in the single pass, one more
-run of blocks in the online softmax.
+run of blocks in the online softmax. Raised pages (``raised_pool``, the drift fallback's wider codecs)
+are one more after them: ``[cold | image | raised | sinks | ring | new]``.
 
 Padded slots read zero rows kept for that purpose (see `GroupPlan`), so masked keys and values are
 finite: one sequence's NaN/Inf never reaches another sequence of its batch.
@@ -78,9 +79,10 @@ def attend(
     sinks: SinkStore | None,
     block_pages: int,
     image_pool: ColdPool | None = None,
+    raised_pool: ColdPool | None = None,
 ) -> torch.Tensor:
     """Causal attention of the step's new tokens over each sequence's history and themselves."""
-    pools = (pool, image_pool)
+    pools = (pool, image_pool, raised_pool)
     if len(batch.groups) == 1:
         return _attend_group(layer, batch.groups[0], q, k, v, scale, pools, ring, sinks, block_pages)
     out = torch.empty(q.shape, dtype=COMPUTE, device=q.device)
@@ -102,7 +104,7 @@ def _attend_group(
     k: torch.Tensor,
     v: torch.Tensor,
     scale: float,
-    pools: tuple[ColdPool, ColdPool | None],
+    pools: tuple[ColdPool, ColdPool | None, ColdPool | None],
     ring: HotRing,
     sinks: SinkStore | None,
     block_pages: int,
@@ -127,9 +129,9 @@ def _attend_group(
     qs = _take(q, g.rows).to(COMPUTE)
     qg = qs.view(B, T, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(B, hkv, group * T, d)
     segments = _cold_segments(g, pools)
-    if sum(table.shape[1] for _, table in segments) <= block_pages:
+    if sum(table.shape[1] for _, table, _ in segments) <= block_pages:
         parts_k, parts_v = [], []
-        for pool, table in segments:
+        for pool, table, _ in segments:
             if table.shape[1]:
                 kc, vc = pool.read(layer, table, COMPUTE)
                 parts_k.append(kc.view(B, -1, hkv, d))
@@ -148,16 +150,19 @@ def _attend_group(
     return o.reshape(B * T, hq, d)
 
 
-def _cold_segments(
-    g: GroupPlan, pools: tuple[ColdPool, ColdPool | None]
-) -> list[tuple[ColdPool, torch.Tensor]]:
-    """(pool, page table) of the text pages, then of the image pages (when the group has an image
-    table)."""
-    pool, image_pool = pools
-    segments: list[tuple[ColdPool, torch.Tensor]] = [(pool, g.page_table)]
-    if g.image_table is not None:
-        assert image_pool is not None
-        segments.append((image_pool, g.image_table))
+Segment = tuple[ColdPool, torch.Tensor, str]
+
+
+def _cold_segments(g: GroupPlan, pools: tuple[ColdPool, ColdPool | None, ColdPool | None]) -> list[Segment]:
+    """(pool, page table, name of its bias) of the text pages, then of the image pages and of the raised
+    pages (when the group has such a table)."""
+    pool, image_pool, raised_pool = pools
+    segments: list[Segment] = [(pool, g.page_table, "cold_bias")]
+    for table, extra, name in ((g.image_table, image_pool, "image"), (g.raised_table, raised_pool, "raised")):
+        if table is not None:
+            if extra is None:
+                raise ValueError(f"the step's plan has {name} pages but no {name} pool was given")
+            segments.append((extra, table, f"{name}_bias"))
     return segments
 
 
@@ -165,7 +170,7 @@ def _attend_blocks(
     layer: int,
     g: GroupPlan,
     qg: torch.Tensor,
-    segments: list[tuple[ColdPool, torch.Tensor]],
+    segments: list[Segment],
     block_pages: int,
     sink_k: torch.Tensor | None,
     sink_v: torch.Tensor | None,
@@ -173,13 +178,13 @@ def _attend_blocks(
     tails_v: list[torch.Tensor],
     group: int,
 ) -> torch.Tensor:
-    """Online softmax over blocks of cold pages (text, then image), the sink page, then ring + new:
+    """Online softmax over blocks of cold pages (text, image, raised), the sink page, then ring + new:
     ``[B, Hkv, rows, D]``."""
     B, hkv, _, d = qg.shape
     state = OnlineSoftmax(qg)
     P = g.page_size
-    for i, (pool, pages) in enumerate(segments):
-        bias = g.cold_bias if i == 0 else g.image_bias
+    for pool, pages, bias_name in segments:
+        bias = getattr(g, bias_name)
         for start in range(0, pages.shape[1], block_pages):
             table = pages[:, start : start + block_pages]
             kb, vb = pool.read(layer, table, COMPUTE)
@@ -211,6 +216,7 @@ def store(
     sinks: SinkStore | None,
     clips: tuple[torch.Tensor | None, torch.Tensor | None],
     image_pool: ColdPool | None = None,
+    raised_pool: ColdPool | None = None,
 ) -> WriteCounts:
     """Quantize the pages completed in this step (once) and put the new tokens in the ring.
 
@@ -228,7 +234,7 @@ def store(
             pages.index_copy_(0, w.from_ring[0], buf.index_select(0, w.from_ring[1]).to(COMPUTE))
             pages.index_copy_(0, w.from_new[0], new.index_select(0, w.from_new[1]).to(COMPUTE))
             pages_kv.append(pages.view(n, P, hkv, d))
-        for which, page_ids, target in w.pool_writes(pool, image_pool):
+        for which, page_ids, target in w.pool_writes(pool, image_pool, raised_pool):
             counts = counts.merge(_write_pages(layer, target, page_ids, pages_kv, which, clips))
         if sinks is not None and w.sink_pages.numel():
             sinks.k[layer, w.sink_slots] = pages_kv[0][w.sink_pages].to(sinks.k.dtype)

@@ -10,6 +10,14 @@ Image pages (``cfg.image_codec``): a completed page holding an image token is al
 `ColdPool`, ``image_pool``, in the vision codec. Its pages take the ids ``image_base + i`` (``i`` its
 row in ``image_pool``; ``image_base`` is past the text pool's null page), so the tree, sequences,
 sinks and checksums keep one id space and every id says which pool holds it.
+
+Raised pages (``cfg.raised_codecs``): a third `ColdPool`, ``raised_pool``, stores text pages in wider
+codecs. Its pages take the ids ``raised_base + i`` (``raised_base`` is past the text pool's null page;
+the image ids then start after the raised range). While `set_raised` is on (the drift monitor's fallback),
+new text pages are allocated from it; off, from the text pool. A page keeps the pool and codec it was
+written in (shared prefixes too); nothing is re-encoded. A raised page is a text page in every other
+respect: the tree counts it with the text pages, and the two pools are one capacity for text pages
+(allocation takes the preferred pool first and spills into the other before anything is evicted).
 """
 
 from __future__ import annotations
@@ -43,7 +51,12 @@ class StratifiedKVCache:
             num_pages = cfg.cold_budget_bytes // cold_page_bytes(cfg.layer_codecs, P, H, D)
         self.device = torch.device(cfg.device)
         self.pool = ColdPool(cfg.layer_codecs, num_pages, P, H, D, self.device)
-        self.image_base = num_pages + 1
+        self.raised_base = num_pages + 1
+        self.raised_pool: ColdPool | None = None
+        if cfg.raised_codecs is not None:
+            self.raised_pool = ColdPool(cfg.raised_codecs, cfg.raised_pages, P, H, D, self.device)
+        self.raised = False  # new text pages go to the raised pool (`set_raised`)
+        self.image_base = self.raised_base + (cfg.raised_pages if self.raised_pool is not None else 0)
         self.image_pool: ColdPool | None = None
         if cfg.image_codec is not None:
             codecs = [cfg.image_codec] * cfg.num_layers
@@ -61,6 +74,7 @@ class StratifiedKVCache:
             sink=self.sinks.null_slot if self.sinks is not None else 0,
             ring_row=self.ring.null_row,
             image_page=self.image_pool.null_page if self.image_pool is not None else 0,
+            raised_page=self.raised_pool.null_page if self.raised_pool is not None else 0,
         )
         self.tree = RadixTree(P, self.image_base if self.image_pool is not None else None)
         self.recent_window = cfg.recent_window
@@ -79,13 +93,14 @@ class StratifiedKVCache:
         self.running: dict[int, Sequence] = {}
         self._next_id = 0
         # On CUDA each slot's page ids stay on the device, so a step sends only what changed (text pool
-        # only). On the CPU the gather costs what the list build costs: the plan is built from the lists.
+        # only: with an image or raised pool the host splits each sequence's pages by pool). On the CPU the
+        # gather costs what the list build costs: the plan is built from the lists.
         self.page_tables = (
             SlotPageTable(self.ring.slots.total, self.pool.null_page, self.device)
-            if self.image_pool is None and self.device.type == "cuda"
+            if self.image_pool is None and self.raised_pool is None and self.device.type == "cuda"
             else None
         )
-        self.written = bytearray(self.image_base + cfg.image_pages if self.image_pool else num_pages)
+        self.written = bytearray(self.image_base + (cfg.image_pages if self.image_pool is not None else 0))
         # Checksums of tree pages recorded by check_invariants (page immutability); freeing forgets.
         self.page_checksums: dict[int, int] = {}
         self.quantized_pages = self.evicted_pages = self.matched_tokens = self.missed_tokens = 0
@@ -157,11 +172,16 @@ class StratifiedKVCache:
 
     @property
     def num_pages(self) -> int:
-        return self.pool.allocator.total
+        """Text page capacity: the text pool and the raised pool."""
+        return sum(p.allocator.total for p in self._text_pools())
 
     @property
     def num_free_pages(self) -> int:
-        return self.pool.allocator.num_free
+        return sum(p.allocator.num_free for p in self._text_pools())
+
+    def _text_pools(self) -> list[ColdPool]:
+        """The pools text pages live in: the text pool, then the raised pool when there is one."""
+        return [self.pool] if self.raised_pool is None else [self.pool, self.raised_pool]
 
     @property
     def num_evictable_pages(self) -> int:
@@ -170,20 +190,37 @@ class StratifiedKVCache:
     def is_image_page(self, page: int) -> bool:
         return self.image_pool is not None and page >= self.image_base
 
+    def is_raised_page(self, page: int) -> bool:
+        return self.raised_pool is not None and self.raised_base <= page < self.image_base
+
+    def pool_of(self, page: int) -> tuple[ColdPool, int, str]:
+        """(pool, row in it, tier name) of a page id: "cold" (text pool), "raised" or "image"."""
+        if self.is_image_page(page):
+            assert self.image_pool is not None
+            return self.image_pool, page - self.image_base, "image"
+        if self.is_raised_page(page):
+            assert self.raised_pool is not None
+            return self.raised_pool, page - self.raised_base, "raised"
+        return self.pool, page, "cold"
+
     def pages_bytes(self, pages: int, image: int = 0) -> int:
-        """Exact cold bytes of ``pages`` pages of which ``image`` are image pages."""
+        """Exact cold bytes of ``pages`` pages of which ``image`` are image pages (no raised pages)."""
         image_bytes = self.image_pool.page_bytes if self.image_pool is not None else 0
         return (pages - image) * self.pool.page_bytes + image * image_bytes
 
+    def page_ids_bytes(self, pages: Seq[int]) -> int:
+        """Exact cold bytes of the pages ``pages``, each in its own pool's page bytes."""
+        return sum(self.pool_of(p)[0].page_bytes for p in pages)
+
     @property
     def pinned_bytes(self) -> int:
-        return self.pages_bytes(self.tree.pinned_pages, self.tree.pinned_image_pages)
+        if self.raised_pool is None:
+            return self.pages_bytes(self.tree.pinned_pages, self.tree.pinned_image_pages)
+        return self.page_ids_bytes([p for n in self.tree.nodes() if n.pin_ref > 0 for p in n.pages])
 
     def page_is_free(self, page: int) -> bool:
-        if self.is_image_page(page):
-            assert self.image_pool is not None
-            return self.image_pool.allocator.is_free(page - self.image_base)
-        return self.pool.allocator.is_free(page)
+        pool, row, _ = self.pool_of(page)
+        return pool.allocator.is_free(row)
 
     def _image_page_flags(self, seq: Sequence, n_pages: int) -> list[bool]:
         """Which of the next ``n_pages`` pages of ``seq`` hold an image token (all False without
@@ -204,10 +241,28 @@ class StratifiedKVCache:
         if n_image:
             assert self.image_pool is not None
             image = [self.image_base + i for i in self.image_pool.allocator.alloc(n_image)]
-        text = self.pool.allocator.alloc(len(flags) - n_image)
+        text = self._alloc_text(len(flags) - n_image)
         image.reverse()
         text.reverse()
         return [image.pop() if f else text.pop() for f in flags]
+
+    def _alloc_text(self, n: int) -> list[int]:
+        """``n`` text page ids: from the raised pool while raised (else the text pool) first, the rest
+        from the other pool. The caller made room (`_make_room`) in both together."""
+        if self.raised_pool is None:
+            return self.pool.allocator.alloc(n)
+        raised_free = self.raised_pool.allocator.num_free
+        n_raised = min(n, raised_free) if self.raised else max(0, n - self.pool.allocator.num_free)
+        text = self.pool.allocator.alloc(n - n_raised)
+        raised = [self.raised_base + i for i in self.raised_pool.allocator.alloc(n_raised)]
+        return raised + text if self.raised else text + raised  # the preferred pool's pages first
+
+    def set_raised(self, on: bool) -> None:
+        """Precision fallback hook: new text pages go to the raised pool (wider codecs) while ``on``;
+        pages already written keep their pool and codec."""
+        if on and self.raised_pool is None:
+            raise ValueError("set_raised: this cache has no raised pool (CacheConfig.raised_codecs)")
+        self.raised = on
 
     @property
     def num_free_slots(self) -> int:
@@ -233,7 +288,10 @@ class StratifiedKVCache:
             raise ValueError("pin: empty handle (the prefix matched no page)")
         if handle.evicted:
             raise ValueError("pin: the handle's prefix was evicted")
-        extra = self.pages_bytes(*self.tree.unpinned_pages_on_path(handle))
+        if self.raised_pool is None:
+            extra = self.pages_bytes(*self.tree.unpinned_pages_on_path(handle))
+        else:
+            extra = self.page_ids_bytes([p for n in handle.path() if n.pin_ref == 0 for p in n.pages])
         pinned = self.pinned_bytes
         if pinned + extra > self.pin_budget_bytes:
             raise PinBudgetExceeded(
@@ -311,6 +369,8 @@ class StratifiedKVCache:
                 device=self.device,
                 image_base=self.image_base if self.image_pool is not None else None,
                 tables=self.page_tables,
+                raised_base=self.raised_base if self.raised_pool is not None else None,
+                raised_end=self.image_base,
             )
         except BaseException:
             # Planning failed (e.g. out of device memory while building the index tensors): no
@@ -353,14 +413,14 @@ class StratifiedKVCache:
         """Free enough text, image and sink pages (evicting LRU leaves) or raise `OutOfPages`
         with nothing changed."""
         t = self.tree
-        free = self.pool.allocator.num_free
+        free = self.num_free_pages
         text_evictable = t.evictable_pages - t.evictable_image_pages
         if pages > free + text_evictable:
             text_tree = t.total_pages - t.image_pages
             raise OutOfPages(
                 f"need {pages} cold pages: {free} free, {text_evictable} evictable, "
                 f"{text_tree - text_evictable} locked or pinned in the tree, "
-                f"{self.pool.allocator.num_used - text_tree} held by running sequences"
+                f"{self.num_pages - free - text_tree} held by running sequences"
             )
         image_free = self.image_pool.allocator.num_free if self.image_pool is not None else 0
         if image_pages > image_free + t.evictable_image_pages:
@@ -422,8 +482,9 @@ class StratifiedKVCache:
             from kvstrata.radix.kernels import attend as kernel_attend
 
             out = kernel_attend.attend(
-                layer, batch, q, k, v, scale, self.pool, self.ring, self.sinks, self.image_pool
-            )
+                layer, batch, q, k, v, scale, self.pool, self.ring, self.sinks, self.image_pool,
+                raised_pool=self.raised_pool,
+            )  # fmt: skip
         else:
             out = attention.attend(
                 layer,
@@ -437,18 +498,28 @@ class StratifiedKVCache:
                 self.sinks,
                 self.cfg.block_pages,
                 self.image_pool,
+                self.raised_pool,
             )
         if kernels and all(c is None for c in self.clips[layer]):
             from kvstrata.radix.kernels import page_quantize
 
             device_counts = page_quantize.store_async(
-                layer, batch, k, v, self.pool, self.ring, self.sinks, self.image_pool
+                layer, batch, k, v, self.pool, self.ring, self.sinks, self.image_pool, self.raised_pool
             )
             if device_counts is not None:
                 self._add_device_counts(layer, device_counts)
         else:
             counts = attention.store(
-                layer, batch, k, v, self.pool, self.ring, self.sinks, self.clips[layer], self.image_pool
+                layer,
+                batch,
+                k,
+                v,
+                self.pool,
+                self.ring,
+                self.sinks,
+                self.clips[layer],
+                self.image_pool,
+                self.raised_pool,
             )
             for kind in ("k", "v"):
                 self._overflow[kind][layer] += getattr(counts, f"overflow_{kind}")
@@ -537,13 +608,15 @@ class StratifiedKVCache:
     def _free_pages(self, pages: list[int], evicted: bool = False) -> None:
         if not pages:
             return
-        image = [p - self.image_base for p in pages if self.is_image_page(p)]
-        if image:
-            assert self.image_pool is not None
-            self.image_pool.allocator.free(image)
-            self.pool.allocator.free([p for p in pages if not self.is_image_page(p)])
-        else:
+        if self.image_pool is None and self.raised_pool is None:
             self.pool.allocator.free(pages)
+        else:
+            rows: dict[str, tuple[ColdPool, list[int]]] = {}
+            for p in pages:
+                pool, row, name = self.pool_of(p)
+                rows.setdefault(name, (pool, []))[1].append(row)
+            for pool, ids in rows.values():
+                pool.allocator.free(ids)
         if self.sinks is not None:
             self.sinks.release(pages)
         for p in pages:

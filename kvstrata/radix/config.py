@@ -24,6 +24,11 @@ class CacheConfig:
     (image placeholders carry pad ids past the vocabulary) is stored in a second pool of
     ``image_pages`` pages in ``image_codec`` (every layer, keys and values), whatever the layer's
     text codec (``--vision-kv-dtype``).
+
+    Raised pages: with ``raised_codecs`` set (one layer codec per layer, wider than ``layer_codecs``), a
+    third pool of ``raised_pages`` pages stores the text pages completed while the cache is raised
+    (`StratifiedKVCache.set_raised`, driven by the drift monitor); pages keep the pool they were
+    written in.
     """
 
     num_layers: int
@@ -47,6 +52,8 @@ class CacheConfig:
     image_codec: str | None = None
     image_pages: int = 0
     image_token_from: int | None = None
+    raised_codecs: list[str] | None = None
+    raised_pages: int = 0
 
     def __post_init__(self) -> None:
         if not self.layer_codecs:
@@ -82,6 +89,13 @@ class CacheConfig:
             raise ValueError("CacheConfig needs num_pages or cold_budget_bytes")
         if self.image_codec is not None and (self.image_token_from is None or self.image_pages < 1):
             raise ValueError("CacheConfig.image_codec needs image_token_from and image_pages >= 1")
+        if self.raised_codecs is not None and (
+            len(self.raised_codecs) != self.num_layers or self.raised_pages < 1
+        ):
+            raise ValueError(
+                f"CacheConfig.raised_codecs needs {self.num_layers} entries and raised_pages >= 1, got "
+                f"{len(self.raised_codecs)} entries and {self.raised_pages} pages"
+            )
         if self.num_pages is not None and self.num_pages < 0:
             raise ValueError(f"CacheConfig.num_pages must be >= 0, got {self.num_pages}")
 

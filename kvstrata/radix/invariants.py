@@ -35,6 +35,8 @@ def _allocators(cache: StratifiedKVCache) -> list[str]:
     errors = cache.pool.allocator.check() + cache.ring.slots.check()
     if cache.image_pool is not None:
         errors += cache.image_pool.allocator.check()
+    if cache.raised_pool is not None:
+        errors += cache.raised_pool.allocator.check()
     if cache.sinks is not None:
         errors += cache.sinks.allocator.check()
     return errors
@@ -92,7 +94,7 @@ def _ownership(cache: StratifiedKVCache) -> list[str]:
     if freed_held:
         errors.append(f"cold pages {freed_held[:8]} are free but still held")
     for pool, base, name in _pools(cache):
-        used = sum(1 for p in holders if cache.is_image_page(p) == (name == "image"))
+        used = sum(1 for p in holders if cache.pool_of(p)[2] == name)
         if used != pool.allocator.num_used:
             errors.append(
                 f"{pool.allocator.num_used} {name} pages allocated but {used} held: leaked or double-counted"
@@ -122,8 +124,10 @@ def _ownership(cache: StratifiedKVCache) -> list[str]:
 
 
 def _pools(cache: StratifiedKVCache) -> list[tuple[ColdPool, int, str]]:
-    """(pool, first page id, name) of the text pool and, if there is one, the image pool."""
+    """(pool, first page id, name) of the text pool and, if there are, the image and raised pools."""
     pools = [(cache.pool, 0, "cold")]
+    if cache.raised_pool is not None:
+        pools.append((cache.raised_pool, cache.raised_base, "raised"))
     if cache.image_pool is not None:
         pools.append((cache.image_pool, cache.image_base, "image"))
     return pools
@@ -223,7 +227,7 @@ def _pins_and_eviction(cache: StratifiedKVCache) -> list[str]:
         errors.append(
             f"tree counts {cache.tree.pinned_image_pages} pinned image pages, nodes hold {pinned_image}"
         )
-    pinned_bytes = cache.pages_bytes(pinned, pinned_image)
+    pinned_bytes = cache.page_ids_bytes([p for n in nodes if n.pin_ref > 0 for p in n.pages])
     if pinned_bytes != cache.pinned_bytes:
         errors.append(
             f"cache reports {cache.pinned_bytes} pinned bytes, its pinned pages hold {pinned_bytes}"
@@ -260,12 +264,11 @@ def _bytes(cache: StratifiedKVCache) -> list[str]:
     free_tree = [p for n in tree_nodes if not n.protected for p in n.pages]
     counted, evictable = {"ring": (len(cache.running) * slot_pages, 0)}, {"ring": 0}
     for _, _, name in _pools(cache):
-        image = name == "image"
         counted[name] = (
-            sum(1 for p in held if cache.is_image_page(p) == image),
-            sum(1 for p in in_tree if cache.is_image_page(p) == image),
+            sum(1 for p in held if cache.pool_of(p)[2] == name),
+            sum(1 for p in in_tree if cache.pool_of(p)[2] == name),
         )
-        evictable[name] = sum(1 for p in free_tree if cache.is_image_page(p) == image)
+        evictable[name] = sum(1 for p in free_tree if cache.pool_of(p)[2] == name)
     if cache.sinks is not None:
         counted["sink"] = (len(cache.sinks.of_page), len(first_nodes))
         evictable["sink"] = sum(1 for n in first_nodes if not n.protected)
@@ -321,7 +324,7 @@ def _immutable_tree_pages(cache: StratifiedKVCache) -> list[str]:
     tree_pages = {p for n in cache.tree.nodes() for p in n.pages}
     errors = []
     for pool, base, name in _pools(cache):
-        pages = sorted(p for p in tree_pages if cache.is_image_page(p) == (name == "image"))
+        pages = sorted(p for p in tree_pages if cache.pool_of(p)[2] == name)
         errors += _check_checksums(cache, pool, pages, base)
     return errors
 

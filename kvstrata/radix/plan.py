@@ -5,7 +5,9 @@ Sequences with the same number of new tokens form a group that is attended as on
 page table, the sink pages, the ring rows and additive masks (0 or -inf); for the whole batch it
 holds where completed pages gather their tokens (ring or new K/V) and which ring rows receive the
 new tokens. With an image pool (page ids from ``image_base`` on), a group's image pages get a table of
-their own (rows of the image pool), attended as one more key segment after the text pages.
+their own (rows of the image pool), attended as one more key segment after the text pages. Likewise
+raised pages (ids in ``[raised_base, raised_end)``, the raised pool's rows): one more table and segment,
+after the image pages.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ class GroupPlan:
     page_size: int
     image_table: torch.Tensor | None = None  # [B, Ni] rows of the image pool, padded with its null page
     image_pages: list[int] = field(default_factory=list)  # valid entries of each row of image_table
+    raised_table: torch.Tensor | None = None  # [B, Nr] rows of the raised pool, padded with its null page
+    raised_pages: list[int] = field(default_factory=list)  # valid entries of each row of raised_table
     # [3, B] int64: cold pages, ring rows and sink flag (0/1) of each sequence (built with the plan)
     lengths: torch.Tensor | None = None
     # With a `SlotPageTable`: [B] slot, first table entry, ring start and ring base of each sequence,
@@ -63,19 +67,22 @@ class GroupPlan:
         return torch.arange(width, device=self.device).view(1, width) < n.view(-1, 1)
 
     def _history_valid(self) -> torch.Tensor:
-        """[B, Np*P (+Ni*P) (+P) + R]: which cold, image, sink and ring keys of each sequence are real."""
+        """[B, Np*P (+Ni*P) (+Nr*P) (+P) + R]: which cold, image, raised, sink and ring keys of each
+        sequence are real."""
         P = self.page_size
         parts = [self._valid([n * P for n in self.cold_pages], self.page_table.shape[1] * P)]
         if self.image_table is not None:
             parts.append(self._valid([n * P for n in self.image_pages], self.image_table.shape[1] * P))
+        if self.raised_table is not None:
+            parts.append(self._valid([n * P for n in self.raised_pages], self.raised_table.shape[1] * P))
         if self.sink_table is not None:
             parts.append(self._valid([P * v for v in self.sink_valid], P))
         parts.append(self._valid(self.ring_len, self.ring_rows.shape[1]))
         return torch.cat(parts, dim=1)
 
     def mask(self, group: int) -> torch.Tensor | None:
-        """[B, 1, group*T, S] additive mask (0 or -inf) for one pass over ``[cold | image | sinks |
-        ring | new]``, rows ordered (query head in group, token); None when every query sees every key
+        """[B, 1, group*T, S] additive mask (0 or -inf) for one pass over ``[cold | image | raised |
+        sinks | ring | new]``, rows ordered (query head in group, token); None when every query sees every key
         (one sequence, one new token)."""
         B, T = self.batch, self.tokens
         if B == 1 and T == 1:
@@ -111,14 +118,23 @@ class GroupPlan:
         the same ring rows), for the Triton kernels' pass over the image pool; None when no sequence of
         the group has an image page in the pool. Every cold page lies before the ring and the new tokens,
         so all of them are visible to every query of the step (decode and extend alike)."""
-        if self.image_table is None or self.image_table.shape[1] == 0:
+        return self._pool_plan(self.image_table, self.image_pages)
+
+    @cached_property
+    def raised_plan(self) -> GroupPlan | None:
+        """The group's raised pages as a plan of their own (as `image_plan`), for the kernels' pass
+        over the raised pool; None when no sequence of the group has a raised page."""
+        return self._pool_plan(self.raised_table, self.raised_pages)
+
+    def _pool_plan(self, table: torch.Tensor | None, pages: list[int]) -> GroupPlan | None:
+        if table is None or table.shape[1] == 0:
             return None
         return GroupPlan(
             self.rows,
             self.batch,
             self.tokens,
-            self.image_table,
-            self.image_pages,
+            table,
+            pages,
             None,
             [False] * self.batch,
             self.ring_rows,
@@ -136,10 +152,17 @@ class GroupPlan:
     @cached_property
     def image_bias(self) -> torch.Tensor:
         """[B, 1, 1, Ni*P] additive mask of the image-pool keys (block-wise pass)."""
-        assert self.image_table is not None
+        return self._table_bias(self.image_table, self.image_pages)
+
+    @cached_property
+    def raised_bias(self) -> torch.Tensor:
+        """[B, 1, 1, Nr*P] additive mask of the raised-pool keys (block-wise pass)."""
+        return self._table_bias(self.raised_table, self.raised_pages)
+
+    def _table_bias(self, table: torch.Tensor | None, pages: list[int]) -> torch.Tensor:
+        assert table is not None
         P = self.page_size
-        valid = self._valid([n * P for n in self.image_pages], self.image_table.shape[1] * P)
-        return _bias(valid).view(self.batch, 1, 1, -1)
+        return _bias(self._valid([n * P for n in pages], table.shape[1] * P)).view(self.batch, 1, 1, -1)
 
     @cached_property
     def sink_bias(self) -> torch.Tensor:
@@ -168,19 +191,35 @@ class WritePlan:
     ring_src: torch.Tensor  # their rows in k/v
     # With image pages among page_ids: (indices of text pages, indices of image pages, image pool rows)
     image_split: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # With raised pages among page_ids: (indices of text-pool pages, indices of raised pages, raised rows)
+    raised_split: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def pool_writes(
-        self, pool: ColdPool, image_pool: ColdPool | None
+        self, pool: ColdPool, image_pool: ColdPool | None, raised_pool: ColdPool | None = None
     ) -> list[tuple[torch.Tensor | None, torch.Tensor, ColdPool]]:
         """Where the completed pages go, one entry per pool: (their indices among ``page_ids``, None
         for all; their ids in that pool; the pool). Text pages go to ``pool``, image pages
-        (``image_split``) to ``image_pool`` at their image pool rows."""
-        if self.image_split is None:
+        (``image_split``) to ``image_pool`` at their image pool rows, raised pages (``raised_split``)
+        to ``raised_pool`` at theirs."""
+        splits = [
+            (split, target, name)
+            for split, target, name in (
+                (self.image_split, image_pool, "image"),
+                (self.raised_split, raised_pool, "raised"),
+            )
+            if split is not None
+        ]
+        if not splits:
             return [(None, self.page_ids, pool)]
-        if image_pool is None:
-            raise ValueError("the step completes image pages but no image pool was given")
-        text, image, rows = self.image_split
-        return [(text, self.page_ids.index_select(0, text), pool), (image, rows, image_pool)]
+        text = splits[0][0][0]  # every split holds the same text-pool indices
+        writes: list[tuple[torch.Tensor | None, torch.Tensor, ColdPool]] = [
+            (text, self.page_ids.index_select(0, text), pool)
+        ]
+        for (_, which, rows), target, name in splits:
+            if target is None:
+                raise ValueError(f"the step completes {name} pages but no {name} pool was given")
+            writes.append((which, rows, target))
+        return writes
 
     def kernel_sources(self, page_size: int) -> torch.Tensor:
         """[Nw * P] int64, where each row of the completed pages comes from, for the Triton page
@@ -236,6 +275,7 @@ class NullRows:
     sink: int
     ring_row: int
     image_page: int = 0
+    raised_page: int = 0
 
 
 def build_step(
@@ -251,9 +291,11 @@ def build_step(
     device: torch.device,
     image_base: int | None = None,
     tables: SlotPageTable | None = None,
+    raised_base: int | None = None,
+    raised_end: int | None = None,
 ) -> StepBatch:
     """Plan a step; pages for the tokens must already be in ``seq.page_ids``. Page ids from
-    ``image_base`` on live in the image pool.
+    ``image_base`` on live in the image pool, those in ``[raised_base, raised_end)`` in the raised pool.
 
     The index tensors are built on the host, then reach ``device`` together in one copy (`upload`):
     on CUDA one asynchronous copy from pinned memory per step, which waits for nothing. With
@@ -261,7 +303,7 @@ def build_step(
     copy carries the table's changed entries and a few ids per sequence, and both are made on the
     device (`_finish_on_device`)."""
     P, R = page_size, ring_capacity
-    if image_base is not None:
+    if image_base is not None or raised_base is not None:
         tables = None
     update = tables.sync(seqs) if tables is not None else None
     offsets, total = [], 0
@@ -285,13 +327,16 @@ def build_step(
             every_token,
             image_base,
             tables is not None,
+            _raised_range(raised_base, raised_end),
         )
         for n, idx in by_size.items()
     ]
 
     write, new_starts = _plan_writes(seqs, n_new, offsets, P, R, window, sink_of)
-    if image_base is not None:
-        write.image_split = _split_image_pages(write.page_ids, image_base)
+    if image_base is not None or raised_base is not None:
+        write.image_split, write.raised_split = _split_pages(
+            write.page_ids, image_base, _raised_range(raised_base, raised_end)
+        )
     step = StepBatch(list(seqs), list(n_new), total, groups, write, new_starts, new_pages)
     _upload_tensors([*groups, write, *([update] if update is not None else [])], device)
     if tables is not None and update is not None:
@@ -422,16 +467,35 @@ def _plan_writes(
     return write, new_starts
 
 
-def _split_image_pages(
-    page_ids: torch.Tensor, image_base: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(indices of text pages, indices of image pages, their image pool rows) of ``page_ids`` (on
-    the host); None when none is an image page."""
-    is_image = page_ids >= image_base
-    if not bool(is_image.any()):
+def _raised_range(raised_base: int | None, raised_end: int | None) -> range | None:
+    if raised_base is None:
         return None
-    image = is_image.nonzero().view(-1)
-    return (~is_image).nonzero().view(-1), image, page_ids.index_select(0, image) - image_base
+    assert raised_end is not None
+    return range(raised_base, raised_end)
+
+
+Split = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _split_pages(
+    page_ids: torch.Tensor, image_base: int | None, raised: range | None
+) -> tuple[Split | None, Split | None]:
+    """(image split, raised split) of ``page_ids`` (on the host), each (indices of text-pool pages,
+    indices of that pool's pages, their rows in that pool), None when no page is in that pool."""
+    is_image = torch.zeros_like(page_ids, dtype=torch.bool)
+    if image_base is not None:
+        is_image = page_ids >= image_base
+    is_raised = torch.zeros_like(is_image)
+    if raised is not None:
+        is_raised = (page_ids >= raised.start) & (page_ids < raised.stop)
+    if not bool((is_image | is_raised).any()):
+        return None, None
+    text = (~(is_image | is_raised)).nonzero().view(-1)
+    splits: list[Split | None] = []
+    for flags, base in ((is_image, image_base), (is_raised, raised.start if raised is not None else 0)):
+        which = flags.nonzero().view(-1)
+        splits.append((text, which, page_ids.index_select(0, which) - base) if which.numel() else None)
+    return splits[0], splits[1]
 
 
 def _padded(rows: list[list[int]], null: int) -> torch.Tensor:
@@ -457,6 +521,7 @@ def _plan_group(
     every_token: bool,
     image_base: int | None,
     on_device: bool = False,
+    raised: range | None = None,
 ) -> GroupPlan:
     """One group's plan (host tensors). ``on_device``: page table and ring rows are left empty and
     ``device_index`` holds what `_finish_on_device` makes them from."""
@@ -482,6 +547,7 @@ def _plan_group(
     starts = torch.tensor([seq.ring_start for seq in seqs], dtype=torch.long)
     bases = torch.tensor([seq.slot * R for seq in seqs], dtype=torch.long)
     image: list[list[int]] = []
+    lifted: list[list[int]] = []
     device_index = None
     if on_device:
         slots = torch.tensor([seq.slot for seq in seqs], dtype=torch.long)
@@ -492,7 +558,10 @@ def _plan_group(
         if image_base is not None:
             image = [[p - image_base for p in c if p >= image_base] for c in cold]
             cold = [[p for p in c if p < image_base] for c in cold]
-            cold_pages = [len(c) for c in cold]
+        if raised is not None:
+            lifted = [[p - raised.start for p in c if p in raised] for c in cold]
+            cold = [[p for p in c if p not in raised] for c in cold]
+        cold_pages = [len(c) for c in cold]
         page_table = _padded(cold, nulls.page)
         # Ring rows of positions [ring_start, length), padded with the null row.
         col = torch.arange(max(ring_len)).view(1, -1)
@@ -516,6 +585,8 @@ def _plan_group(
         P,
         _padded(image, nulls.image_page) if image else None,
         [len(c) for c in image],
+        _padded(lifted, nulls.raised_page) if lifted and any(lifted) else None,
+        [len(c) for c in lifted],
         lengths=torch.tensor([cold_pages, ring_len, [int(v) for v in sink_valid]], dtype=torch.long),
         device_index=device_index,
     )

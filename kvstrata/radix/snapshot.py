@@ -8,22 +8,25 @@ from kvstrata.radix.stats import CacheStats, TierStats
 
 if TYPE_CHECKING:
     from kvstrata.radix.cache import StratifiedKVCache
+    from kvstrata.radix.pool import ColdPool
 
 
 def snapshot(cache: StratifiedKVCache) -> CacheStats:
     """`CacheStats` of ``cache`` now: tiers in pages of ``page_size`` tokens, counters, quality."""
     cfg, P = cache.cfg, cache.page_size
     alloc, t = cache.pool.allocator, cache.tree
+    # Raised pages count as text pages in the tree: the raised tier's share is counted from its nodes.
+    raised_tree = _raised_tree_pages(cache)
     cold = TierStats(
         "cold",
         cache.pool.page_bytes,
         alloc.total,
         alloc.num_free,
         alloc.num_used,
-        t.total_pages - t.image_pages,
-        t.pinned_pages - t.pinned_image_pages,
+        t.total_pages - t.image_pages - raised_tree[0],
+        t.pinned_pages - t.pinned_image_pages - raised_tree[1],
         cache.pool.page_bytes / P,
-        t.evictable_pages - t.evictable_image_pages,
+        t.evictable_pages - t.evictable_image_pages - raised_tree[2],
     )
     slot_pages = cache.ring.capacity // P
     ring = TierStats(
@@ -36,19 +39,10 @@ def snapshot(cache: StratifiedKVCache) -> CacheStats:
     )
     tiers = {"cold": cold, "ring": ring}
     if cache.image_pool is not None:
-        image = cache.image_pool
-        a = image.allocator
-        tiers["image"] = TierStats(
-            "image",
-            image.page_bytes,
-            a.total,
-            a.num_free,
-            a.num_used,
-            t.image_pages,
-            t.pinned_image_pages,
-            image.page_bytes / P,
-            t.evictable_image_pages,
-        )
+        image_tree = (t.image_pages, t.pinned_image_pages, t.evictable_image_pages)
+        tiers["image"] = _pool_tier("image", cache.image_pool, image_tree)
+    if cache.raised_pool is not None:
+        tiers["raised"] = _pool_tier("raised", cache.raised_pool, raised_tree)
     if cache.sinks is not None:
         s = cache.sinks.allocator
         tiers["sink"] = TierStats(
@@ -87,6 +81,29 @@ def snapshot(cache: StratifiedKVCache) -> CacheStats:
         pins_refused=cache.pins.refused,
         pins=cache.pins.to_json(),
     )
+
+
+def _pool_tier(name: str, pool: ColdPool, tree: tuple[int, int, int]) -> TierStats:
+    """The tier of a pool whose (in the tree, pinned, evictable) pages are ``tree``."""
+    a, (cached, pinned, evictable) = pool.allocator, tree
+    per_token = pool.page_bytes / pool.page_size
+    return TierStats(
+        name, pool.page_bytes, a.total, a.num_free, a.num_used, cached, pinned, per_token, evictable
+    )
+
+
+def _raised_tree_pages(cache: StratifiedKVCache) -> tuple[int, int, int]:
+    """(in the tree, pinned, evictable) raised pages, counted from the tree's nodes (0s without a
+    raised pool)."""
+    if cache.raised_pool is None:
+        return 0, 0, 0
+    cached = pinned = evictable = 0
+    for node in cache.tree.nodes():
+        n = sum(1 for p in node.pages if cache.is_raised_page(p))
+        cached += n
+        pinned += n if node.pin_ref > 0 else 0
+        evictable += 0 if node.protected else n
+    return cached, pinned, evictable
 
 
 def _absmax_ratio(cache: StratifiedKVCache, kind: str) -> list[float]:

@@ -227,6 +227,15 @@ FLAGS: tuple[Flag, ...] = (
         "prompt tokens computed per step, over all prefilling requests (engine default 512)",
         True,
     ),
+    Flag(
+        "drift_raise_dtype",
+        str,
+        None,
+        "codecs new text pages get at drift fallback level >= 1: auto (each layer's K and V one step "
+        "wider), a codec name, or off (the fallback only widens the window)",
+        True,
+    ),
+    Flag("drift_raise_share", _fraction, None, "share of the cold pool's bytes for the raised pool", True),
 )
 
 
@@ -265,6 +274,8 @@ class ServerConfig:
     disable_cuda_graph: bool | None = None
     cuda_graph_max_bs: int | None = None
     chunked_prefill_size: int | None = None
+    drift_raise_dtype: str | None = None
+    drift_raise_share: float | None = None
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``kvstrata.Engine``: only the options that were set."""

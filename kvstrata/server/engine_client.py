@@ -301,6 +301,7 @@ class EngineClient:
                 window=d.window,
                 samples=d.samples,
                 level_changes=d.level_changes,
+                raised=d.raised,
             )
         fill_cache_stats(snap, stats.cache)
         # the cache's window (what steps use), not the one the drift monitor asks for
@@ -323,6 +324,7 @@ def fill_layer_codecs(snap: EngineSnapshot, engine: Any) -> None:
     geometry = (engine.cache_config.page_size, engine.config.kv_heads, engine.config.head_dim)
     snap.layer_bits = [(codec_bits(k, *geometry), codec_bits(v, *geometry)) for k, v in snap.layer_codecs]
     snap.kv_plan = plan_summary(engine.core.kv_plan)
+    snap.raised_codecs = [split_layer_codec(name) for name in engine.raised_codecs()]
 
 
 def fill_cache_stats(snap: EngineSnapshot, cache: Any) -> None:
@@ -347,7 +349,7 @@ def fill_cache_stats(snap: EngineSnapshot, cache: Any) -> None:
     snap.pins_created, snap.pins_expired = cache.pins_created, cache.pins_expired
     snap.pins_refused = cache.pins_refused
     snap.pins = list(cache.pins)
-    history = [t for t in (cold, cache.tiers.get("image")) if t is not None]  # text and image pages
+    history = [t for t in (cold, *(cache.tiers.get(n) for n in ("image", "raised"))) if t is not None]
     snap.tree_pages = sum(t.cached for t in history)
     snap.in_use_pages = sum(t.used for t in history)
     denominator = cache.quantized_elements

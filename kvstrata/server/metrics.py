@@ -65,6 +65,7 @@ METRIC_NAMES = (
     "kv_layer_bits",
     "num_preemptions_total",
     "nonfinite_logits_total",
+    "kv_precision_raised",
 )
 
 
@@ -148,6 +149,11 @@ class EngineCollector(Collector):
             s.ppl_drift_ewma,
         )
         yield gauge("fallback_level", "Precision fallback level (0 = configured precision).", s.drift.level)
+        yield gauge(
+            "kv_precision_raised",
+            "1 while new text pages are written in the raised pool's wider codecs (drift fallback).",
+            float(s.drift.raised),
+        )
         bits = GaugeMetricFamily(
             P + "kv_layer_bits",
             "Stored bits per element of new cold pages, per layer and K/V (label codec: its codec).",

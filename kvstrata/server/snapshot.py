@@ -33,6 +33,7 @@ class DriftSnapshot:
     window: int = 0  # BF16 window the level asks for
     samples: int = 0  # requests re-scored so far
     level_changes: int = 0
+    raised: bool = False  # new text pages go to the raised pool's wider codecs
 
 
 @dataclass
@@ -69,6 +70,8 @@ class EngineSnapshot:
     layer_codecs: list[tuple[str, str]] = field(default_factory=list)
     layer_bits: list[tuple[int, int]] = field(default_factory=list)  # stored bits per element, K and V
     kv_plan: dict[str, Any] | None = None
+    # The drift fallback's raised pool: its per-layer (key codec, value codec); empty without one
+    raised_codecs: list[tuple[str, str]] = field(default_factory=list)
     preemptions: int = 0  # running requests preempted (pages returned, recomputed later)
     nonfinite_logits: int = 0  # requests ended because their logits held NaN/Inf
 
@@ -103,4 +106,18 @@ class EngineSnapshot:
             "drift": asdict(self.drift),
             "layer_codecs": [{"layer": i, "k": k, "v": v} for i, (k, v) in enumerate(self.layer_codecs)],
             "kv_plan": self.kv_plan,
+            "kv_raise": self._raise_json(),
+        }
+
+    def _raise_json(self) -> dict[str, Any] | None:
+        """The drift fallback's precision raise: on or off, the raised pool's codecs, and pages in use
+        per pool (new text pages go to "raised" while it is on; written pages keep their pool)."""
+        if not self.raised_codecs:
+            return None
+        return {
+            "raised": self.drift.raised,
+            "raised_codecs": [{"layer": i, "k": k, "v": v} for i, (k, v) in enumerate(self.raised_codecs)],
+            "pages_in_use": {
+                name: self.tiers[name].pages["used"] for name in ("cold", "raised") if name in self.tiers
+            },
         }

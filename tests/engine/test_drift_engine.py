@@ -2,7 +2,8 @@
 
 fp4 history with a window of 0 and no sinks drifts on purpose (KL ~0.005-0.015 per request on
 30-token prompts); at level 2 (window 32) such short sequences stay entirely in the ring, KL drops
-to ~0 and, with a cooldown of one sample, the level comes back down.
+to ~0 and, with a cooldown of one sample, the level comes back down. The precision raise is off here
+(``drift_raise_dtype="off"``): this is the window-only fallback (tests/engine/test_drift_raise.py raises).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def test_forced_drift_raises_and_recovery_lowers_level(default_model, prompts):
     eng = Engine(
         model=default_model, kv_cache_dtype="fp4_e2m1", recent_window=0, sinks=False, max_total_tokens=2048,
         drift_sample_rate=1.0, drift_threshold=0.004, drift_metric="kl", drift_max_level=2,
-        drift_ewma_alpha=1.0, drift_cooldown=1,
+        drift_ewma_alpha=1.0, drift_cooldown=1, drift_raise_dtype="off",
     )  # fmt: skip
     samples: list[DriftSample] = []
     eng.subscribe(lambda e: samples.append(e) if isinstance(e, DriftSample) else None)

@@ -50,25 +50,32 @@ def test_policy_up_hold_and_hysteresis():
     assert p.changes == 4
 
 
-def test_monitor_worker_changes_level_and_reports():
-    levels = []
-    samples = []
+def certain_reference(ids, logits_from=0):  # the reference says token 0 is certain
+    logits = torch.full((1, ids.shape[1] - logits_from, 4), -20.0)
+    logits[..., 0] = 20.0
+    return logits
 
-    def dense_forward(ids, logits_from=0):  # reference says token 0 is certain; served said uniform
-        logits = torch.full((1, ids.shape[1] - logits_from, 4), -20.0)
-        logits[..., 0] = 20.0
-        return logits
 
-    mon = DriftMonitor(
-        dense_forward, 1.0, threshold=0.05, base_window=32, max_level=2, alpha=1.0, cooldown=2,
-        on_level=lambda lvl, w: levels.append((lvl, w)), on_sample=samples.append,
-    )  # fmt: skip
+def feed_uniform_served(mon: DriftMonitor, n: int):
+    """``n`` jobs whose served distribution was uniform, each scored before the next; the final stats."""
     served = torch.log_softmax(torch.zeros(3, 4), dim=-1)
-    for i in range(3):
+    for i in range(n):
         assert mon.submit(DriftJob(f"r{i}", [1, 2, 0, 0, 0], 2, served))
         assert mon.wait_idle(10)
     stats = mon.stats()
     mon.close()
+    return stats
+
+
+def test_monitor_worker_changes_level_and_reports():
+    levels = []
+    samples = []
+
+    mon = DriftMonitor(
+        certain_reference, 1.0, threshold=0.05, base_window=32, max_level=2, alpha=1.0, cooldown=2,
+        on_level=lambda lvl, w: levels.append((lvl, w)), on_sample=samples.append,
+    )  # fmt: skip
+    stats = feed_uniform_served(mon, 3)
     assert levels == [(1, 64), (2, 128)]
     assert stats.level == 2 and stats.window == 128 and stats.samples == 3
     assert stats.ppl_ratios[0] == pytest.approx(4.0, rel=1e-3)  # uniform over 4 vs certain
@@ -96,3 +103,22 @@ def test_rescoring_a_long_prompt_computes_logits_of_the_scored_steps_only(defaul
     assert rows == [n]
     ref_ratio, ref_kl = score(lambda x, logits_from=0: full[None, logits_from:], job)
     assert ratio == pytest.approx(ref_ratio, rel=1e-4) and kl == pytest.approx(ref_kl, rel=1e-3, abs=1e-6)
+
+
+def test_with_a_raised_pool_level_one_raises_precision_and_the_window_steps_come_after():
+    levels = []
+    mon = DriftMonitor(
+        certain_reference, 1.0, threshold=0.05, base_window=32, max_level=2, alpha=1.0, cooldown=2,
+        on_level=lambda lvl, w: levels.append((lvl, w)), raised_codecs=["int4/fp8_e4m3"] * 3 + ["int8"],
+    )  # fmt: skip
+    assert [(mon.window(lvl), mon.raised(lvl)) for lvl in range(4)] == [
+        (32, False), (32, True), (64, True), (128, True)
+    ]  # fmt: skip
+    assert (
+        mon.describe(1)
+        == "recent window 32, new pages in raised codecs int4/fp8_e4m3 (layers 0-2), int8 (layer 3)"
+    )
+    assert mon.describe(0) == "recent window 32, new pages in shipped codecs"
+    stats = feed_uniform_served(mon, 5)
+    assert levels == [(1, 32), (2, 64), (3, 128)]  # max_level counts the window steps after the raise
+    assert stats.level == 3 and stats.raised and stats.window == 128

@@ -23,6 +23,8 @@ CPU = torch.device("cpu")
         ({"mem_fraction_static": 1.5}, "mem_fraction_static must be in"),
         ({"drift_sample_rate": 2}, "drift_sample_rate must be in"),
         ({"drift_metric": "bleu"}, "drift_metric must be"),
+        ({"drift_raise_share": 0.0}, "drift_raise_share must be in"),
+        ({"drift_raise_dtype": "fp5"}, "fp5"),
     ],
 )
 def test_validation(kwargs, message):
@@ -100,3 +102,14 @@ def test_inputs_normalisation():
         normalize_inputs(None, [[1], [2]], {}, "r", None)
     with pytest.raises(ValueError, match="input_ids must be"):
         normalize_inputs(None, [[1], "x"], {}, None, None)
+
+
+def test_raise_codecs_widen_each_part_one_step():
+    from kvstrata.engine.kvplan import raise_codecs
+
+    assert raise_codecs(["fp4_e2m1", "int4/fp4_e2m1", "fp8_e4m3"], "auto") == [
+        "int4/fp8_e4m3", "int8_asym/fp8_e4m3", "int8_asym/int8"
+    ]  # fmt: skip
+    assert raise_codecs(["fp4_e2m1"] * 2, "int8") == ["int8", "int8"]
+    assert raise_codecs(["fp4_e2m1"], "off") is None
+    assert raise_codecs(["bf16", "fp32"], "auto") is None  # nothing to widen: no raised pool

@@ -99,10 +99,13 @@ def test_the_engine_applies_the_monitors_window_even_if_a_report_is_lost(default
             drift.policy.level = 2  # a change whose report never reached the engine thread
         eng.core._wake.set()
         deadline = time.monotonic() + 30
-        while eng.cache.recent_window != drift.window() and time.monotonic() < deadline:
+        while (eng.cache.recent_window, eng.cache.raised) != (drift.window(), drift.raised()) and (
+            time.monotonic() < deadline
+        ):
             time.sleep(0.05)
-        assert drift.window() == 64
-        assert eng.cache.recent_window == 64
+        # level 1 is the precision raise (int8 -> int8_asym keys, bf16 values), level 2 its first window step
+        assert drift.window() == 32 and drift.raised()
+        assert eng.cache.recent_window == 32 and eng.cache.raised
         out = eng.generate(input_ids=list(range(100, 180)), sampling_params={"max_new_tokens": 4})
         assert out["meta_info"]["completion_tokens"] == 4
     finally:

@@ -20,6 +20,7 @@ from kvstrata.engine.memory import (
     sink_bytes,
     step_workspace_bytes,
     weight_bytes,
+    with_raised_pool,
 )
 from kvstrata.engine.model import Transformer
 from kvstrata.engine.options import EngineArgs
@@ -223,3 +224,30 @@ def test_planned_image_bytes_are_what_the_cache_allocates(codec: str, image: str
     assert cache.image_pool is not None and cache.image_pool.allocator.total == plan.image_pages
     pool = sum(t.nbytes for bufs in (*cache.image_pool.k, *cache.image_pool.v) for t in bufs.values())
     assert plan.image_bytes == pool and plan.image_page_bytes == cache.image_pool.page_bytes
+
+
+def test_raised_pool_takes_its_share_of_the_cold_bytes_and_allocates_what_it_plans() -> None:
+    model = ModelConfig("LlamaForCausalLM", 3, 64, 96, 4, 2, 16, 300)
+    cfg = _cache(model, "int4", max_running=5, recent_window=32)
+    plan = plan_memory(EngineArgs(max_total_tokens=1600), model, cfg, 0, torch.float32, CPU)
+    raised = ["int8_asym/int8"] * 3
+    raised_bytes = cold_page_bytes(raised, 16, 2, 16)
+    split = with_raised_pool(plan, raised_bytes, 0.25)
+    assert split.raised_pages == int(0.25 * plan.cold_pages * plan.cold_page_bytes) // raised_bytes > 0
+    assert split.cold_bytes + split.raised_bytes <= plan.cold_bytes  # never more than the cold pool alone
+    assert plan.cold_bytes - (split.cold_bytes + split.raised_bytes) < plan.cold_page_bytes
+    assert "raised pool" in split.table()
+    cache = StratifiedKVCache(
+        CacheConfig(
+            **{
+                **cfg.__dict__,
+                "num_pages": split.cold_pages,
+                "raised_codecs": raised,
+                "raised_pages": split.raised_pages,
+            }
+        )
+    )
+    assert cache.raised_pool is not None and cache.raised_pool.allocator.total == split.raised_pages
+    pool = sum(t.nbytes for bufs in (*cache.raised_pool.k, *cache.raised_pool.v) for t in bufs.values())
+    assert split.raised_bytes == pool and split.raised_page_bytes == cache.raised_pool.page_bytes
+    assert with_raised_pool(plan, plan.cold_bytes, 0.25) == plan  # too small for one raised page: unchanged

@@ -39,8 +39,9 @@ def kernel_attend(cache, batch, q, k, v, scale, splits=None, layer: int = 0) -> 
 
     if splits is None:
         return attend.attend(
-            layer, batch, q, k, v, scale, cache.pool, cache.ring, cache.sinks, cache.image_pool
-        )
+            layer, batch, q, k, v, scale, cache.pool, cache.ring, cache.sinks, cache.image_pool,
+            raised_pool=cache.raised_pool,
+        )  # fmt: skip
     out = torch.empty_like(q)
     for grp in batch.groups:
         rows = torch.arange(q.shape[0], device=q.device) if grp.rows is None else grp.rows
@@ -56,6 +57,7 @@ def kernel_attend(cache, batch, q, k, v, scale, splits=None, layer: int = 0) -> 
             cache.sinks,
             splits,
             cache.image_pool,
+            cache.raised_pool,
         )
         out[rows] = got
     return out
@@ -75,6 +77,8 @@ def reference_attend(cache, batch, q, k, v, scale, layer: int = 0) -> torch.Tens
             cold = [(cache.pool, grp.page_table, grp.cold_pages[b])]
             if grp.image_table is not None:
                 cold.append((cache.image_pool, grp.image_table, grp.image_pages[b]))
+            if grp.raised_table is not None:
+                cold.append((cache.raised_pool, grp.raised_table, grp.raised_pages[b]))
             for pool, table, n_cold in cold:
                 if n_cold:
                     kc, vc = pool.read(layer, table[b, :n_cold], torch.float64)

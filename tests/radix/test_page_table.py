@@ -120,6 +120,7 @@ def test_prefix_insert_swaps_pages_in_the_table(sinks, prompt_len) -> None:
     """Two equal prompts computed side by side: inserting the second hands its private pages back and
     it reads the tree's copies; the next steps' tables hold the tree's pages."""
     cache = small_cache(sinks=sinks, recent_window=4, num_pages=40, max_running=4)
+    cache.page_tables = SlotPageTable(cache.ring.slots.total, cache.nulls.page, cache.device, width=1)
     prompt = [1 + i % 11 for i in range(prompt_len)]
     seqs = [cache.admit(list(prompt)), cache.admit(list(prompt))]
     for step in range(4):

@@ -36,6 +36,9 @@ class RecordedEngine:
     def layer_codecs(self) -> list[str]:
         return ["fp8_e4m3"]
 
+    def raised_codecs(self) -> list[str]:
+        return []
+
 
 def cache_stats(window: int, used: int, cached: int, evictable: int) -> CacheStats:
     cold = TierStats("cold", 1000, total=100, free=100 - used, used=used, cached=cached, evictable=evictable)

@@ -23,7 +23,8 @@ every row has at least one key in it.
 One pass per cold pool: image pages kept in a pool of their own (``image_pool``, the vision codec) are
 read by a second launch of the same kernel over the group's image page table (`GroupPlan.image_plan`),
 which reads no sink, ring or new token (``tail_split`` -1). Both passes write split partials and one
-log-sum-exp merge combines them, so another pool would be one more entry in `_cold_passes`.
+log-sum-exp merge combines them. The raised pool (the drift fallback's wider codecs) is one more entry
+in `_cold_passes` (`GroupPlan.raised_plan`), read the same way.
 """
 
 from __future__ import annotations
@@ -480,15 +481,16 @@ class Partials(NamedTuple):
 
 
 def _cold_passes(
-    g: GroupPlan, pool: ColdPool, image_pool: ColdPool | None
+    g: GroupPlan, pool: ColdPool, image_pool: ColdPool | None, raised_pool: ColdPool | None = None
 ) -> list[tuple[GroupPlan, ColdPool]]:
     """(plan, pool) of each kernel pass of a group: the text pool's first (it also reads sinks, ring
-    and new tokens), then the image pool's when the group has image pages."""
+    and new tokens), then the image pool's and the raised pool's when the group has such pages."""
     passes = [(g, pool)]
-    if g.image_plan is not None:
-        if image_pool is None:
-            raise ValueError("the step's plan has image pages but no image pool was given")
-        passes.append((g.image_plan, image_pool))
+    for plan, extra, name in ((g.image_plan, image_pool, "image"), (g.raised_plan, raised_pool, "raised")):
+        if plan is not None:
+            if extra is None:
+                raise ValueError(f"the step's plan has {name} pages but no {name} pool was given")
+            passes.append((plan, extra))
     return passes
 
 
@@ -516,13 +518,14 @@ def attend_group(
     sinks: SinkStore | None,
     splits: int | None = None,
     image_pool: ColdPool | None = None,
+    raised_pool: ColdPool | None = None,
 ) -> torch.Tensor:
     """``[B*T, Hq, D]`` outputs (q's dtype) of one group: q ``[B*T, Hq, D]``, k/v ``[B*T, H, D]`` (the
     group's rows, contiguous). ``splits`` overrides the split-KV heuristic of every pass (tests).
 
     One kernel pass per cold pool (`_cold_passes`); a single pass without splits writes the output
     directly, otherwise every pass writes split partials and `merge_partials` combines them."""
-    passes = _cold_passes(g, pool, image_pool)
+    passes = _cold_passes(g, pool, image_pool, raised_pool)
     out = torch.empty_like(q)
     direct = out if len(passes) == 1 else None
     parts: list[Partials] = []
@@ -654,6 +657,7 @@ def attend(
     ring: HotRing,
     sinks: SinkStore | None,
     image_pool: ColdPool | None = None,
+    raised_pool: ColdPool | None = None,
 ) -> torch.Tensor:
     """Causal attention of the step's new tokens over each sequence's strata: ``[T, Hq, D]`` in q's
     dtype, as `kvstrata.radix.attention.attend` computes it (same plan, same keys; image pages from
@@ -662,13 +666,13 @@ def attend(
         g = batch.groups[0]
         return attend_group(
             layer, g, _take(q, None), _take(k, None), _take(v, None), scale, pool, ring, sinks,
-            image_pool=image_pool,
+            image_pool=image_pool, raised_pool=raised_pool,
         )  # fmt: skip
     out = torch.empty_like(q)
     for g in batch.groups:
         got = attend_group(
             layer, g, _take(q, g.rows), _take(k, g.rows), _take(v, g.rows), scale, pool, ring, sinks,
-            image_pool=image_pool,
+            image_pool=image_pool, raised_pool=raised_pool,
         )  # fmt: skip
         out.index_copy_(0, g.rows, got)
     return out

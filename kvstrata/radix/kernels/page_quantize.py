@@ -199,10 +199,12 @@ def quantize_pages(
     ring: HotRing,
     sinks: SinkStore | None,
     image_pool: ColdPool | None = None,
+    raised_pool: ColdPool | None = None,
 ) -> torch.Tensor | None:
     """Encode the step's completed pages of ``layer`` into the pool (and sinks); ``k``/``v`` are the
     step's new rows ``[T, H, D]``. Must run before the new rows are written to the ring. Image pages
-    (``w.image_split``) go to ``image_pool``, one launch per pool.
+    (``w.image_split``) go to ``image_pool`` and raised pages (``w.raised_split``) to ``raised_pool``,
+    one launch per pool.
 
     Returns what the encoder counted as a ``[2, 2]`` float32 tensor on the device, rows (finite
     absmax, NaN/Inf elements), columns (K, V), read by nobody until the caller wants it (no host
@@ -211,7 +213,7 @@ def quantize_pages(
     src, sink_slots = w.kernel_sources(P), w.kernel_sink_slots
     has_sinks = sinks is not None and w.sink_pages.numel() > 0
     stats = None
-    for which, page_ids, target in w.pool_writes(pool, image_pool):
+    for which, page_ids, target in w.pool_writes(pool, image_pool, raised_pool):
         rows_src, slots = src, sink_slots
         if which is not None:  # some of the step's pages: their rows and sink slots
             rows_src = src.view(-1, P).index_select(0, which).view(-1)
@@ -299,11 +301,12 @@ def store_async(
     ring: HotRing,
     sinks: SinkStore | None,
     image_pool: ColdPool | None = None,
+    raised_pool: ColdPool | None = None,
 ) -> torch.Tensor | None:
     """`kvstrata.radix.attention.store` with the Triton encoder: the step's completed pages are
     quantized from the ring and the new rows, then the new rows go into the ring. Returns the
     encoder's counts on the device (`quantize_pages`), so nothing waits for the device."""
-    stats = quantize_pages(layer, batch.write, k, v, pool, ring, sinks, image_pool)
+    stats = quantize_pages(layer, batch.write, k, v, pool, ring, sinks, image_pool, raised_pool)
     write_ring(layer, batch, k, v, ring)
     return stats
 
@@ -317,6 +320,7 @@ def store(
     ring: HotRing,
     sinks: SinkStore | None,
     image_pool: ColdPool | None = None,
+    raised_pool: ColdPool | None = None,
 ) -> WriteCounts:
     """`store_async` with the counts read back as `WriteCounts`."""
-    return write_counts(store_async(layer, batch, k, v, pool, ring, sinks, image_pool))
+    return write_counts(store_async(layer, batch, k, v, pool, ring, sinks, image_pool, raised_pool))
