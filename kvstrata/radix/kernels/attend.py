@@ -61,8 +61,8 @@ LOG2E = 1.4426950408889634
 # number of waves).
 # ``f16_codes``: 8-bit codes (FP8, int8) enter the dots as FP16, q cast to it (BF16 models; the
 # value weights normalised per tile, see `_cold_tile`): FP8 -> FP16 is one instruction per two codes
-# where FP8 -> BF16 goes through float32 (FP8 decode at B=64, 32K: 1.70 ms against 1.99; FP8 extend
-# 4.91 ms against 8.98).
+# where FP8 -> BF16 goes through float32 (H200: FP8 decode at B=64, 32K 1.70 ms, against 1.74 with
+# BF16 operands in the previous revision's run; FP8 extend 4.90 ms against 5.34).
 DECODE_LAUNCH = {
     False: dict(
         block_m=64,
@@ -669,6 +669,8 @@ def _attend_pass(
     # FP16 dot operands for 8-bit codes (``f16_codes``): BF16 models only (a float32 model keeps its
     # IEEE dots); under the interpreter the operands stay float32 but the weights are normalised.
     f16 = launch["f16_codes"] and q.dtype == torch.bfloat16 and not fold
+    # The interpreter's BF16 dot is wrong (Triton 3.9): on CPU the operands go float32.
+    dot_dtype = tl.float32 if interpreted else _DOT_DTYPES[q.dtype]
     _attend_kernel[(B * m_blocks, h, splits)](
         q,
         k,
@@ -711,9 +713,8 @@ def _attend_pass(
         BLOCK_DK=max(16, block_d // 2) if half_k else block_d,
         BLOCK_DV=max(16, block_d // 2) if half_v else block_d,
         DOT_PREC="ieee" if q.dtype == torch.float32 or interpreted else "tf32",
-        # The interpreter's BF16 dot is wrong (Triton 3.9): on CPU the operands go float32.
-        DOT_DTYPE=tl.float32 if interpreted else _DOT_DTYPES[q.dtype],
-        CODE_DTYPE=tl.float32 if interpreted or not f16 else tl.float16,
+        DOT_DTYPE=dot_dtype,
+        CODE_DTYPE=tl.float16 if f16 and not interpreted else dot_dtype,
         NORM_W=f16,
         num_warps=launch["num_warps"],
         num_stages=launch["num_stages"],
