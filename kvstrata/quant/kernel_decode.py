@@ -2,7 +2,8 @@
 
 This is the kernel twin of each codec's ``dequantize_parts``: the same parts, laid out as the codec's
 ``page_parts`` says, decoded to float32 inside a kernel. The torch codecs stay the definition and the
-reference; ``tests/radix/test_kernels.py`` checks these functions against them for every codec.
+reference; ``tests/radix/test_kernels_attend.py`` checks these functions against them for every codec
+(through the attention kernels) and ``tests/radix/test_kernels_decode.py`` the 4-bit ones directly.
 
 `kernel_format(codec)` gives the format id a kernel takes as a ``tl.constexpr`` and the order in which
 it wants the codec's parts (at most three). FP8 parts travel as uint8 (``as_raw``) and are bit-cast
