@@ -6,19 +6,15 @@ their 32-channel E4M3 block scales at head_dims of one, three (padded to four) a
 
 from __future__ import annotations
 
+import kernel_helpers  # first: sets TRITON_INTERPRET=1 on CPU before triton is imported
 import pytest
 import torch
 import triton
 import triton.language as tl
-from kernel_helpers import DEVICES
 
 from kvstrata.quant.fp4 import _table
 from kvstrata.quant.kernel_decode import e2m1_value, fp4_value_codes, nibble_value
 from kvstrata.quant.nibbles import unpack
-from kvstrata.radix.kernels import attend  # noqa: F401
-
-# (Imported before this module's kernels run: under Triton 3.9's interpreter, the attention kernel's
-# module imported after another module's kernel ran sees `tl.cdiv` unpatched and fails.)
 
 
 @triton.jit
@@ -42,7 +38,7 @@ def _fp4_rows_kernel(CODES, SCALES, ROWS, OK, X0, X1, D: tl.constexpr, BLOCK_C: 
     tl.store(X1 + at, x1)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", kernel_helpers.DEVICES)
 def test_every_byte_decodes_as_the_codecs_do(device):
     """Both nibbles of all 256 bytes: E2M1 values equal to the fp4 codec's table (code 8, -0, equal
     to +0), integer codes equal to `nibbles.unpack`."""
@@ -55,7 +51,7 @@ def test_every_byte_decodes_as_the_codecs_do(device):
     assert torch.equal(ints.cpu(), codes.float())
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", kernel_helpers.DEVICES)
 @pytest.mark.parametrize("d", [32, 96, 128])
 def test_fp4_value_rows_with_block_scales(d, device):
     """Rows gathered out of order, two of them masked (decode to 0), head_dim 96 padded to four
