@@ -4,13 +4,14 @@
 
 For each geometry (8B layer: 32 query / 8 KV heads, head_dim 128; the default model: 9 / 3, 64), batch
 and context, and each history codec: one decode step (one query token per sequence) over cold pages
-(context - window - 1 tokens) + a 128-token BF16 ring + the new token, timed as the median of
-`triton.testing.do_bench`. Printed: milliseconds, the bytes the kernel must read (codes + scales of the
-cold pages, ring rows, q/k/v/out), achieved TB/s, the speedup over `scaled_dot_product_attention` on
-contiguous BF16 K/V of the same context measured in the same run (GQA, one query token), and its
-bandwidth as a share of SDPA's. The old torch backend (dequantize, then attend) is timed on the same
-data for fp8_e4m3 where it fits. Extend: a 2,048-token chunk over 30,720 cached tokens (B=1, 8B layer)
-against SDPA (flash) on BF16 K/V without a mask (the causal chunk is ~3% less work).
+(context - window - 1 tokens) + a 128-token BF16 ring + the new token, timed as the median device
+time of CUDA-graph replays with an L2 flush before each call (`bench`). Printed: milliseconds, the
+bytes the kernel must read (codes + scales of the cold pages, ring rows, q/k/v/out), achieved TB/s,
+the speedup over `scaled_dot_product_attention` on contiguous BF16 K/V of the same context measured
+in the same run (GQA, one query token), and its bandwidth as a share of SDPA's. The old torch backend
+(dequantize, then attend) is timed on the same data for fp8_e4m3 where it fits (plain launches: it
+syncs with the host). Extend: a 2,048-token chunk over 30,720 cached tokens (B=1, 8B layer) against
+SDPA (flash) on BF16 K/V without a mask (the causal chunk is ~3% less work).
 Writes a JSON of every row to --out.
 """
 
@@ -35,8 +36,26 @@ CODECS = ["bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "fp4_e2m1"]
 P, WINDOW = 16, 128
 
 
-def bench(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+_FLUSH: list[torch.Tensor] = []
+
+
+def bench(fn, graph: bool = True) -> float:
+    """Median milliseconds of ``fn`` on the GPU. ``graph``: replays of a CUDA graph of calls, each after
+    an L2 flush (a 256 MB write), minus the flushes' own replays: the device time of a step without
+    the host's launch overhead (which bounds a B=1 step timed by plain launches) and without data
+    left in L2 by the call before. Otherwise `triton.testing.do_bench` (plain launches, L2 flushed)."""
+    if not graph:
+        return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+    if not _FLUSH:
+        _FLUSH.append(torch.empty(256 << 20, dtype=torch.int8, device="cuda"))
+    flush = _FLUSH[0].zero_
+
+    def step():
+        flush()
+        fn()
+
+    both = triton.testing.do_bench_cudagraph(step, rep=20, return_mode="median")
+    return both - triton.testing.do_bench_cudagraph(flush, rep=20, return_mode="median")
 
 
 def build(codec: str, batch: int, context: int, hq: int, hkv: int, d: int, tokens: int = 1):
@@ -108,7 +127,7 @@ def codec_rows(geometry: str, batch: int, context: int, codec: str, old_torch: b
     rows = [dict(row, codec=codec, ms=bench(partial(kernels.attend_group, *args)))]
     if old_torch:
         torch_args = (*args[:6], (cache.pool, None), *args[7:], cache.cfg.block_pages)
-        ms = bench(partial(torch_attention._attend_group, *torch_args))
+        ms = bench(partial(torch_attention._attend_group, *torch_args), graph=False)
         rows.append(dict(row, codec=f"{codec} torch", ms=ms))
     return rows
 

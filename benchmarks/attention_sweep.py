@@ -31,7 +31,15 @@ FOUR_BIT = ("int4", "fp4_e2m1")
 
 
 def shape(
-    m: int, n: int, warps: int, stages: int, by_blocks: bool, blocks: int = 4, prefetch: bool = False
+    m: int,
+    n: int,
+    warps: int,
+    stages: int,
+    by_blocks: bool,
+    blocks: int = 4,
+    prefetch: bool = False,
+    programs: int = 512,
+    f16: bool = False,
 ) -> dict:
     return dict(
         block_m=m,
@@ -41,35 +49,34 @@ def shape(
         num_stages=stages,
         by_blocks=by_blocks,
         prefetch=prefetch,
+        programs=programs,
+        f16_codes=f16,
     )
 
 
 # Prefetched page-table entries (Triton 3.6, sm_90, read from the compiled code): 128 x 64 with 4
 # stages keeps three tiles of copies in flight without spills; 128 x 128 with 3 stages spills.
+# ``f16``: 8-bit codes enter the dots as FP16 (FP8 E4M3 -> FP16 two codes an instruction).
 EXTEND = [
-    shape(128, 128, 8, 3, False),
-    shape(128, 64, 8, 4, False, prefetch=True),
-    shape(128, 64, 8, 3, False, prefetch=True),
-    shape(128, 128, 8, 3, False, prefetch=True),
-    shape(128, 128, 8, 2, False),
-    shape(64, 64, 4, 3, False),
+    shape(128, 128, 8, 3, False, programs=0, f16=True),
+    shape(128, 64, 8, 4, False, prefetch=True, programs=0, f16=True),
 ]
-EXTEND_4BIT = [shape(128, 64, 8, 2, True, 4), shape(128, 64, 8, 3, True, 4), shape(64, 64, 4, 3, True, 4)]
+EXTEND_4BIT = [shape(128, 64, 8, 2, True, 4, programs=0)]
+# Decode: ``programs`` (the split-KV target) 1024/2048 splits B=64's 512 (sequence, head) programs in
+# 2/4; prefetch on/off and 2/3 stages with FP16 code operands.
 DECODE = [
-    shape(64, 32, 4, 2, True, 4),
-    shape(64, 32, 4, 3, True, 8),
-    shape(64, 128, 4, 2, False),
-    shape(64, 128, 4, 3, False, prefetch=True),
-    shape(64, 128, 4, 4, False, prefetch=True),
-    shape(64, 256, 4, 2, False),
+    shape(64, 128, 4, 2, False, programs=1024, f16=True),
+    shape(64, 128, 4, 3, False, prefetch=True, programs=1024, f16=True),
+    shape(64, 128, 4, 3, False, programs=1024, f16=True),
+    shape(64, 128, 4, 3, False, prefetch=True, programs=2048, f16=True),
 ]
-DECODE_4BIT = [shape(64, 32, 4, 2, True, 8), shape(64, 32, 4, 3, True, 8), shape(64, 32, 8, 2, True, 16)]
+DECODE_4BIT = [shape(64, 32, 4, 2, True, 8, programs=1024), shape(64, 32, 4, 3, True, 8)]
 
 # (kind, codec, batch, launch shape)
 VARIANTS = [("extend", c, 1, s) for c in ("bf16", "fp8_e4m3") for s in EXTEND]
 VARIANTS += [("extend", "int4", 1, s) for s in EXTEND_4BIT]
 VARIANTS += [("decode", "fp8_e4m3", b, s) for b in (64, 1) for s in DECODE]
-VARIANTS += [("decode", "int4", b, s) for b in (64, 1) for s in DECODE_4BIT]
+VARIANTS += [("decode", c, b, s) for c in FOUR_BIT for b in (64, 1) for s in DECODE_4BIT]
 # Compiled by --warm too: the default shapes of every codec `attention_gpu.py` times.
 WARM = VARIANTS + [("decode", c, b, None) for c in bench.CODECS for b in (64, 1)]
 WARM += [("extend", c, 1, None) for c in ("bf16", "fp8_e4m3", "int4")]
@@ -90,12 +97,19 @@ def use(kind: str, codec: str, launch: dict | None) -> None:
 
 
 def warm(index: int) -> None:
-    """Compile one variant. A decode variant at B=64 runs unsplit: B=4 with one split has the same
-    specializations (16-byte aligned length rows) at a fraction of the memory."""
+    """Compile one variant. A decode variant at B=64 runs on B=4 with the split count B=64 would get
+    (same specializations: 16-byte aligned length rows, the same split arguments) at a fraction of
+    the memory."""
     kind, codec, batch, launch = WARM[index]
     use(kind, codec, launch)
     args, _ = case(kind, codec, 4 if batch == 64 else batch)
-    kernels.attend_group(*args, splits=1 if batch == 64 else None)
+    splits = None
+    if kind == "decode" and batch == 64:
+        plan = args[1]
+        target = kernels.DECODE_LAUNCH[codec in FOUR_BIT]["programs"]
+        hkv = bench.GEOMETRIES["8b"][1]
+        splits = kernels._num_splits(64 * hkv, plan.page_table.shape[1], target)
+    kernels.attend_group(*args, splits=splits)
     torch.cuda.synchronize()
 
 
@@ -110,17 +124,29 @@ def sweep() -> dict[tuple[str, bool], dict]:
     by the sum of its milliseconds over the swept batches."""
     rows = []
     base: dict[tuple[str, int], float] = {}
-    built = None
+    built = first = None
     for kind, codec, batch, launch in VARIANTS:
         if (kind, batch) not in base:
             base[kind, batch] = sdpa(kind, batch)
             print(f"SDPA bf16 {kind} B={batch}: {base[kind, batch]:.3f} ms", flush=True)
         if built is None or built[0] != (kind, codec, batch):
-            built = None
+            built = first = None
             torch.cuda.empty_cache()
             built = ((kind, codec, batch), *case(kind, codec, batch))
         _, args, moved = built
         use(kind, codec, launch)
+        # A variant that fails to run, or disagrees with the case's first variant beyond BF16 rounding,
+        # is reported and left out.
+        try:
+            out = kernels.attend_group(*args).float()
+        except Exception as e:  # noqa: BLE001  (a compile or launch failure of one variant)
+            print(f"  {kind} B={batch} {codec} {launch}: FAILED {type(e).__name__}: {e}", flush=True)
+            continue
+        first = out if first is None else first
+        err = ((out - first).norm() / first.norm()).item()
+        if not err < 2e-2:
+            print(f"  {kind} B={batch} {codec} {launch}: WRONG (rel. error {err:.3g})", flush=True)
+            continue
         ms = bench.bench(partial(kernels.attend_group, *args))
         rows.append((kind, codec, batch, launch, ms, moved, base[kind, batch] / ms))
         print(f"  {kind} B={batch} {codec} {launch}: {ms:.3f} ms x{base[kind, batch] / ms:.2f}", flush=True)
@@ -128,6 +154,8 @@ def sweep() -> dict[tuple[str, bool], dict]:
     print("|---|---:|---|---|---:|---:|---|---:|---:|---:|")
     for kind, codec, batch, s, ms, moved, ratio in rows:
         blocks = f"yes ({s['blocks']})" if s["by_blocks"] else ("no, prefetch" if s["prefetch"] else "no")
+        blocks += f", {s['programs']} programs" if kind == "decode" else ""
+        blocks += ", fp16 codes" if s["f16_codes"] else ""
         print(
             f"| {kind} | {batch} | {codec} | {s['block_m']} x {s['block_n']} | {s['num_warps']} | "
             f"{s['num_stages']} | {blocks} | {ms:.3f} | {moved / ms / 1e9:.2f} | {ratio:.2f}x |"

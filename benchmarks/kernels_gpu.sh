@@ -18,7 +18,7 @@ TESTS=${TESTS:-tests/radix/test_kernels_attend.py tests/radix/test_kernels_page_
 $PY -m pytest -q --collect-only -p no:cacheprovider $TESTS 2>/dev/null | grep "::" >"$OUT/test_ids.txt"
 split -n "r/$JOBS" -d "$OUT/test_ids.txt" "$OUT/tests_part"
 for part in "$OUT"/tests_part*; do
-  timeout "${TEST_TIMEOUT:-300}" xargs -a "$part" $PY -m pytest -q -p no:cacheprovider >"$part.log" 2>&1 &
+  timeout "${TEST_TIMEOUT:-300}" xargs -d '\n' -a "$part" $PY -m pytest -q -p no:cacheprovider >"$part.log" 2>&1 &
 done
 if [ -z "${NO_SWEEP:-}" ]; then
   n=$($PY benchmarks/attention_sweep.py --count)

@@ -2,7 +2,8 @@
 
 This is the kernel twin of each codec's ``dequantize_parts``: the same parts, laid out as the codec's
 ``page_parts`` says, decoded to float32 inside a kernel. The torch codecs stay the definition and the
-reference; ``tests/radix/test_kernels.py`` checks these functions against them for every codec.
+reference; ``tests/radix/test_kernels_attend.py`` checks these functions against them for every codec
+(through the attention kernels) and ``tests/radix/test_kernels_decode.py`` the 4-bit ones directly.
 
 `kernel_format(codec)` gives the format id a kernel takes as a ``tl.constexpr`` and the order in which
 it wants the codec's parts (at most three). FP8 parts travel as uint8 (``as_raw``) and are bit-cast
@@ -58,11 +59,21 @@ def pow2_scale(e):
 
 @triton.jit
 def e2m1_value(c):
-    """E2M1 codes (int32 nibbles, sign in bit 3) as float32: {0, .5, 1, 1.5, 2, 3, 4, 6} and negatives."""
-    i = c & 7
-    big = (2 + (i & 1)).to(tl.float32) * (1 << (i >> 1)).to(tl.float32) * 0.25
-    mag = tl.where(i < 2, i.to(tl.float32) * 0.5, big)
-    return tl.where((c & 8) != 0, -mag, mag)
+    """E2M1 codes (int32 nibbles, sign in bit 3) as float32: {0, .5, 1, 1.5, 2, 3, 4, 6} and negatives.
+
+    Built from bits, with no int-to-float conversion (a quarter-rate instruction on the GPU): the code's
+    sign goes to bit 15 and its exponent and mantissa bits to bits 9-11 of an FP16, which is then the
+    value times 2**-14 exactly (code 1, 0.5, lands on an FP16 subnormal, which the conversion to
+    float32 keeps)."""
+    bits = ((c & 8) << 12) | ((c & 7) << 9)
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+
+
+@triton.jit
+def nibble_value(c):
+    """Integer codes 0..15 (int32) as float32 without an int-to-float conversion: placed in the
+    mantissa of 2**23, then 2**23 subtracted (exact)."""
+    return (c | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 
 @triton.jit
@@ -152,8 +163,8 @@ def tile_codes(p0, row, c, c_ok, D: tl.constexpr, FMT: tl.constexpr, HALF: tl.co
             x0 = e2m1_value(lo)
             x1 = e2m1_value(hi)
         else:
-            x0 = lo.to(tl.float32)
-            x1 = hi.to(tl.float32)
+            x0 = nibble_value(lo)
+            x1 = nibble_value(hi)
     else:
         raw = tl.load(p0 + row * D + c, mask=c_ok, other=0)
         if FMT == 1 or FMT == 2:  # noqa: SIM108  (constexpr branches of a Triton function)
@@ -195,7 +206,7 @@ def key_block_scales(
 @triton.jit
 def value_tile_scales(p1, p2, row, FMT: tl.constexpr):
     """Per-token value scales and offsets (float32, shaped as ``row``) of the tile's rows; for fp4 its
-    per-token global scale (its E4M3 block scales vary along head_dim: `value_block_scales`)."""
+    per-token global scale (its E4M3 block scales vary along head_dim: `fp4_value_codes`)."""
     o = tl.zeros(row.shape, tl.float32)
     if FMT == 1 or FMT == 2:
         s = pow2_scale(tl.load(p1 + row))
@@ -209,7 +220,19 @@ def value_tile_scales(p1, p2, row, FMT: tl.constexpr):
 
 
 @triton.jit
-def value_block_scales(p1, row, c, c_ok, D: tl.constexpr):
-    """fp4 values' E4M3 block scales (float32) at rows ``row`` ``[N, 1]`` and byte index ``c``
-    ``[1, C]``: bytes ``16i`` to ``16i + 15`` hold channels ``32i`` to ``32i + 31``, one block."""
-    return fp8_value(tl.load(p1 + row * (D // 32) + c // 16, mask=c_ok, other=0), False)
+def fp4_value_codes(p0, p1, row, ok, D: tl.constexpr, BLOCK_C: tl.constexpr, OUT: tl.constexpr):
+    """fp4 values at rows ``row`` (``[N]`` int64; ``ok`` the rows to read) as E2M1 times their E4M3
+    block scale (cast to ``OUT``, exact in BF16; the per-token global scale is the caller's), in
+    even/odd channel halves ``(x0, x1)`` ``[N, BLOCK_C]`` (``BLOCK_C`` bytes a row, a multiple of 16).
+    Read as ``[N, blocks, 16 bytes]``: bytes ``16i`` to ``16i + 15`` hold channels ``32i`` to
+    ``32i + 31``, one block, so a block's scale loads once per row and broadcasts over its 16 bytes
+    (no per-element scale gather)."""
+    g = tl.arange(0, BLOCK_C // 16)[None, :, None]
+    j = tl.arange(0, 16)[None, None, :]
+    r = row[:, None, None]
+    r_ok = ok[:, None, None]
+    byte = tl.load(p0 + r * (D // 2) + g * 16 + j, mask=r_ok & (g * 16 + j < D // 2), other=0).to(tl.int32)
+    s = fp8_value(tl.load(p1 + r * (D // 32) + g, mask=r_ok & (g < D // 32), other=0), False)
+    x0 = tl.reshape((e2m1_value(byte & 15) * s).to(OUT), [row.shape[0], BLOCK_C])
+    x1 = tl.reshape((e2m1_value(byte >> 4) * s).to(OUT), [row.shape[0], BLOCK_C])
+    return x0, x1

@@ -160,3 +160,19 @@ def test_decode_cold_tiles_both_ways(codec, way, device, monkeypatch):
         monkeypatch.setitem(attend.DECODE_LAUNCH[four_bit], "prefetch", way == "keys, prefetch")
     cache = make_cache(codec, device, sinks=True)
     assert check_steps(cache, [9, 70, 300], steps=2, n_new=1, tol=2e-5, splits=2) == 6
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("codec", ["fp8_e4m3", "fp8_e5m2", "int8", "int8_asym/fp8_e4m3"])
+def test_bfloat16_model_with_fp16_code_operands(codec, device, monkeypatch):
+    """``f16_codes``: 8-bit codes enter the dots as FP16 (on CUDA; float32 under the interpreter),
+    the scaled value weights normalised by the tile's largest value scale. Decode with splits and
+    sinks, and extend (partial last tiles): BF16-level error."""
+    from kvstrata.radix.kernels import attend
+
+    for table in (attend.DECODE_LAUNCH, attend.EXTEND_LAUNCH):
+        monkeypatch.setitem(table[False], "f16_codes", True)
+    cache = make_cache(codec, device, dtype=torch.bfloat16, sinks=True)
+    check_steps(cache, [12, 50, 99], steps=2, n_new=1, tol=1.5e-2, dtype=torch.bfloat16, splits=2)
+    cache = make_cache(codec, device, dtype=torch.bfloat16)
+    check_steps(cache, [30, 70], steps=1, n_new=9, tol=1.5e-2, dtype=torch.bfloat16)

@@ -36,13 +36,13 @@ import triton
 import triton.language as tl
 
 from kvstrata.quant.kernel_decode import (
+    fp4_value_codes,
     fp8_value,
     kernel_format,
     key_block_scales,
     load_decoded,
     pow2_scale,
     tile_codes,
-    value_block_scales,
     value_tile_scales,
 )
 from kvstrata.radix.plan import GroupPlan, StepBatch
@@ -57,22 +57,64 @@ LOG2E = 1.4426950408889634
 # pages of a multiple of 16 tokens) rather than by keys across pages (`_cold_tile`). 8/16-bit codes
 # read by keys, 128 a tile (FP8 decode at B=64, 32K: 1.73 ms against 2.32 by 4 blocks); 4-bit codes
 # by blocks (bytes loaded once, twice as many blocks a tile as their pages are half the bytes).
+# ``programs``: the split-KV target, about this many programs a decode launch (a few per SM on an
+# H100/H200; more splits also even out the last wave when B * heads programs do not fill a whole
+# number of waves).
+# ``f16_codes``: 8-bit codes (FP8, int8) enter the dots as FP16, q cast to it (BF16 models; the
+# value weights normalised per tile, see `_cold_tile`): FP8 -> FP16 is one instruction per two codes
+# where FP8 -> BF16 goes through float32 (H200: FP8 decode at B=64, 32K 1.70 ms, against 1.74 with
+# BF16 operands in the previous revision's run; FP8 extend 4.90 ms against 5.34).
 DECODE_LAUNCH = {
     False: dict(
-        block_m=64, block_n=128, blocks=4, num_warps=4, num_stages=2, by_blocks=False, prefetch=False
+        block_m=64,
+        block_n=128,
+        blocks=4,
+        num_warps=4,
+        num_stages=2,
+        by_blocks=False,
+        prefetch=False,
+        programs=1024,
+        f16_codes=True,
     ),
-    True: dict(block_m=64, block_n=32, blocks=8, num_warps=4, num_stages=3, by_blocks=True, prefetch=False),
+    True: dict(
+        block_m=64,
+        block_n=32,
+        blocks=8,
+        num_warps=4,
+        num_stages=2,
+        by_blocks=True,
+        prefetch=False,
+        programs=1024,
+        f16_codes=False,
+    ),
 }
 # Extend: 128 query rows a tile; 8/16-bit codes by keys, 128 a tile, 3 pipeline stages (BF16 history:
-# 3.11 ms against 3.65 with 2); 4-bit by blocks.
+# 3.11 ms against 3.65 with 2); 4-bit by blocks. Extend does not split.
 EXTEND_LAUNCH = {
     False: dict(
-        block_m=128, block_n=128, blocks=8, num_warps=8, num_stages=3, by_blocks=False, prefetch=False
+        block_m=128,
+        block_n=128,
+        blocks=8,
+        num_warps=8,
+        num_stages=3,
+        by_blocks=False,
+        prefetch=False,
+        programs=0,
+        f16_codes=True,
     ),
-    True: dict(block_m=128, block_n=64, blocks=4, num_warps=8, num_stages=2, by_blocks=True, prefetch=False),
+    True: dict(
+        block_m=128,
+        block_n=64,
+        blocks=4,
+        num_warps=8,
+        num_stages=2,
+        by_blocks=True,
+        prefetch=False,
+        programs=0,
+        f16_codes=False,
+    ),
 }
 HALF_FORMATS = (5, 6)  # 4-bit codes: the decode kernel splits q and the output into even/odd channels
-TARGET_PROGRAMS = 512  # split-KV aims at about this many programs (a few per SM on an H100/H200)
 MIN_PAGES_PER_SPLIT = 16
 _DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -147,16 +189,31 @@ def _raw_tile(
 
 
 @triton.jit
-def _codes(p, row, d, d_ok, D: tl.constexpr, BLOCK_D: tl.constexpr, FMT: tl.constexpr, DOT: tl.constexpr):
+def _codes(
+    p,
+    row,
+    d,
+    d_ok,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    FMT: tl.constexpr,
+    DOT: tl.constexpr,
+    DIRECT: tl.constexpr,
+):
     """``[N, BLOCK_D]`` codes of rows ``row`` (``[N, 1]``) as dot operands: raw values, or FP8/int8
     codes converted exactly (their scales are the caller's). Rows past the keys are real rows (of the
-    page the masked page-table load gives), so only channels past D are masked."""
+    page the masked page-table load gives), so only channels past D are masked. ``DIRECT``: FP8 codes
+    convert straight to ``DOT`` (to FP16: two codes an instruction on sm_89+), else through float32."""
     at = p + row * D + d
     if BLOCK_D == D:  # noqa: SIM108  (constexpr branches of a Triton function)
         x = tl.load(at)
     else:
         x = tl.load(at, mask=d_ok, other=0)
-    if FMT == 1 or FMT == 2:
+    if FMT == 1 and DIRECT:
+        x = x.to(tl.float8e4nv, bitcast=True)
+    elif FMT == 2 and DIRECT:
+        x = x.to(tl.float8e5, bitcast=True)
+    elif FMT == 1 or FMT == 2:
         x = fp8_value(x, FMT == 2)
     return x.to(DOT)
 
@@ -164,6 +221,7 @@ def _codes(p, row, d, d_ok, D: tl.constexpr, BLOCK_D: tl.constexpr, FMT: tl.cons
 @triton.jit
 def _cold_tile(
     qd,
+    qc,
     acc,
     m_i,
     l_i,
@@ -187,35 +245,51 @@ def _cold_tile(
     MASKED: tl.constexpr,
     DOT_PREC: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    CODE_DTYPE: tl.constexpr,
+    NORM_W: tl.constexpr,
 ):
     """One tile of cold keys ``j`` (``[N]`` positions in the sequence's cold pages, ``MASKED``: those
     at or past ``end`` are padding) in pages ``page`` (``[N]`` int64, from the page table). Keys and
     values with one scale per key (raw, FP8 keys: one exponent per page and head; per-token value
     scales of every 8-bit codec) load as codes straight into the dot; the key scale multiplies the
     scores' columns and the value scale the softmax weights (``(p * s_v) . codes + p . offset_v``).
-    Per-channel key scales (int8) and 4-bit codes decode per element (`load_decoded`)."""
+    Per-channel key scales (int8) and 4-bit codes decode per element (`load_decoded`).
+
+    8-bit codes enter their dots as ``CODE_DTYPE`` (FP8 and int8 codes are exact in FP16; ``qc`` is q
+    in it). ``NORM_W``: the scaled weights are divided by the tile's largest value scale before the
+    cast and the product multiplied back, so FP16 weights stay normal (``p * s_v`` of a small scale
+    would lose bits as an FP16 subnormal)."""
     ok = j < end
     tok = (j % P).to(tl.int64)
     row = (page * P + tok) * H + h
     d_ok = (d < D)[None, :]
-    if K_FMT <= 2:
-        k = _codes(K0, row[:, None], d[None, :], d_ok, D, BLOCK_D, K_FMT, DOT_DTYPE)
+    if K_FMT == 0:
+        k = _codes(K0, row[:, None], d[None, :], d_ok, D, BLOCK_D, K_FMT, DOT_DTYPE, False)
+        s = tl.dot(qd, tl.trans(k), input_precision=DOT_PREC)
+    elif K_FMT <= 2:
+        k = _codes(K0, row[:, None], d[None, :], d_ok, D, BLOCK_D, K_FMT, CODE_DTYPE, NORM_W)
+        s = tl.dot(qc, tl.trans(k), input_precision=DOT_PREC)
+        s = s * pow2_scale(tl.load(K1 + page * H + h))[None, :]
     else:
         k = load_decoded(K0, K1, K2, page[:, None], tok[:, None], h, d[None, :], ok[:, None] & d_ok,
                          ok[:, None], H, P, D, BLOCK_D, K_FMT, True).to(DOT_DTYPE)  # fmt: skip
-    s = tl.dot(qd, tl.trans(k), input_precision=DOT_PREC)
-    if K_FMT == 1 or K_FMT == 2:
-        s = s * pow2_scale(tl.load(K1 + page * H + h))[None, :]
+        s = tl.dot(qd, tl.trans(k), input_precision=DOT_PREC)
     if MASKED:
         s = tl.where(ok[None, :], s, float("-inf"))
     p, alpha, m_i, l_i = _online(s, m_i, l_i)
-    if V_FMT <= 4:
-        v = _codes(V0, row[:, None], d[None, :], d_ok, D, BLOCK_D, V_FMT, DOT_DTYPE)
-        w = p
-        if V_FMT != 0:
-            vs, vo = value_tile_scales(V1, V2, row, V_FMT)
-            w = p * vs[None, :]
-        acc = acc * alpha[:, None] + tl.dot(w.to(DOT_DTYPE), v, input_precision=DOT_PREC)
+    if V_FMT == 0:
+        v = _codes(V0, row[:, None], d[None, :], d_ok, D, BLOCK_D, V_FMT, DOT_DTYPE, False)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PREC)
+    elif V_FMT <= 4:
+        v = _codes(V0, row[:, None], d[None, :], d_ok, D, BLOCK_D, V_FMT, CODE_DTYPE, NORM_W)
+        vs, vo = value_tile_scales(V1, V2, row, V_FMT)
+        if NORM_W:
+            top = tl.max(tl.where(ok, vs, 1.1754943508222875e-38), 0)
+            w = p * (vs * (1.0 / top))[None, :]
+            pv = tl.dot(w.to(CODE_DTYPE), v, input_precision=DOT_PREC) * top
+        else:
+            pv = tl.dot((p * vs[None, :]).to(CODE_DTYPE), v, input_precision=DOT_PREC)
+        acc = acc * alpha[:, None] + pv
         if V_FMT == 4:
             acc += tl.sum(p * vo[None, :], 1)[:, None]
     else:
@@ -287,6 +361,8 @@ def _attend_kernel(
     BLOCK_DV: tl.constexpr,
     DOT_PREC: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    CODE_DTYPE: tl.constexpr,
+    NORM_W: tl.constexpr,
 ):
     m_blocks = tl.cdiv(T * GROUP, BLOCK_M)
     b = tl.program_id(0) // m_blocks
@@ -311,6 +387,7 @@ def _attend_kernel(
         q1 = q1.to(tl.float32) * qk_scale
     qd0 = q0.to(DOT_DTYPE)
     qd1 = q1.to(DOT_DTYPE)
+    qc = q0.to(CODE_DTYPE)  # the operand of 8-bit key codes (`_cold_tile`)
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -343,18 +420,18 @@ def _attend_kernel(
                 s0, s1, o0, o1 = key_block_scales(K1, K2, pb, tb, h, c0, c1, kc_ok, H, P, D, K_FMT)
                 k0 = k0 * s0 + o0
                 k1 = k1 * s1 + o1
-            k0 = tl.reshape(k0, [BLOCKS * 16, BLOCK_DK]).to(DOT_DTYPE)
-            k1 = tl.reshape(k1, [BLOCKS * 16, BLOCK_DK]).to(DOT_DTYPE)
+            # Cast before the reshape: a layout change moves half the bytes in the dot dtype.
+            k0 = tl.reshape(k0.to(DOT_DTYPE), [BLOCKS * 16, BLOCK_DK])
+            k1 = tl.reshape(k1.to(DOT_DTYPE), [BLOCKS * 16, BLOCK_DK])
             s = tl.where(ok[None, :], _scores(qd0, qd1, k0, k1, HALF_K, DOT_PREC), float("-inf"))
             p, alpha, m_i, l_i = _online(s, m_i, l_i)
             jv = j0 + jn
             pv = tl.load(PT + b * pt_stride + jv // P, mask=ok, other=0).to(tl.int64)
             rv = (pv * P + jv % P) * H + h  # [BLOCKS * 16]
-            v0, v1 = tile_codes(V0, rv[:, None], iv, v_ok & ok[:, None], D, V_FMT, HALF_V)
-            if V_FMT == 6:
-                bs = value_block_scales(V1, rv[:, None], iv, v_ok & ok[:, None], D)
-                v0 = v0 * bs
-                v1 = v1 * bs
+            if V_FMT == 6:  # always HALF_V here: block scales broadcast over 16-byte groups
+                v0, v1 = fp4_value_codes(V0, V1, rv, ok, D, BLOCK_DV, DOT_DTYPE)
+            else:
+                v0, v1 = tile_codes(V0, rv[:, None], iv, v_ok & ok[:, None], D, V_FMT, HALF_V)
             w = p
             if V_FMT != 0:
                 vs, vo = value_tile_scales(V1, V2, rv, V_FMT)
@@ -385,8 +462,8 @@ def _attend_kernel(
             else:
                 page = tl.load(pt + (j0 + n) // P).to(tl.int64)
             acc0, m_i, l_i = _cold_tile(
-                qd0, acc0, m_i, l_i, page, K0, K1, K2, V0, V1, V2, j0 + n, end, d, h,
-                H, P, D, BLOCK_D, K_FMT, V_FMT, False, DOT_PREC, DOT_DTYPE,
+                qd0, qc, acc0, m_i, l_i, page, K0, K1, K2, V0, V1, V2, j0 + n, end, d, h,
+                H, P, D, BLOCK_D, K_FMT, V_FMT, False, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W,
             )  # fmt: skip
             if PREFETCH:
                 page = page_ahead
@@ -394,8 +471,8 @@ def _attend_kernel(
             if not PREFETCH:
                 page = tl.load(pt + (full + n) // P, mask=full + n < end, other=0).to(tl.int64)
             acc0, m_i, l_i = _cold_tile(
-                qd0, acc0, m_i, l_i, page, K0, K1, K2, V0, V1, V2, full + n, end, d, h,
-                H, P, D, BLOCK_D, K_FMT, V_FMT, True, DOT_PREC, DOT_DTYPE,
+                qd0, qc, acc0, m_i, l_i, page, K0, K1, K2, V0, V1, V2, full + n, end, d, h,
+                H, P, D, BLOCK_D, K_FMT, V_FMT, True, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W,
             )  # fmt: skip
 
     if split == tail_split:  # sinks, ring and new tokens: the last split of the text pool's pass
@@ -464,12 +541,12 @@ def _merge_kernel(PO, PL, OUT, num_splits, D: tl.constexpr, BLOCK_D: tl.constexp
     tl.store(OUT + row * D + d, out.to(OUT.dtype.element_ty), mask=d < D)
 
 
-def _num_splits(programs: int, max_pages: int) -> int:
-    """Splits of the cold pages so that about `TARGET_PROGRAMS` programs run, each with at least
+def _num_splits(programs: int, max_pages: int, target: int) -> int:
+    """Splits of the cold pages so that about ``target`` programs run, each with at least
     `MIN_PAGES_PER_SPLIT` pages."""
-    if max_pages < 2 * MIN_PAGES_PER_SPLIT or programs >= TARGET_PROGRAMS:
+    if max_pages < 2 * MIN_PAGES_PER_SPLIT or programs >= target:
         return 1
-    return max(1, min(triton.cdiv(TARGET_PROGRAMS, programs), max_pages // MIN_PAGES_PER_SPLIT))
+    return max(1, min(triton.cdiv(target, programs), max_pages // MIN_PAGES_PER_SPLIT))
 
 
 class Partials(NamedTuple):
@@ -579,7 +656,7 @@ def _attend_pass(
     block_m = max(16, min(launch["block_m"], triton.next_power_of_2(T * group)))
     m_blocks = triton.cdiv(T * group, block_m)
     if splits is None:
-        splits = _num_splits(B * h * m_blocks, n_pages) if T == 1 else 1
+        splits = _num_splits(B * h * m_blocks, n_pages, launch["programs"]) if T == 1 else 1
     pages_per_split = triton.cdiv(max(n_pages, 1), splits)
     partial = out is None or splits > 1
     po = pl = out
@@ -592,6 +669,11 @@ def _attend_pass(
         sink_args = (lengths[2], lengths[2], ring.k[layer], ring.v[layer])
     block_d = triton.next_power_of_2(d)
     interpreted = q.device.type == "cpu"
+    # FP16 dot operands for 8-bit codes (``f16_codes``): BF16 models only (a float32 model keeps its
+    # IEEE dots); under the interpreter the operands stay float32 but the weights are normalised.
+    f16 = launch["f16_codes"] and q.dtype == torch.bfloat16 and not fold
+    # The interpreter's BF16 dot is wrong (Triton 3.9): on CPU the operands go float32.
+    dot_dtype = tl.float32 if interpreted else _DOT_DTYPES[q.dtype]
     _attend_kernel[(B * m_blocks, h, splits)](
         q,
         k,
@@ -634,8 +716,9 @@ def _attend_pass(
         BLOCK_DK=max(16, block_d // 2) if half_k else block_d,
         BLOCK_DV=max(16, block_d // 2) if half_v else block_d,
         DOT_PREC="ieee" if q.dtype == torch.float32 or interpreted else "tf32",
-        # The interpreter's BF16 dot is wrong (Triton 3.9): on CPU the operands go float32.
-        DOT_DTYPE=tl.float32 if interpreted else _DOT_DTYPES[q.dtype],
+        DOT_DTYPE=dot_dtype,
+        CODE_DTYPE=tl.float16 if f16 and not interpreted else dot_dtype,
+        NORM_W=f16,
         num_warps=launch["num_warps"],
         num_stages=launch["num_stages"],
     )

@@ -1,0 +1,76 @@
+"""The attention kernels' 4-bit decode functions (`kvstrata.quant.kernel_decode`), run through tiny
+Triton kernels (under TRITON_INTERPRET=1 on CPU, natively on CUDA) against the codecs' torch decoding:
+every byte value through the bit-built E2M1 and integer nibble conversions, and fp4 value rows with
+their 32-channel E4M3 block scales at head_dims of one, three (padded to four) and four blocks.
+"""
+
+from __future__ import annotations
+
+import kernel_helpers  # first: sets TRITON_INTERPRET=1 on CPU before triton is imported
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from kvstrata.quant.fp4 import _table
+from kvstrata.quant.kernel_decode import e2m1_value, fp4_value_codes, nibble_value
+from kvstrata.quant.nibbles import unpack
+
+
+@triton.jit
+def _nibbles_kernel(X, E2M1, INT):
+    i = tl.arange(0, 256)
+    b = tl.load(X + i).to(tl.int32)
+    tl.store(E2M1 + 2 * i, e2m1_value(b & 15))
+    tl.store(E2M1 + 2 * i + 1, e2m1_value(b >> 4))
+    tl.store(INT + 2 * i, nibble_value(b & 15))
+    tl.store(INT + 2 * i + 1, nibble_value(b >> 4))
+
+
+@triton.jit
+def _fp4_rows_kernel(CODES, SCALES, ROWS, OK, X0, X1, D: tl.constexpr, BLOCK_C: tl.constexpr):
+    n = tl.arange(0, 8)
+    row = tl.load(ROWS + n).to(tl.int64)
+    ok = tl.load(OK + n) != 0
+    x0, x1 = fp4_value_codes(CODES, SCALES, row, ok, D, BLOCK_C, tl.float32)
+    at = n[:, None] * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
+    tl.store(X0 + at, x0)
+    tl.store(X1 + at, x1)
+
+
+@pytest.mark.parametrize("device", kernel_helpers.DEVICES)
+def test_every_byte_decodes_as_the_codecs_do(device):
+    """Both nibbles of all 256 bytes: E2M1 values equal to the fp4 codec's table (code 8, -0, equal
+    to +0), integer codes equal to `nibbles.unpack`."""
+    x = torch.arange(256, dtype=torch.uint8, device=device)
+    e2m1 = torch.full((512,), float("nan"), device=device)
+    ints = torch.full((512,), float("nan"), device=device)
+    _nibbles_kernel[(1,)](x, e2m1, ints)
+    codes = unpack(x.cpu())
+    assert torch.equal(e2m1.cpu(), _table(torch.device("cpu"))[codes].float())
+    assert torch.equal(ints.cpu(), codes.float())
+
+
+@pytest.mark.parametrize("device", kernel_helpers.DEVICES)
+@pytest.mark.parametrize("d", [32, 96, 128])
+def test_fp4_value_rows_with_block_scales(d, device):
+    """Rows gathered out of order, two of them masked (decode to 0), head_dim 96 padded to four
+    16-byte groups: each channel is its E2M1 value times its 32-channel block's E4M3 scale."""
+    g = torch.Generator().manual_seed(d)
+    n_rows, block_c = 12, triton.next_power_of_2(d) // 2
+    codes = torch.randint(0, 256, (n_rows, d // 2), generator=g, dtype=torch.uint8)
+    scales = (torch.rand(n_rows, d // 32, generator=g) * 8 + 2**-6).to(torch.float8_e4m3fn)
+    rows = torch.tensor([3, 0, 11, 7, 7, 1, 5, 9])
+    ok = torch.tensor([1, 1, 1, 0, 1, 1, 0, 1], dtype=torch.int32)
+    out = [torch.full((8, block_c), float("nan"), device=device) for _ in range(2)]
+    _fp4_rows_kernel[(1,)](
+        codes.to(device), scales.view(torch.uint8).to(device), rows.to(device), ok.to(device),
+        *out, D=d, BLOCK_C=block_c,
+    )  # fmt: skip
+    ref = _table(torch.device("cpu"))[unpack(codes)].float()
+    ref = ref * scales.float().repeat_interleave(32, dim=1)
+    ref = ref[rows] * ok[:, None]
+    for half, got in enumerate(out):
+        want = torch.zeros(8, block_c)
+        want[:, : d // 2] = ref[:, half::2]
+        assert torch.equal(got.cpu(), want), half
