@@ -213,6 +213,7 @@ class Engine:
             "recent_window": self.args.recent_window,
             "max_recent_window": c.max_recent_window,
             "num_pages": c.num_pages,
+            "raised_pages": c.raised_pages,
             "max_total_tokens": self.capacity_tokens,
             "max_running_requests": c.max_running,
             "chunked_prefill_size": self.args.chunked_prefill_size,

@@ -125,9 +125,8 @@ class PinTable:
         return self.cache.pinned_bytes
 
     def describe(self, pin: Pin) -> dict[str, Any]:
-        """``pin.to_json`` with its bytes counted from its pages (image pages in their own codec)."""
-        path = list(pin.node.path())
-        nbytes = self.cache.pages_bytes(sum(len(n.pages) for n in path), sum(n.image for n in path))
+        """``pin.to_json`` with its bytes counted from its pages, each in its own pool's codec."""
+        nbytes = self.cache.page_ids_bytes([p for n in pin.node.path() for p in n.pages])
         return pin.to_json(nbytes, self.cache.page_size, self.clock())
 
     def to_json(self) -> list[dict[str, Any]]:

@@ -141,8 +141,13 @@ class RingBook:
         bs = len(rows)
         starts, bases, lens, cols, complete = [0] * bs, [0] * bs, [0] * bs, [0] * bs, [0] * bs
         ring_dst = [i % R for i in range(bs)]
+        rows = list(rows)
         for i, (row, gen, L) in enumerate(zip(rows, generations, prefix_lens, strict=True)):
-            if row == PADDING_ROW:
+            if row == PADDING_ROW or L == 0:
+                # Padding: SGLang fills a padded entry's sequence length with 1 (prefix 0; a real decode
+                # entry has at least one token before it), but a version that leaves the padded tail of
+                # its request-row buffer stale would name a live row here: never touch that row's ring.
+                rows[i] = PADDING_ROW
                 continue
             ring = self.ring_of(row, gen, L)
             starts[i], bases[i], lens[i], cols[i] = ring.start, row * R, L - ring.start, L // P

@@ -56,9 +56,12 @@ def capture(w: World, bs: int):
     return w.pool.step
 
 
-def test_graph_plan_equals_eager_plan():
+@pytest.mark.parametrize("stale_padding", [False, True])
+def test_graph_plan_equals_eager_plan(stale_padding: bool):
     """The static buffers of a padded decode step (host plan + device gathers) hold what the eager
-    plan of the same batch holds; padding reads nothing and writes only page 0 and ring slot 0."""
+    plan of the same batch holds; padding reads nothing and writes only page 0 and ring slot 0.
+    ``stale_padding``: the padded entries name a live request's row (a request-row buffer whose padded
+    tail was not reset) with sequence length 1: still padding, that row's ring untouched."""
     from kvstrata.integrations.sglang.graph import DecodeGraphState
 
     w = World("fp8_e4m3")
@@ -73,7 +76,8 @@ def test_graph_plan_equals_eager_plan():
             w.step(batch, decode)
             return
         n = len(batch)
-        rows = [w.rows[name] for name, _, _ in batch] + [0] * (BUCKET - n)
+        live = [w.rows[name] for name, _, _ in batch]
+        rows = live + [live[0] if stale_padding else 0] * (BUCKET - n)
         prefix = [L for _, L, _ in batch] + [0] * (BUCKET - n)
         book = copy.deepcopy(pool.rings)
         plan = book.plan_decode(rows, w.req_pool.req_generation[rows].tolist(), prefix)
@@ -102,6 +106,7 @@ def test_graph_plan_equals_eager_plan():
         assert torch.equal(ring_dst[:n], eager.write.ring_dst)
         assert torch.equal(eager.write.ring_src, torch.arange(n))
         assert (ring_dst[n:] < R).all()  # slot 0 belongs to row 0, which no request gets
+        assert plan.rows[n:].tolist() == [0] * (BUCKET - n)
         for row in rows[:n]:
             assert book.rows[row] == pool.rings.rows[row]
         checked.append(int(done.sum()))
