@@ -119,9 +119,10 @@ def test_replayed_decode_equals_kvstrata_cache():
     """Decode steps run on the captured step of their bucket (Triton kernels, interpreted on CPU):
     pool contents equal kvstrata's own cache bit for bit, attention outputs up to the split-KV merge
     (the static page table is as wide as a request can be long, so the kernel splits the history)."""
-    from kvstrata.radix.kernels.attend import _num_splits
+    from kvstrata.radix.kernels.attend import DECODE_LAUNCH, _num_splits
 
-    assert _num_splits(BUCKET * KV_HEADS, REPLAY_CONTEXT // PAGE) == 2  # the decode kernel splits
+    target = DECODE_LAUNCH[False]["programs"]
+    assert _num_splits(BUCKET * KV_HEADS, REPLAY_CONTEXT // PAGE, target) == 2  # the decode kernel splits
     w = World("fp8_e4m3", "triton", max_context=REPLAY_CONTEXT)
     captured = capture(w, BUCKET)
     worst = []
