@@ -8,6 +8,7 @@ from collections.abc import Hashable
 
 import torch
 
+from kvstrata.quant import get_codec
 from kvstrata.radix import CacheConfig, StratifiedKVCache
 
 
@@ -93,3 +94,10 @@ def run_step(
     outs = [cache.attention(layer, batch, q, k, v, scale) for layer in range(cache.cfg.num_layers)]
     cache.end_step(batch)
     return outs
+
+
+def roundtrip(codec: str, x: torch.Tensor, granularity: str) -> torch.Tensor:
+    """One page ``[P, H, D]`` stored in ``codec`` and read back."""
+    c = get_codec(codec)
+    q = c.quantize(x[None], granularity=granularity)
+    return c.dequantize_parts(q.parts, granularity, x.shape[-1], torch.float32)[0]

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from radix_helpers import TokenKV, dense_attention, run_step, small_cache
+from radix_helpers import TokenKV, dense_attention, roundtrip, run_step, small_cache
 
-from kvstrata.quant import get_codec
 from kvstrata.radix import OutOfPages, PinBudgetExceeded
 from kvstrata.radix.pool import KEY_GRANULARITY, VALUE_GRANULARITY
 
@@ -27,13 +26,6 @@ def image_cache(image_codec: str = "bf16", **overrides: object):
     )
     params.update(overrides)
     return small_cache(**params)
-
-
-def roundtrip(codec: str, x: torch.Tensor, granularity: str) -> torch.Tensor:
-    """One page ``[P, H, D]`` stored in ``codec`` and read back."""
-    c = get_codec(codec)
-    q = c.quantize(x[None], granularity=granularity)
-    return c.dequantize_parts(q.parts, granularity, x.shape[-1], torch.float32)[0]
 
 
 def reference(seq, n: int, text_codec: str, image_codec: str) -> torch.Tensor:

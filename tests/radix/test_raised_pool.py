@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from radix_helpers import TokenKV, dense_attention, run_step, small_cache
+from radix_helpers import TokenKV, dense_attention, roundtrip, run_step, small_cache
 
 from kvstrata.quant import get_codec
 from kvstrata.radix import CacheConfig, OutOfPages
@@ -28,12 +28,6 @@ def raised_cache(**overrides: object):
     )
     params.update(overrides)
     return small_cache(**params)
-
-
-def roundtrip(codec: str, x: torch.Tensor, granularity: str) -> torch.Tensor:
-    c = get_codec(codec)
-    q = c.quantize(x[None], granularity=granularity)
-    return c.dequantize_parts(q.parts, granularity, x.shape[-1], torch.float32)[0]
 
 
 def reference(cache, seq, n: int, layer: int, as_shipped: bool = False) -> torch.Tensor:
