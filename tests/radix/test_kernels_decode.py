@@ -74,3 +74,38 @@ def test_fp4_value_rows_with_block_scales(d, device):
         want = torch.zeros(8, block_c)
         want[:, : d // 2] = ref[:, half::2]
         assert torch.equal(got.cpu(), want), half
+
+
+@pytest.mark.parametrize("device", kernel_helpers.DEVICES)
+@pytest.mark.parametrize("swap_ab", [False, True])
+@pytest.mark.parametrize("codec", ["fp32", "fp8_e4m3", "int8", "int8_asym/fp8_e4m3", "int4/fp4_e2m1"])
+def test_decode_module_both_orientations(codec, swap_ab, device, monkeypatch):
+    """`kvstrata.radix.kernels.decode` (cold pages read by keys, every codec through the launch table's
+    ``by_blocks`` off) in both orientations: scores ``q . k^T`` and scores ``k . q^T`` (``swap_ab``).
+    32-key tiles: full and partial tiles, forced splits (some with no cold page) and sinks."""
+    from test_kernels_attend import check_steps, make_cache
+
+    from kvstrata.radix.kernels import attend
+
+    for four_bit in (False, True):
+        monkeypatch.setitem(attend.DECODE_LAUNCH[four_bit], "by_blocks", False)
+        monkeypatch.setitem(attend.DECODE_LAUNCH[four_bit], "block_n", 32)
+        monkeypatch.setitem(attend.DECODE_LAUNCH[four_bit], "swap_ab", swap_ab)
+    cache = make_cache(codec, device, sinks=True)
+    assert check_steps(cache, [9, 70, 300], steps=2, n_new=1, tol=2e-5, splits=3) == 6
+
+
+@pytest.mark.parametrize("device", kernel_helpers.DEVICES)
+@pytest.mark.parametrize("swap_ab", [False, True])
+@pytest.mark.parametrize("codec", ["bf16", "fp8_e5m2", "int8_asym"])
+def test_decode_module_bfloat16(codec, swap_ab, device, monkeypatch):
+    """BF16 model (8-bit codes as FP16 operands on CUDA), both orientations, without splits (the kernel
+    writes the output directly) and with the default split heuristic: BF16-level error."""
+    from test_kernels_attend import check_steps, make_cache
+
+    from kvstrata.radix.kernels import attend
+
+    monkeypatch.setitem(attend.DECODE_LAUNCH[False], "swap_ab", swap_ab)
+    monkeypatch.setitem(attend.DECODE_LAUNCH[False], "f16_codes", True)
+    cache = make_cache(codec, device, dtype=torch.bfloat16)
+    check_steps(cache, [12, 50, 99], steps=2, n_new=1, tol=1.5e-2, dtype=torch.bfloat16)

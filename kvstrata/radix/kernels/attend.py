@@ -75,6 +75,7 @@ DECODE_LAUNCH = {
         prefetch=False,
         programs=1024,
         f16_codes=True,
+        swap_ab=False,
     ),
     True: dict(
         block_m=64,
@@ -86,6 +87,7 @@ DECODE_LAUNCH = {
         prefetch=False,
         programs=1024,
         f16_codes=False,
+        swap_ab=False,
     ),
 }
 # Extend: 128 query rows a tile; 8/16-bit codes by keys, 128 a tile, 3 pipeline stages (BF16 history:
@@ -674,31 +676,10 @@ def _attend_pass(
     f16 = launch["f16_codes"] and q.dtype == torch.bfloat16 and not fold
     # The interpreter's BF16 dot is wrong (Triton 3.9): on CPU the operands go float32.
     dot_dtype = tl.float32 if interpreted else _DOT_DTYPES[q.dtype]
-    _attend_kernel[(B * m_blocks, h, splits)](
-        q,
-        k,
-        v,
-        po if out is None else out,
-        po,
-        pl,
-        g.page_table,
-        lengths[0],
-        *kp,
-        *vp,
-        *sink_args,
-        g.ring_rows,
-        lengths[1],
-        ring.k[layer],
-        ring.v[layer],
-        scale * LOG2E,
-        T,
-        h,
-        g.page_table.stride(0),
-        g.ring_rows.stride(0),
-        pages_per_split,
-        splits,
-        splits - 1 if tail else -1,
-        GROUP=group,
+    tensors = (q, k, v, po if out is None else out, po, pl, g.page_table, lengths[0], *kp, *vp, *sink_args)
+    tensors += (g.ring_rows, lengths[1], ring.k[layer], ring.v[layer])
+    strides = (g.page_table.stride(0), g.ring_rows.stride(0), pages_per_split, splits, splits - 1 if tail else -1)
+    meta = dict(
         D=d,
         BLOCK_D=block_d,
         P=page,
@@ -706,6 +687,23 @@ def _attend_pass(
         V_FMT=v_fmt,
         HAS_SINKS=sinks is not None and g.sink_table is not None,
         SPLIT=partial,
+        DOT_PREC="ieee" if q.dtype == torch.float32 or interpreted else "tf32",
+        DOT_DTYPE=dot_dtype,
+        CODE_DTYPE=tl.float16 if f16 and not interpreted else dot_dtype,
+        NORM_W=f16,
+    )
+    if T == 1 and not fold:
+        from kvstrata.radix.kernels import decode  # it imports this module's tile functions
+
+        decode.launch_decode((B, h, splits), (*tensors, scale * LOG2E, h, *strides), group, launch, **meta)
+        return Partials(po, pl) if partial else None
+    _attend_kernel[(B * m_blocks, h, splits)](
+        *tensors,
+        scale * LOG2E,
+        T,
+        h,
+        *strides,
+        GROUP=group,
         BLOCK_M=block_m,
         BLOCK_N=launch["block_n"],
         FOLD=fold,
@@ -715,12 +713,9 @@ def _attend_pass(
         HALF_V=half_v,
         BLOCK_DK=max(16, block_d // 2) if half_k else block_d,
         BLOCK_DV=max(16, block_d // 2) if half_v else block_d,
-        DOT_PREC="ieee" if q.dtype == torch.float32 or interpreted else "tf32",
-        DOT_DTYPE=dot_dtype,
-        CODE_DTYPE=tl.float16 if f16 and not interpreted else dot_dtype,
-        NORM_W=f16,
         num_warps=launch["num_warps"],
         num_stages=launch["num_stages"],
+        **meta,
     )
     return Partials(po, pl) if partial else None
 
