@@ -678,7 +678,8 @@ def _attend_pass(
     dot_dtype = tl.float32 if interpreted else _DOT_DTYPES[q.dtype]
     tensors = (q, k, v, po if out is None else out, po, pl, g.page_table, lengths[0], *kp, *vp, *sink_args)
     tensors += (g.ring_rows, lengths[1], ring.k[layer], ring.v[layer])
-    strides = (g.page_table.stride(0), g.ring_rows.stride(0), pages_per_split, splits, splits - 1 if tail else -1)
+    tail_split = splits - 1 if tail else -1
+    strides = (g.page_table.stride(0), g.ring_rows.stride(0), pages_per_split, splits, tail_split)
     meta = dict(
         D=d,
         BLOCK_D=block_d,

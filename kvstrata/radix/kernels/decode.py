@@ -252,7 +252,10 @@ def launch_decode(grid: tuple[int, int, int], args: tuple, group: int, launch: d
     """Launch `_decode_kernel` over ``grid`` (sequences, KV heads, splits): ``args`` are
     `_attend_kernel`'s runtime arguments without ``T`` (tensors, softmax scale, KV heads, strides,
     split arguments), ``meta`` the constexprs both kernels share; ``launch`` the `DECODE_LAUNCH` entry
-    (``block_n``, ``num_warps``, ``num_stages``, ``prefetch``, ``swap_ab``)."""
+    (``block_n``, ``num_warps``, ``num_stages``, ``prefetch``, ``swap_ab``, ``maxnreg``: a register cap
+    per thread, so more programs fit an SM, or None)."""
+    if launch.get("maxnreg"):
+        meta["maxnreg"] = launch["maxnreg"]
     _decode_kernel[grid](
         *args,
         GROUP=group,
