@@ -43,6 +43,7 @@ def shape(
     f16: bool = False,
     swap: bool = False,
     maxnreg: int | None = None,
+    halves: bool = False,
 ) -> dict:
     return dict(
         block_m=m,
@@ -56,6 +57,7 @@ def shape(
         f16_codes=f16,
         swap_ab=swap,
         maxnreg=maxnreg,
+        halves=halves,
     )
 
 
@@ -67,25 +69,31 @@ EXTEND = [
     shape(128, 64, 8, 4, False, prefetch=True, programs=0, f16=True),
 ]
 EXTEND_4BIT = [shape(128, 64, 8, 2, True, 4, programs=0)]
-# Decode (`kvstrata.radix.kernels.decode` for 8/16-bit codes): compiled for sm_90, the 128-key tile
-# with 4 warps takes 255 registers a thread (2 programs an SM), 64 keys 250, 32 keys 167; so smaller
-# tiles with more pipeline stages, fewer warps, a register cap (``maxnreg``, spills) and more splits
-# (``programs``); ``swap``: keys on the product's M side (a warp-group product on Hopper).
+# Decode (`kvstrata.radix.kernels.decode` for 8/16-bit codes). Compiled for sm_90 (Triton 3.9 here,
+# FP8 keys and values): the 128-key tile with 4 warps takes 255 registers (2 programs an SM) and its
+# FP8 values reach the P.V product byte by byte (128 LDS.U8 a thread a tile); ``halves`` (values and
+# keys as channel halves joined into pairs, converted to FP16 before the layout change) 197 registers,
+# values by a transposing ldmatrix; 64 keys 197, 32 keys 136 (3 programs an SM) with more instructions
+# a key. So: ``halves`` with several tile sizes, stages, warps, a register cap (``maxnreg``, spills)
+# and split targets (``programs``); ``swap``: keys on the product's M side (a warp-group product).
 _F16 = dict(f16=True)
+_H = dict(f16=True, halves=True)
 DECODE = [
     shape(64, 128, 4, 2, False, programs=1024, **_F16),
+    shape(64, 128, 4, 2, False, programs=2048, **_F16),
     shape(64, 128, 4, 2, False, programs=1024, swap=True, **_F16),
-    shape(64, 128, 4, 3, False, prefetch=True, programs=1024, swap=True, **_F16),
-    shape(64, 64, 4, 2, False, programs=1024, **_F16),
-    shape(64, 64, 4, 3, False, prefetch=True, programs=2048, **_F16),
-    shape(64, 64, 4, 3, False, prefetch=True, programs=2048, swap=True, **_F16),
-    shape(64, 32, 4, 3, False, prefetch=True, programs=2048, **_F16),
-    shape(64, 32, 4, 4, False, prefetch=True, programs=4096, **_F16),
-    shape(64, 64, 2, 2, False, programs=2048, **_F16),
-    shape(64, 32, 2, 3, False, prefetch=True, programs=4096, **_F16),
-    shape(64, 128, 8, 2, False, programs=1024, **_F16),
-    shape(64, 128, 4, 2, False, programs=1024, maxnreg=168, **_F16),
-    shape(64, 64, 4, 3, False, prefetch=True, programs=2048, maxnreg=128, **_F16),
+    shape(64, 128, 4, 2, False, programs=1024, **_H),
+    shape(64, 128, 4, 2, False, programs=2048, **_H),
+    shape(64, 128, 4, 3, False, prefetch=True, programs=1024, **_H),
+    shape(64, 128, 4, 2, False, programs=1024, maxnreg=168, **_H),
+    shape(64, 128, 4, 2, False, programs=1024, swap=True, **_H),
+    shape(64, 128, 8, 2, False, programs=1024, **_H),
+    shape(64, 64, 4, 2, False, programs=2048, **_H),
+    shape(64, 64, 4, 3, False, prefetch=True, programs=2048, **_H),
+    shape(64, 64, 2, 2, False, programs=2048, **_H),
+    shape(64, 64, 4, 2, False, programs=2048, maxnreg=128, **_H),
+    shape(64, 32, 4, 3, False, prefetch=True, programs=4096, **_H),
+    shape(64, 32, 4, 4, False, prefetch=True, programs=4096, **_H),
 ]
 # 4-bit: 16-token blocks (`attend._attend_kernel`), or keys across pages (the decode module).
 DECODE_4BIT = [

@@ -76,12 +76,17 @@ def test_fp4_value_rows_with_block_scales(d, device):
         assert torch.equal(got.cpu(), want), half
 
 
+LAYOUTS = {"plain": {}, "swap_ab": dict(swap_ab=True), "halves": dict(halves=True)}
+LAYOUTS["swap_ab, halves"] = dict(swap_ab=True, halves=True)
+
+
 @pytest.mark.parametrize("device", kernel_helpers.DEVICES)
-@pytest.mark.parametrize("swap_ab", [False, True])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("codec", ["fp32", "fp8_e4m3", "int8", "int8_asym/fp8_e4m3", "int4/fp4_e2m1"])
-def test_decode_module_both_orientations(codec, swap_ab, device, monkeypatch):
+def test_decode_module_layouts(codec, layout, device, monkeypatch):
     """`kvstrata.radix.kernels.decode` (cold pages read by keys, every codec through the launch table's
-    ``by_blocks`` off) in both orientations: scores ``q . k^T`` and scores ``k . q^T`` (``swap_ab``).
+    ``by_blocks`` off) in both orientations, scores ``q . k^T`` and scores ``k . q^T`` (``swap_ab``),
+    and with codes in channel-pair order (``halves``; per-element decodes at permuted channels).
     32-key tiles: full and partial tiles, forced splits (some with no cold page) and sinks."""
     from test_kernels_attend import check_steps, make_cache
 
@@ -90,22 +95,24 @@ def test_decode_module_both_orientations(codec, swap_ab, device, monkeypatch):
     for four_bit in (False, True):
         monkeypatch.setitem(attend.DECODE_LAUNCH[four_bit], "by_blocks", False)
         monkeypatch.setitem(attend.DECODE_LAUNCH[four_bit], "block_n", 32)
-        monkeypatch.setitem(attend.DECODE_LAUNCH[four_bit], "swap_ab", swap_ab)
+        for key in ("swap_ab", "halves"):
+            monkeypatch.setitem(attend.DECODE_LAUNCH[four_bit], key, LAYOUTS[layout].get(key, False))
     cache = make_cache(codec, device, sinks=True)
     assert check_steps(cache, [9, 70, 300], steps=2, n_new=1, tol=2e-5, splits=3) == 6
 
 
 @pytest.mark.parametrize("device", kernel_helpers.DEVICES)
-@pytest.mark.parametrize("swap_ab", [False, True])
-@pytest.mark.parametrize("codec", ["bf16", "fp8_e5m2", "int8_asym"])
-def test_decode_module_bfloat16(codec, swap_ab, device, monkeypatch):
-    """BF16 model (8-bit codes as FP16 operands on CUDA), both orientations, without splits (the kernel
-    writes the output directly) and with the default split heuristic: BF16-level error."""
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("codec", ["bf16", "fp8_e4m3", "fp8_e5m2", "int8_asym"])
+def test_decode_module_bfloat16(codec, layout, device, monkeypatch):
+    """BF16 model (8-bit codes as FP16 operands on CUDA), every layout, without splits (the kernel
+    writes the output directly): BF16-level error."""
     from test_kernels_attend import check_steps, make_cache
 
     from kvstrata.radix.kernels import attend
 
-    monkeypatch.setitem(attend.DECODE_LAUNCH[False], "swap_ab", swap_ab)
+    for key in ("swap_ab", "halves"):
+        monkeypatch.setitem(attend.DECODE_LAUNCH[False], key, LAYOUTS[layout].get(key, False))
     monkeypatch.setitem(attend.DECODE_LAUNCH[False], "f16_codes", True)
     cache = make_cache(codec, device, dtype=torch.bfloat16)
     check_steps(cache, [12, 50, 99], steps=2, n_new=1, tol=1.5e-2, dtype=torch.bfloat16)

@@ -201,16 +201,34 @@ def _codes(
     FMT: tl.constexpr,
     DOT: tl.constexpr,
     DIRECT: tl.constexpr,
+    HALVES: tl.constexpr = False,
 ):
     """``[N, BLOCK_D]`` codes of rows ``row`` (``[N, 1]``) as dot operands: raw values, or FP8/int8
     codes converted exactly (their scales are the caller's). Rows past the keys are real rows (of the
     page the masked page-table load gives), so only channels past D are masked. ``DIRECT``: FP8 codes
-    convert straight to ``DOT`` (to FP16: two codes an instruction on sm_89+), else through float32."""
+    convert straight to ``DOT`` (to FP16: two codes an instruction on sm_89+), else through float32.
+
+    ``HALVES`` (D a power of two): the row's two contiguous channel halves load and convert apart and
+    are joined as channel pairs, so column ``2i`` is channel ``i`` and ``2i + 1`` channel ``D/2 + i``
+    (`half_pairs`; the caller permutes q and the output alike). The codes then reach the dot's layout
+    already converted (on sm_90 a transposing ldmatrix of FP16 for values, where 8-bit codes in the
+    dot's layout load byte by byte) and ``d`` is unused."""
+    if HALVES:
+        c = tl.arange(0, D // 2)[None, :]
+        lo = _convert(tl.load(p + row * D + c), FMT, DOT, DIRECT)
+        hi = _convert(tl.load(p + row * D + D // 2 + c), FMT, DOT, DIRECT)
+        return tl.reshape(tl.join(lo, hi), [row.shape[0], D])
     at = p + row * D + d
     if BLOCK_D == D:  # noqa: SIM108  (constexpr branches of a Triton function)
         x = tl.load(at)
     else:
         x = tl.load(at, mask=d_ok, other=0)
+    return _convert(x, FMT, DOT, DIRECT)
+
+
+@triton.jit
+def _convert(x, FMT: tl.constexpr, DOT: tl.constexpr, DIRECT: tl.constexpr):
+    """Loaded codes as ``DOT`` (see `_codes`)."""
     if FMT == 1 and DIRECT:
         x = x.to(tl.float8e4nv, bitcast=True)
     elif FMT == 2 and DIRECT:
@@ -218,6 +236,16 @@ def _codes(
     elif FMT == 1 or FMT == 2:
         x = fp8_value(x, FMT == 2)
     return x.to(DOT)
+
+
+@triton.jit
+def half_pairs(BLOCK_D: tl.constexpr, HALVES: tl.constexpr):
+    """The channel of each column of `_codes`' ``HALVES`` layout (column ``2i``: channel ``i``, ``2i + 1``:
+    channel ``BLOCK_D/2 + i``); without ``HALVES`` column ``j`` is channel ``j``."""
+    j = tl.arange(0, BLOCK_D)
+    if HALVES:
+        j = j // 2 + (j % 2) * (BLOCK_D // 2)
+    return j
 
 
 @triton.jit
@@ -249,6 +277,7 @@ def _cold_tile(
     DOT_DTYPE: tl.constexpr,
     CODE_DTYPE: tl.constexpr,
     NORM_W: tl.constexpr,
+    HALVES: tl.constexpr = False,
 ):
     """One tile of cold keys ``j`` (``[N]`` positions in the sequence's cold pages, ``MASKED``: those
     at or past ``end`` are padding) in pages ``page`` (``[N]`` int64, from the page table). Keys and
@@ -260,16 +289,17 @@ def _cold_tile(
     8-bit codes enter their dots as ``CODE_DTYPE`` (FP8 and int8 codes are exact in FP16; ``qc`` is q
     in it). ``NORM_W``: the scaled weights are divided by the tile's largest value scale before the
     cast and the product multiplied back, so FP16 weights stay normal (``p * s_v`` of a small scale
-    would lose bits as an FP16 subnormal)."""
+    would lose bits as an FP16 subnormal). ``HALVES``: 8/16-bit codes in `_codes`' channel-pair layout
+    (``d`` is then `half_pairs`, for the per-element decodes)."""
     ok = j < end
     tok = (j % P).to(tl.int64)
     row = (page * P + tok) * H + h
     d_ok = (d < D)[None, :]
     if K_FMT == 0:
-        k = _codes(K0, row[:, None], d[None, :], d_ok, D, BLOCK_D, K_FMT, DOT_DTYPE, False)
+        k = _codes(K0, row[:, None], d[None, :], d_ok, D, BLOCK_D, K_FMT, DOT_DTYPE, False, HALVES)
         s = tl.dot(qd, tl.trans(k), input_precision=DOT_PREC)
     elif K_FMT <= 2:
-        k = _codes(K0, row[:, None], d[None, :], d_ok, D, BLOCK_D, K_FMT, CODE_DTYPE, NORM_W)
+        k = _codes(K0, row[:, None], d[None, :], d_ok, D, BLOCK_D, K_FMT, CODE_DTYPE, NORM_W, HALVES)
         s = tl.dot(qc, tl.trans(k), input_precision=DOT_PREC)
         s = s * pow2_scale(tl.load(K1 + page * H + h))[None, :]
     else:
@@ -280,10 +310,10 @@ def _cold_tile(
         s = tl.where(ok[None, :], s, float("-inf"))
     p, alpha, m_i, l_i = _online(s, m_i, l_i)
     if V_FMT == 0:
-        v = _codes(V0, row[:, None], d[None, :], d_ok, D, BLOCK_D, V_FMT, DOT_DTYPE, False)
+        v = _codes(V0, row[:, None], d[None, :], d_ok, D, BLOCK_D, V_FMT, DOT_DTYPE, False, HALVES)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PREC)
     elif V_FMT <= 4:
-        v = _codes(V0, row[:, None], d[None, :], d_ok, D, BLOCK_D, V_FMT, CODE_DTYPE, NORM_W)
+        v = _codes(V0, row[:, None], d[None, :], d_ok, D, BLOCK_D, V_FMT, CODE_DTYPE, NORM_W, HALVES)
         vs, vo = value_tile_scales(V1, V2, row, V_FMT)
         if NORM_W:
             top = tl.max(tl.where(ok, vs, 1.1754943508222875e-38), 0)

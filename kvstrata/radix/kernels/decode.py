@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from kvstrata.quant.kernel_decode import load_decoded, pow2_scale, value_tile_scales
-from kvstrata.radix.kernels.attend import _codes, _cold_tile, _raw_tile
+from kvstrata.radix.kernels.attend import _codes, _cold_tile, _raw_tile, half_pairs
 
 
 @triton.jit
@@ -52,6 +52,7 @@ def _cold_tile_t(
     DOT_DTYPE: tl.constexpr,
     CODE_DTYPE: tl.constexpr,
     NORM_W: tl.constexpr,
+    HALVES: tl.constexpr,
 ):
     """`_cold_tile` transposed: ``qt``/``qct`` are q^T ``[BLOCK_D, BLOCK_H]`` (dot dtype / code dtype),
     ``acc`` is ``[BLOCK_D, BLOCK_H]``; scores and weights are ``[BLOCK_N, BLOCK_H]``."""
@@ -60,10 +61,10 @@ def _cold_tile_t(
     row = (page * P + tok) * H + h
     d_ok = (d < D)[None, :]
     if K_FMT == 0:
-        k = _codes(K0, row[:, None], d[None, :], d_ok, D, BLOCK_D, K_FMT, DOT_DTYPE, False)
+        k = _codes(K0, row[:, None], d[None, :], d_ok, D, BLOCK_D, K_FMT, DOT_DTYPE, False, HALVES)
         s = tl.dot(k, qt, input_precision=DOT_PREC)
     elif K_FMT <= 2:
-        k = _codes(K0, row[:, None], d[None, :], d_ok, D, BLOCK_D, K_FMT, CODE_DTYPE, NORM_W)
+        k = _codes(K0, row[:, None], d[None, :], d_ok, D, BLOCK_D, K_FMT, CODE_DTYPE, NORM_W, HALVES)
         s = tl.dot(k, qct, input_precision=DOT_PREC)
         s = s * pow2_scale(tl.load(K1 + page * H + h))[:, None]
     else:
@@ -77,10 +78,10 @@ def _cold_tile_t(
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 0)
     if V_FMT == 0:
-        v = _codes(V0, row[:, None], d[None, :], d_ok, D, BLOCK_D, V_FMT, DOT_DTYPE, False)
+        v = _codes(V0, row[:, None], d[None, :], d_ok, D, BLOCK_D, V_FMT, DOT_DTYPE, False, HALVES)
         pv = tl.dot(tl.trans(v), p.to(DOT_DTYPE), input_precision=DOT_PREC)
     elif V_FMT <= 4:
-        v = _codes(V0, row[:, None], d[None, :], d_ok, D, BLOCK_D, V_FMT, CODE_DTYPE, NORM_W)
+        v = _codes(V0, row[:, None], d[None, :], d_ok, D, BLOCK_D, V_FMT, CODE_DTYPE, NORM_W, HALVES)
         vs, vo = value_tile_scales(V1, V2, row, V_FMT)
         if NORM_W:
             top = tl.max(tl.where(ok, vs, 1.1754943508222875e-38), 0)
@@ -144,6 +145,7 @@ def _decode_kernel(
     DOT_DTYPE: tl.constexpr,
     CODE_DTYPE: tl.constexpr,
     NORM_W: tl.constexpr,
+    HALVES: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -153,8 +155,14 @@ def _decode_kernel(
     q_row = (b * H + h).to(tl.int64) * GROUP + r  # query head h * GROUP + r of token b
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
-    q = tl.load(Q + q_row[:, None] * D + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    # Cold tiles see channels in `half_pairs` order (``HALVES``), the tail (sinks, ring) in order.
+    dc = half_pairs(BLOCK_D, HALVES)
+    q_at = Q + q_row[:, None] * D
+    q = tl.load(q_at + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     q = q.to(tl.float32) * qk_scale  # the softmax scale (base 2) folded in
+    qt = q  # q of the tail's raw tiles
+    if HALVES:
+        q = tl.load(q_at + dc[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * qk_scale
     qd = q.to(DOT_DTYPE)
     qc = q.to(CODE_DTYPE)  # the operand of 8-bit key codes
     m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
@@ -184,13 +192,13 @@ def _decode_kernel(
             page = tl.load(pt + (j0 + n) // P).to(tl.int64)
         if SWAP:
             acc, m_i, l_i = _cold_tile_t(
-                qd, qc, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, j0 + n, end, d, h,
-                H, P, D, BLOCK_D, K_FMT, V_FMT, False, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W,
+                qd, qc, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, j0 + n, end, dc, h,
+                H, P, D, BLOCK_D, K_FMT, V_FMT, False, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES,
             )  # fmt: skip
         else:
             acc, m_i, l_i = _cold_tile(
-                qd, qc, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, j0 + n, end, d, h,
-                H, P, D, BLOCK_D, K_FMT, V_FMT, False, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W,
+                qd, qc, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, j0 + n, end, dc, h,
+                H, P, D, BLOCK_D, K_FMT, V_FMT, False, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES,
             )  # fmt: skip
         if PREFETCH:
             page = page_ahead
@@ -199,17 +207,20 @@ def _decode_kernel(
             page = tl.load(pt + (full + n) // P, mask=full + n < end, other=0).to(tl.int64)
         if SWAP:
             acc, m_i, l_i = _cold_tile_t(
-                qd, qc, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, full + n, end, d, h,
-                H, P, D, BLOCK_D, K_FMT, V_FMT, True, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W,
+                qd, qc, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, full + n, end, dc, h,
+                H, P, D, BLOCK_D, K_FMT, V_FMT, True, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES,
             )  # fmt: skip
         else:
             acc, m_i, l_i = _cold_tile(
-                qd, qc, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, full + n, end, d, h,
-                H, P, D, BLOCK_D, K_FMT, V_FMT, True, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W,
+                qd, qc, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, full + n, end, dc, h,
+                H, P, D, BLOCK_D, K_FMT, V_FMT, True, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES,
             )  # fmt: skip
     if SWAP:
         acc = tl.trans(acc)
-        qd = tl.trans(qd)
+    if HALVES:  # back to channel order: column 2i + t holds channel t * BLOCK_D / 2 + i
+        acc = tl.permute(tl.reshape(acc, [BLOCK_H, BLOCK_D // 2, 2]), (0, 2, 1))
+        acc = tl.reshape(acc, [BLOCK_H, BLOCK_D])
+    qd = qt.to(DOT_DTYPE)
 
     if split == tail_split:  # sinks, ring and the new key: the last split of the text pool's pass
         if HAS_SINKS:
@@ -248,12 +259,19 @@ def _decode_kernel(
              mask=row_ok[:, None] & d_ok[None, :])  # fmt: skip
 
 
+def halves_apply(meta: dict) -> bool:
+    """Whether the ``halves`` layout applies: FP8 keys and 8-bit values (codes loaded by `_codes`; for
+    raw values it loads 16-bit elements one by one on sm_90), a power-of-two head_dim of 32 or more."""
+    return meta["K_FMT"] in (1, 2) and meta["V_FMT"] in (1, 2, 3, 4) and meta["BLOCK_D"] == meta["D"] >= 32
+
+
 def launch_decode(grid: tuple[int, int, int], args: tuple, group: int, launch: dict, **meta) -> None:
     """Launch `_decode_kernel` over ``grid`` (sequences, KV heads, splits): ``args`` are
     `_attend_kernel`'s runtime arguments without ``T`` (tensors, softmax scale, KV heads, strides,
     split arguments), ``meta`` the constexprs both kernels share; ``launch`` the `DECODE_LAUNCH` entry
-    (``block_n``, ``num_warps``, ``num_stages``, ``prefetch``, ``swap_ab``, ``maxnreg``: a register cap
-    per thread, so more programs fit an SM, or None)."""
+    (``block_n``, ``num_warps``, ``num_stages``, ``prefetch``, ``swap_ab``, ``halves``: `_codes`'
+    channel-pair layout where `halves_apply`, ``maxnreg``: a register cap per thread, so more programs
+    fit an SM, or None)."""
     if launch.get("maxnreg"):
         meta["maxnreg"] = launch["maxnreg"]
     _decode_kernel[grid](
@@ -263,6 +281,7 @@ def launch_decode(grid: tuple[int, int, int], args: tuple, group: int, launch: d
         BLOCK_N=launch["block_n"],
         PREFETCH=launch["prefetch"],
         SWAP=launch.get("swap_ab", False),
+        HALVES=bool(launch.get("halves")) and halves_apply(meta),
         num_warps=launch["num_warps"],
         num_stages=launch["num_stages"],
         **meta,
