@@ -44,6 +44,7 @@ def shape(
     swap: bool = False,
     maxnreg: int | None = None,
     halves: bool = False,
+    module: str = "decode",
 ) -> dict:
     return dict(
         block_m=m,
@@ -58,6 +59,7 @@ def shape(
         swap_ab=swap,
         maxnreg=maxnreg,
         halves=halves,
+        module=module,
     )
 
 
@@ -69,40 +71,27 @@ EXTEND = [
     shape(128, 64, 8, 4, False, prefetch=True, programs=0, f16=True),
 ]
 EXTEND_4BIT = [shape(128, 64, 8, 2, True, 4, programs=0)]
-# Decode (`kvstrata.radix.kernels.decode` for 8/16-bit codes). Compiled for sm_90 (Triton 3.9 here,
-# FP8 keys and values): the 128-key tile with 4 warps takes 255 registers (2 programs an SM) and its
-# FP8 values reach the P.V product byte by byte (128 LDS.U8 a thread a tile); ``halves`` (values and
-# keys as channel halves joined into pairs, converted to FP16 before the layout change) 197 registers,
-# values by a transposing ldmatrix; 64 keys 197, 32 keys 136 (3 programs an SM) with more instructions
-# a key. So: ``halves`` with several tile sizes, stages, warps, a register cap (``maxnreg``, spills)
-# and split targets (``programs``); ``swap``: keys on the product's M side (a warp-group product).
+# Decode. The first sweep of this revision (H200, Triton 3.6, FP8 at B=64, 32K; registers from the
+# compiled kernels): the decode module's 128-key tile with 4 warps 1.777 ms (255 registers, 12 spills);
+# ``halves`` on keys and values 2.581 ms (226 registers, no spills: fewer instructions but slower), with
+# 3 stages and prefetch 2.399; swapped operands 3.710 (58 spills), with halves 2.404; 8 warps 4.845;
+# 64 keys 2.27-3.82; 32 keys 3.43; ``maxnreg`` 168 or 128 (spills) 2.50/2.86; 4-bit codes by keys
+# (per-element decode in the decode module) 24-45 ms against 4.6-5.3 by blocks. Now: the previous
+# kernel (`attend._attend_kernel`, ``module`` "attend") against the decode module in the same run,
+# ``halves`` on values only, one stage (no copies in flight), one split at B=64 (512 programs).
 _F16 = dict(f16=True)
 _H = dict(f16=True, halves=True)
 DECODE = [
+    shape(64, 128, 4, 2, False, programs=1024, module="attend", **_F16),
     shape(64, 128, 4, 2, False, programs=1024, **_F16),
-    shape(64, 128, 4, 2, False, programs=2048, **_F16),
-    shape(64, 128, 4, 2, False, programs=1024, swap=True, **_F16),
     shape(64, 128, 4, 2, False, programs=1024, **_H),
-    shape(64, 128, 4, 2, False, programs=2048, **_H),
     shape(64, 128, 4, 3, False, prefetch=True, programs=1024, **_H),
-    shape(64, 128, 4, 2, False, programs=1024, maxnreg=168, **_H),
-    shape(64, 128, 4, 2, False, programs=1024, swap=True, **_H),
-    shape(64, 128, 8, 2, False, programs=1024, **_H),
-    shape(64, 64, 4, 2, False, programs=2048, **_H),
-    shape(64, 64, 4, 3, False, prefetch=True, programs=2048, **_H),
+    shape(64, 128, 4, 1, False, programs=1024, **_F16),
+    shape(64, 128, 4, 2, False, programs=512, **_F16),
+    shape(64, 128, 4, 2, False, programs=512, module="attend", **_F16),
     shape(64, 64, 2, 2, False, programs=2048, **_H),
-    shape(64, 64, 4, 2, False, programs=2048, maxnreg=128, **_H),
-    shape(64, 32, 4, 3, False, prefetch=True, programs=4096, **_H),
-    shape(64, 32, 4, 4, False, prefetch=True, programs=4096, **_H),
 ]
-# 4-bit: 16-token blocks (`attend._attend_kernel`), or keys across pages (the decode module).
-DECODE_4BIT = [
-    shape(64, 32, 4, 2, True, 8, programs=1024),
-    shape(64, 32, 2, 2, True, 8, programs=2048),
-    shape(64, 32, 4, 3, True, 4, programs=2048),
-    shape(64, 64, 4, 2, False, programs=2048),
-    shape(64, 32, 4, 3, False, prefetch=True, programs=2048),
-]
+DECODE_4BIT: list[dict] = []  # the defaults (16-token blocks, 4 warps, 8 blocks) won the first sweep
 # SWEEP_KINDS (environment): the kinds swept, "decode,extend" by default.
 KINDS = os.environ.get("SWEEP_KINDS", "decode,extend").split(",")
 
@@ -219,6 +208,8 @@ def sweep() -> dict[tuple[str, bool], dict]:
         blocks += ", fp16 codes" if s["f16_codes"] else ""
         blocks += ", swap_ab" if s.get("swap_ab") else ""
         blocks += f", maxnreg {s['maxnreg']}" if s.get("maxnreg") else ""
+        blocks += ", halves" if s.get("halves") else ""
+        blocks += ", attend kernel" if kind == "decode" and s.get("module") == "attend" else ""
         print(
             f"| {kind} | {batch} | {codec} | {s['block_m']} x {s['block_n']} | {s['num_warps']} | "
             f"{s['num_stages']} | {blocks} | {ms:.3f} | {moved / ms / 1e9:.2f} | {ratio:.2f}x |"

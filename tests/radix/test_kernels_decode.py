@@ -78,6 +78,7 @@ def test_fp4_value_rows_with_block_scales(d, device):
 
 LAYOUTS = {"plain": {}, "swap_ab": dict(swap_ab=True), "halves": dict(halves=True)}
 LAYOUTS["swap_ab, halves"] = dict(swap_ab=True, halves=True)
+LAYOUTS["attend kernel"] = dict(module="attend")  # decode by `attend._attend_kernel` instead
 
 
 @pytest.mark.parametrize("device", kernel_helpers.DEVICES)
@@ -86,7 +87,7 @@ LAYOUTS["swap_ab, halves"] = dict(swap_ab=True, halves=True)
 def test_decode_module_layouts(codec, layout, device, monkeypatch):
     """`kvstrata.radix.kernels.decode` (cold pages read by keys, every codec through the launch table's
     ``by_blocks`` off) in both orientations, scores ``q . k^T`` and scores ``k . q^T`` (``swap_ab``),
-    and with codes in channel-pair order (``halves``; per-element decodes at permuted channels).
+    with value codes in channel-pair order (``halves``), and through the extend kernel (``module``).
     32-key tiles: full and partial tiles, forced splits (some with no cold page) and sinks."""
     from test_kernels_attend import check_steps, make_cache
 
@@ -95,8 +96,8 @@ def test_decode_module_layouts(codec, layout, device, monkeypatch):
     for four_bit in (False, True):
         monkeypatch.setitem(attend.DECODE_LAUNCH[four_bit], "by_blocks", False)
         monkeypatch.setitem(attend.DECODE_LAUNCH[four_bit], "block_n", 32)
-        for key in ("swap_ab", "halves"):
-            monkeypatch.setitem(attend.DECODE_LAUNCH[four_bit], key, LAYOUTS[layout].get(key, False))
+        for key, off in (("swap_ab", False), ("halves", False), ("module", "decode")):
+            monkeypatch.setitem(attend.DECODE_LAUNCH[four_bit], key, LAYOUTS[layout].get(key, off))
     cache = make_cache(codec, device, sinks=True)
     assert check_steps(cache, [9, 70, 300], steps=2, n_new=1, tol=2e-5, splits=3) == 6
 
@@ -111,8 +112,8 @@ def test_decode_module_bfloat16(codec, layout, device, monkeypatch):
 
     from kvstrata.radix.kernels import attend
 
-    for key in ("swap_ab", "halves"):
-        monkeypatch.setitem(attend.DECODE_LAUNCH[False], key, LAYOUTS[layout].get(key, False))
+    for key, off in (("swap_ab", False), ("halves", False), ("module", "decode")):
+        monkeypatch.setitem(attend.DECODE_LAUNCH[False], key, LAYOUTS[layout].get(key, off))
     monkeypatch.setitem(attend.DECODE_LAUNCH[False], "f16_codes", True)
     cache = make_cache(codec, device, dtype=torch.bfloat16)
     check_steps(cache, [12, 50, 99], steps=2, n_new=1, tol=1.5e-2, dtype=torch.bfloat16)

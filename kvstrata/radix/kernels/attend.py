@@ -210,9 +210,9 @@ def _codes(
 
     ``HALVES`` (D a power of two): the row's two contiguous channel halves load and convert apart and
     are joined as channel pairs, so column ``2i`` is channel ``i`` and ``2i + 1`` channel ``D/2 + i``
-    (`half_pairs`; the caller permutes q and the output alike). The codes then reach the dot's layout
-    already converted (on sm_90 a transposing ldmatrix of FP16 for values, where 8-bit codes in the
-    dot's layout load byte by byte) and ``d`` is unused."""
+    (for values: the product's columns come out in that order, the caller puts them back). The codes
+    then reach the dot's layout already converted (on sm_90 a transposing ldmatrix of FP16, where
+    8-bit values in the P.V operand layout load byte by byte) and ``d`` is unused."""
     if HALVES:
         c = tl.arange(0, D // 2)[None, :]
         lo = _convert(tl.load(p + row * D + c), FMT, DOT, DIRECT)
@@ -236,16 +236,6 @@ def _convert(x, FMT: tl.constexpr, DOT: tl.constexpr, DIRECT: tl.constexpr):
     elif FMT == 1 or FMT == 2:
         x = fp8_value(x, FMT == 2)
     return x.to(DOT)
-
-
-@triton.jit
-def half_pairs(BLOCK_D: tl.constexpr, HALVES: tl.constexpr):
-    """The channel of each column of `_codes`' ``HALVES`` layout (column ``2i``: channel ``i``, ``2i + 1``:
-    channel ``BLOCK_D/2 + i``); without ``HALVES`` column ``j`` is channel ``j``."""
-    j = tl.arange(0, BLOCK_D)
-    if HALVES:
-        j = j // 2 + (j % 2) * (BLOCK_D // 2)
-    return j
 
 
 @triton.jit
@@ -289,17 +279,17 @@ def _cold_tile(
     8-bit codes enter their dots as ``CODE_DTYPE`` (FP8 and int8 codes are exact in FP16; ``qc`` is q
     in it). ``NORM_W``: the scaled weights are divided by the tile's largest value scale before the
     cast and the product multiplied back, so FP16 weights stay normal (``p * s_v`` of a small scale
-    would lose bits as an FP16 subnormal). ``HALVES``: 8/16-bit codes in `_codes`' channel-pair layout
-    (``d`` is then `half_pairs`, for the per-element decodes)."""
+    would lose bits as an FP16 subnormal). ``HALVES``: 8/16-bit value codes in `_codes`' channel-pair
+    layout (``acc``'s columns in that order)."""
     ok = j < end
     tok = (j % P).to(tl.int64)
     row = (page * P + tok) * H + h
     d_ok = (d < D)[None, :]
     if K_FMT == 0:
-        k = _codes(K0, row[:, None], d[None, :], d_ok, D, BLOCK_D, K_FMT, DOT_DTYPE, False, HALVES)
+        k = _codes(K0, row[:, None], d[None, :], d_ok, D, BLOCK_D, K_FMT, DOT_DTYPE, False)
         s = tl.dot(qd, tl.trans(k), input_precision=DOT_PREC)
     elif K_FMT <= 2:
-        k = _codes(K0, row[:, None], d[None, :], d_ok, D, BLOCK_D, K_FMT, CODE_DTYPE, NORM_W, HALVES)
+        k = _codes(K0, row[:, None], d[None, :], d_ok, D, BLOCK_D, K_FMT, CODE_DTYPE, NORM_W)
         s = tl.dot(qc, tl.trans(k), input_precision=DOT_PREC)
         s = s * pow2_scale(tl.load(K1 + page * H + h))[None, :]
     else:
@@ -723,7 +713,7 @@ def _attend_pass(
         CODE_DTYPE=tl.float16 if f16 and not interpreted else dot_dtype,
         NORM_W=f16,
     )
-    if T == 1 and not fold:
+    if T == 1 and not fold and launch.get("module", "decode") == "decode":
         from kvstrata.radix.kernels import decode  # it imports this module's tile functions
 
         decode.launch_decode((B, h, splits), (*tensors, scale * LOG2E, h, *strides), group, launch, **meta)

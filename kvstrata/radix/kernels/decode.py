@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from kvstrata.quant.kernel_decode import load_decoded, pow2_scale, value_tile_scales
-from kvstrata.radix.kernels.attend import _codes, _cold_tile, _raw_tile, half_pairs
+from kvstrata.radix.kernels.attend import _codes, _cold_tile, _raw_tile
 
 
 @triton.jit
@@ -61,10 +61,10 @@ def _cold_tile_t(
     row = (page * P + tok) * H + h
     d_ok = (d < D)[None, :]
     if K_FMT == 0:
-        k = _codes(K0, row[:, None], d[None, :], d_ok, D, BLOCK_D, K_FMT, DOT_DTYPE, False, HALVES)
+        k = _codes(K0, row[:, None], d[None, :], d_ok, D, BLOCK_D, K_FMT, DOT_DTYPE, False)
         s = tl.dot(k, qt, input_precision=DOT_PREC)
     elif K_FMT <= 2:
-        k = _codes(K0, row[:, None], d[None, :], d_ok, D, BLOCK_D, K_FMT, CODE_DTYPE, NORM_W, HALVES)
+        k = _codes(K0, row[:, None], d[None, :], d_ok, D, BLOCK_D, K_FMT, CODE_DTYPE, NORM_W)
         s = tl.dot(k, qct, input_precision=DOT_PREC)
         s = s * pow2_scale(tl.load(K1 + page * H + h))[:, None]
     else:
@@ -155,14 +155,8 @@ def _decode_kernel(
     q_row = (b * H + h).to(tl.int64) * GROUP + r  # query head h * GROUP + r of token b
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
-    # Cold tiles see channels in `half_pairs` order (``HALVES``), the tail (sinks, ring) in order.
-    dc = half_pairs(BLOCK_D, HALVES)
-    q_at = Q + q_row[:, None] * D
-    q = tl.load(q_at + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(Q + q_row[:, None] * D + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     q = q.to(tl.float32) * qk_scale  # the softmax scale (base 2) folded in
-    qt = q  # q of the tail's raw tiles
-    if HALVES:
-        q = tl.load(q_at + dc[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * qk_scale
     qd = q.to(DOT_DTYPE)
     qc = q.to(CODE_DTYPE)  # the operand of 8-bit key codes
     m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
@@ -192,12 +186,12 @@ def _decode_kernel(
             page = tl.load(pt + (j0 + n) // P).to(tl.int64)
         if SWAP:
             acc, m_i, l_i = _cold_tile_t(
-                qd, qc, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, j0 + n, end, dc, h,
+                qd, qc, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, j0 + n, end, d, h,
                 H, P, D, BLOCK_D, K_FMT, V_FMT, False, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES,
             )  # fmt: skip
         else:
             acc, m_i, l_i = _cold_tile(
-                qd, qc, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, j0 + n, end, dc, h,
+                qd, qc, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, j0 + n, end, d, h,
                 H, P, D, BLOCK_D, K_FMT, V_FMT, False, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES,
             )  # fmt: skip
         if PREFETCH:
@@ -207,20 +201,20 @@ def _decode_kernel(
             page = tl.load(pt + (full + n) // P, mask=full + n < end, other=0).to(tl.int64)
         if SWAP:
             acc, m_i, l_i = _cold_tile_t(
-                qd, qc, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, full + n, end, dc, h,
+                qd, qc, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, full + n, end, d, h,
                 H, P, D, BLOCK_D, K_FMT, V_FMT, True, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES,
             )  # fmt: skip
         else:
             acc, m_i, l_i = _cold_tile(
-                qd, qc, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, full + n, end, dc, h,
+                qd, qc, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, full + n, end, d, h,
                 H, P, D, BLOCK_D, K_FMT, V_FMT, True, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES,
             )  # fmt: skip
     if SWAP:
         acc = tl.trans(acc)
-    if HALVES:  # back to channel order: column 2i + t holds channel t * BLOCK_D / 2 + i
+        qd = tl.trans(qd)
+    if HALVES:  # values' channels back in order: column 2i + t holds channel t * BLOCK_D / 2 + i
         acc = tl.permute(tl.reshape(acc, [BLOCK_H, BLOCK_D // 2, 2]), (0, 2, 1))
         acc = tl.reshape(acc, [BLOCK_H, BLOCK_D])
-    qd = qt.to(DOT_DTYPE)
 
     if split == tail_split:  # sinks, ring and the new key: the last split of the text pool's pass
         if HAS_SINKS:
@@ -260,18 +254,18 @@ def _decode_kernel(
 
 
 def halves_apply(meta: dict) -> bool:
-    """Whether the ``halves`` layout applies: FP8 keys and 8-bit values (codes loaded by `_codes`; for
-    raw values it loads 16-bit elements one by one on sm_90), a power-of-two head_dim of 32 or more."""
-    return meta["K_FMT"] in (1, 2) and meta["V_FMT"] in (1, 2, 3, 4) and meta["BLOCK_D"] == meta["D"] >= 32
+    """Whether the ``halves`` layout applies: 8-bit values (codes loaded by `_codes`; raw BF16 values in
+    it load 16-bit elements one by one on sm_90), a power-of-two head_dim of 32 or more."""
+    return meta["V_FMT"] in (1, 2, 3, 4) and meta["BLOCK_D"] == meta["D"] >= 32
 
 
 def launch_decode(grid: tuple[int, int, int], args: tuple, group: int, launch: dict, **meta) -> None:
     """Launch `_decode_kernel` over ``grid`` (sequences, KV heads, splits): ``args`` are
     `_attend_kernel`'s runtime arguments without ``T`` (tensors, softmax scale, KV heads, strides,
     split arguments), ``meta`` the constexprs both kernels share; ``launch`` the `DECODE_LAUNCH` entry
-    (``block_n``, ``num_warps``, ``num_stages``, ``prefetch``, ``swap_ab``, ``halves``: `_codes`'
-    channel-pair layout where `halves_apply`, ``maxnreg``: a register cap per thread, so more programs
-    fit an SM, or None)."""
+    (``block_n``, ``num_warps``, ``num_stages``, ``prefetch``, ``swap_ab``, ``halves``: value codes in
+    `_codes`' channel-pair layout where `halves_apply`, ``maxnreg``: a register cap per thread, so
+    more programs fit an SM, or None)."""
     if launch.get("maxnreg"):
         meta["maxnreg"] = launch["maxnreg"]
     _decode_kernel[grid](
