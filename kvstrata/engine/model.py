@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kvstrata.engine import fused
 from kvstrata.engine.config import ModelConfig
 from kvstrata.engine.rope import rope_inv_freq
 
@@ -63,15 +64,27 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        if fused.applies(x) and x.dim() == 2 and self.weight.dtype == x.dtype:
+            return fused.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # same values as below, fewer ops
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
+    def add_forward(self, x: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
+        """The residual add and the norm of its result: ``(x + delta, self(x + delta))``, one kernel on
+        CUDA (`fused.add_rms_norm`)."""
+        if fused.applies(x) and x.dim() == 2 and self.weight.dtype == x.dtype:
+            return fused.add_rms_norm(x, delta, self.weight, self.eps)
+        total = x + delta
+        return total, self(total)
+
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x [T, H, D]; cos/sin [T, 1, D]. Half-split ("rotate_half", NeoX) layout, as in transformers."""
+    if fused.applies(x) and x.stride(-1) == 1 and cos.dtype == x.dtype:
+        return fused.rope(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
@@ -115,7 +128,10 @@ class MLP(nn.Module):
         self.w2 = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)  # down
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.w13(x).chunk(2, dim=-1)
+        gate_up = self.w13(x)
+        if fused.applies(gate_up) and gate_up.dim() == 2:
+            return self.w2(fused.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.w2(F.silu(gate) * up)
 
 
@@ -128,8 +144,8 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer_idx: int, attn: AttnFn) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, layer_idx, attn)
-        return x + self.mlp(self.mlp_norm(x))
+        x, h = self.mlp_norm.add_forward(x, self.attn(self.attn_norm(x), cos, sin, layer_idx, attn))
+        return x + self.mlp(h)
 
     # The two halves of `forward` around attention, for the piecewise CUDA graphs (cuda_graph.py).
     def pre_attn(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -137,8 +153,8 @@ class Block(nn.Module):
 
     def post_attn(self, x: Tensor, attn_out: Tensor) -> Tensor:
         """``x`` [T, hidden] plus the output projection of ``attn_out`` [T, Hq, D], then the MLP."""
-        x = x + self.attn.wo(attn_out.reshape(x.shape[0], -1))
-        return x + self.mlp(self.mlp_norm(x))
+        x, h = self.mlp_norm.add_forward(x, self.attn.wo(attn_out.reshape(x.shape[0], -1)))
+        return x + self.mlp(h)
 
 
 class Transformer(nn.Module):
