@@ -9,7 +9,7 @@ RMSNorm and the last bit of float32 ``rsqrt``/``exp``. What one launch replaces:
     add_rms_norm   x + delta, then RMSNorm      torch: add, cast, pow, mean, add, rsqrt, mul, cast, mul
     rms_norm       RMSNorm                      torch: the same without the add
     silu_mul       silu(gate) * up of [T, 2I]   torch: silu, mul
-    rope           q and k heads of a [T, H, D] view   torch: neg, cat, mul, mul, add
+    rope_qkv       RoPE on q and k, split q/k/v    torch: neg, cat, mul, mul, add, (copies)
 
 ``MODE`` picks where they run: ``"auto"`` (CUDA tensors in bfloat16 or float16), ``"off"`` (never: the
 torch code everywhere, the baseline of `benchmarks/decode_step_gpu.py`) or ``"force"`` (any device:
@@ -55,14 +55,22 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return _norm(x, None, weight, eps)[1]
 
 
-def add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """``s = x + delta`` (the residual stream) and the RMSNorm of ``s`` in one pass: (s, norm(s))."""
-    if delta.shape != x.shape or delta.dtype != x.dtype:
-        raise ValueError(f"add_rms_norm: delta {tuple(delta.shape)} {delta.dtype} != x {tuple(x.shape)}")
-    return _norm(x, delta, weight, eps)
+def add_rms_norm(
+    x: Tensor, delta: Tensor, weight: Tensor, eps: float, out: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """``s = x + delta`` (the residual stream; written into ``out`` if given) and the RMSNorm of ``s``
+    in one pass: (s, norm(s))."""
+    for t in (delta, out):
+        if t is not None and (t.shape != x.shape or t.dtype != x.dtype):
+            raise ValueError(
+                f"add_rms_norm: {tuple(t.shape)} {t.dtype} does not fit x {tuple(x.shape)} {x.dtype}"
+            )
+    return _norm(x, delta, weight, eps, out)
 
 
-def _norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def _norm(
+    x: Tensor, delta: Tensor | None, weight: Tensor, eps: float, out_sum: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     from kvstrata.engine.fused_kernels import rms_norm_kernel
 
     x = _rows(x)
@@ -70,7 +78,7 @@ def _norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[
     if weight.shape != (N,):
         raise ValueError(f"RMSNorm weight {tuple(weight.shape)} does not fit rows of {N}")
     out = torch.empty_like(x)
-    total = x if delta is None else torch.empty_like(x)
+    total = x if delta is None else _rows(out_sum) if out_sum is not None else torch.empty_like(x)
     d = x if delta is None else _rows(delta)
     if T:
         block = _next_pow2(N)
@@ -98,21 +106,43 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     return out
 
 
-def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """`apply_rope` in one launch: ``x`` [T, H, D] (any token and head strides, unit stride within a
-    head), cos/sin [T, 1, D] -> a new contiguous [T, H, D]."""
-    from kvstrata.engine.fused_kernels import rope_kernel
+def rope_qkv(
+    qk: Tensor,
+    v: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    q_heads: int,
+    out: tuple[Tensor, Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`apply_rope` on ``qk`` [T, Hq + Hkv, D] (q heads, then k heads; any token and head strides, unit
+    stride within a head: the q/k part of a fused QKV projection) and the split into q [T, Hq, D],
+    k, v [T, Hkv, D] in one launch; ``v`` [T, Hkv, D] (unit stride within a head) is copied. cos/sin
+    [T, 1, D]. Written into ``out`` (q, k, v: any row stride, contiguous heads), or new tensors."""
+    from kvstrata.engine.fused_kernels import rope_qkv_kernel
 
-    T, H, D = x.shape
-    if D % 2 or x.stride(2) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
-        raise ValueError(f"rope needs an even head_dim and unit-stride heads, got {tuple(x.shape)}")
-    if cos.shape != (T, 1, D) or sin.shape != (T, 1, D):
-        raise ValueError(f"rope: cos/sin {tuple(cos.shape)} do not fit x {tuple(x.shape)}")
-    out = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
+    T, H, D = qk.shape
+    kv_heads = H - q_heads
+    if D % 2 or qk.stride(2) != 1 or v.stride(2) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
+        raise ValueError(f"rope needs an even head_dim and unit-stride heads, got {tuple(qk.shape)}")
+    if cos.shape != (T, 1, D) or sin.shape != (T, 1, D) or v.shape != (T, kv_heads, D):
+        raise ValueError(
+            f"rope: cos/sin {tuple(cos.shape)} or v {tuple(v.shape)} do not fit {tuple(qk.shape)}"
+        )
+    shapes = ((T, q_heads, D), (T, kv_heads, D), (T, kv_heads, D))
+    if out is None:
+        out = tuple(torch.empty(s, dtype=qk.dtype, device=qk.device) for s in shapes)  # type: ignore[assignment]
+    q, k, v_out = out
+    for t, s in zip(out, shapes, strict=True):
+        if t.shape != s or t.stride(2) != 1 or t.stride(1) != D or t.dtype != qk.dtype:
+            raise ValueError(
+                f"rope: an output of shape {tuple(t.shape)} does not fit {s} with contiguous heads"
+            )
     if T:
         block_h, block_d = _next_pow2(H), _next_pow2(D // 2)
-        rope_kernel[(T,)](
-            x, cos, sin, out, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), H, D // 2,
-            BLOCK_H=block_h, BLOCK_D=block_d, num_warps=_warps(block_h * block_d),
+        rope_qkv_kernel[(T,)](
+            qk, v, cos, sin, q, k, v_out, qk.stride(0), qk.stride(1), v.stride(0), v.stride(1),
+            cos.stride(0), sin.stride(0), q.stride(0), k.stride(0), v_out.stride(0), q_heads, kv_heads,
+            D // 2, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_HV=_next_pow2(kv_heads),
+            BLOCK_DV=_next_pow2(D), num_warps=_warps(block_h * block_d),
         )  # fmt: skip
-    return out
+    return q, k, v_out
