@@ -291,7 +291,7 @@ def kernel_kind(name: str) -> str:
     lowered = name.lower()
     for kind, keys in (
         ("attention (Triton)", ("_attend_kernel", "_merge_kernel")),
-        ("fused dense (Triton)", ("rms_norm_kernel", "silu_mul_kernel", "rope_kernel")),
+        ("fused dense (Triton)", ("rms_norm_kernel", "silu_mul_kernel", "rope_qkv_kernel")),
         ("page quantize (Triton)", ("_page_quantize",)),
         ("matmul (cuBLAS/CUTLASS)", ("gemm", "nvjet", "cutlass", "sm90_xmma", "gemv")),
         ("copies", ("memcpy", "memset", "copy_kernel")),
