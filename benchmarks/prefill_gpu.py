@@ -33,6 +33,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -45,7 +46,19 @@ from kvstrata.engine.loader import LoadedModel, dummy_model
 from kvstrata.engine.runner import StepRunner
 from kvstrata.engine.scheduler import StepPlan
 from kvstrata.engine.stats import RequestFinished
-from kvstrata.radix.kernels import attend
+from kvstrata.radix.kernels import attend, page_quantize
+
+
+def compiled_variants() -> int:
+    """Variants of the attention and page-quantize kernels compiled in this process so far (-1 when
+    unknown, e.g. interpreted): each new specialization of their arguments compiles one."""
+    total = 0
+    for fn in (attend._attend_kernel, attend._merge_kernel, page_quantize._page_quantize_kernel):
+        caches = getattr(fn, "device_caches", None)
+        if caches is None:
+            return -1
+        total += sum(len(c[0]) for c in caches.values())
+    return total
 
 
 def random_prompts(n: int, length: int, vocab: int, gen: torch.Generator) -> list[list[int]]:
@@ -96,19 +109,25 @@ def time_steps(stepper: Any, steps: int, device: torch.device) -> float:
 
 
 class DenseForward:
-    """The model's own reference forward over ``prompts`` x ``length`` tokens (causal SDPA, no cache;
-    logits of the last position only, as the engine samples)."""
+    """The model's forward over ``prompts`` x ``length`` tokens with plain causal SDPA (flash on CUDA)
+    and no cache (as `Transformer.dense_forward`); logits of the last position only, as the engine
+    samples."""
 
     def __init__(self, net: Any, prompts: int, length: int) -> None:
         self.net = net
+        dev = net.device
         gen = torch.Generator().manual_seed(2)
         ids = random_prompts(prompts, length, net.config.vocab_size, gen)
-        self.ids = torch.tensor(ids, device=net.device)
+        self.ids = torch.tensor(ids, device=dev).view(-1)
+        self.positions = torch.arange(length, device=dev).repeat(prompts)
+        self.last = torch.arange(1, prompts + 1, device=dev) * length - 1
+        shape = SimpleNamespace(batch=prompts, tokens=length)
+        self.attn = lambda layer, q, k, v: attend.causal_sdpa(shape, q, k, v, net.config.attn_scale)
         self.tokens = prompts * length
 
     @torch.inference_mode()
     def step(self) -> None:
-        self.net.dense_forward(self.ids, logits_from=self.ids.shape[1] - 1)
+        self.net(self.ids, self.positions, attn=self.attn, logits_at=self.last)
 
 
 def step_variants(net: Any, cfg: ModelConfig, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -186,10 +205,12 @@ def engine_run(model: LoadedModel, policy: str, args: argparse.Namespace) -> dic
         events: list[RequestFinished] = []
         unsubscribe = engine.subscribe(lambda e: events.append(e) if isinstance(e, RequestFinished) else None)
         prompts = random_prompts(args.prompts, args.input_len, vocab, gen)
+        compiled, steps = compiled_variants(), engine.get_stats().steps_total
         t = time.perf_counter()
         outs = engine.generate(input_ids=prompts, sampling_params=params)
         total = time.perf_counter() - t
         unsubscribe()
+        steps = engine.get_stats().steps_total - steps
     finally:
         engine.shutdown()
     assert all(len(o["output_ids"]) == args.new for o in outs)
@@ -205,6 +226,8 @@ def engine_run(model: LoadedModel, policy: str, args: argparse.Namespace) -> dic
         "last_ttft_s": ttft[-1],
         "total_s": total,
         "output_tokens_per_s": args.prompts * args.new / total,
+        "steps": steps,
+        "kernel_variants_compiled": compiled_variants() - compiled if compiled >= 0 else -1,
     }
     print(f"engine {policy}: {json.dumps(row)}", flush=True)
     return row
@@ -236,12 +259,16 @@ def print_tables(steps: list[dict], engines: list[dict], args: argparse.Namespac
             f"\noffline engine: {args.prompts} prompts x {args.input_len} tokens at once, {args.new} new "
             "tokens each (greedy), decode eager\n"
         )
-        print("| policy | prefill tokens/s | median TTFT s | p99 TTFT s | last TTFT s | total s |")
-        print("|---|---:|---:|---:|---:|---:|")
+        print(
+            "| policy | prefill tokens/s | median TTFT s | p99 TTFT s | last TTFT s | total s | steps "
+            "| kernels compiled |"
+        )
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
         for r in engines:
             print(
                 f"| {r['policy']} | {r['prefill_tokens_per_s']:,.0f} | {r['median_ttft_s']:.2f} "
-                f"| {r['p99_ttft_s']:.2f} | {r['last_ttft_s']:.2f} | {r['total_s']:.2f} |"
+                f"| {r['p99_ttft_s']:.2f} | {r['last_ttft_s']:.2f} | {r['total_s']:.2f} | {r['steps']} "
+                f"| {r['kernel_variants_compiled']} |"
             )
     for r in steps:
         p = r["profile"]

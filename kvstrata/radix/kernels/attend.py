@@ -46,6 +46,7 @@ from kvstrata.quant.kernel_decode import (
     tile_codes,
     value_tile_scales,
 )
+from kvstrata.radix.kernels.jit import jit_unspecialized
 from kvstrata.radix.plan import GroupPlan, StepBatch
 from kvstrata.radix.pool import ColdPool, as_raw
 from kvstrata.radix.ring import HotRing
@@ -325,7 +326,10 @@ def _channels(HALF: tl.constexpr, BLOCK: tl.constexpr):
         return i, i
 
 
-@triton.jit
+@jit_unspecialized(
+    ints=("pt_stride", "rr_stride", "pages_per_split", "num_splits", "tail_split"),
+    pointers=("PT", "COLD_LEN", "ST", "SINK_OK", "RR", "RING_LEN"),
+)
 def _attend_kernel(
     Q,
     KN,
@@ -538,7 +542,7 @@ def _attend_kernel(
                  mask=row_ok[:, None] & (cv1 < D)[None, :])  # fmt: skip
 
 
-@triton.jit
+@jit_unspecialized(ints=("num_splits",))
 def _merge_kernel(PO, PL, OUT, num_splits, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
     """Combine the splits of one (token, query head) row by their base-2 log-sum-exp."""
     row = tl.program_id(0).to(tl.int64)
