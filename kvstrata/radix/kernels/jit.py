@@ -6,9 +6,9 @@ attention and page-quantize kernels take per-step values (page-table and ring-ro
 split, split counts) and small index tensors that are views into one uploaded buffer at arbitrary
 offsets, or ``[3, B]`` tables whose rows are 16-byte aligned only when B is a multiple of 4. Each new
 combination compiled a new variant (seconds each on the GPU) in the middle of serving: on one H200 the
-offline engine spent about 0.7 s a step in mixed prefill + decode steps and 0.3 s a decode step at B=96
-that the same steps take in tens of milliseconds once compiled (benchmarks/prefill_gpu.py). Those
-arguments are left unspecialized here, so a kernel compiles once per set of its constexprs.
+offline engine's mixed prefill + decode steps took about 1.1 s each (0.26 s once compiled) and its
+decode steps at B=96 about 0.36 s (0.04 s) (benchmarks/prefill_gpu.py). Those arguments are left
+unspecialized here, so a kernel compiles once per set of its constexprs.
 """
 
 from __future__ import annotations
