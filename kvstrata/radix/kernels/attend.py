@@ -757,7 +757,9 @@ def _take(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
 
 def prompt_only(g: GroupPlan) -> bool:
     """Prompts read from their first token: several new tokens a sequence and no history (no cold,
-    image or raised page, ring row or sink page), so attention is plain causal attention."""
+    image or raised page, ring row or sink page), so attention is plain causal attention. Read from
+    the plan's host lists, which `build_step` fills (the decode-graph plans of the SGLang plugin keep
+    placeholder zeros there, but have one token a sequence)."""
     history = (g.cold_pages, g.image_pages, g.raised_pages, g.ring_len, g.sink_valid)
     return g.tokens > 1 and not any(any(part) for part in history)
 
