@@ -293,7 +293,8 @@ class Transformer(nn.Module):
         at = None
         if logits_from:
             at = (
-                torch.arange(B, device=input_ids.device).view(B, 1) * T + torch.arange(logits_from, T)
+                torch.arange(B, device=input_ids.device).view(B, 1) * T
+                + torch.arange(logits_from, T, device=input_ids.device)
             ).view(-1)
         return self(input_ids.reshape(-1), positions, attn, logits_at=at).view(B, T - logits_from, -1)
 
