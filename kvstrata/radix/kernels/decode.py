@@ -21,6 +21,7 @@ import triton.language as tl
 
 from kvstrata.quant.kernel_decode import load_decoded, pow2_scale, value_tile_scales
 from kvstrata.radix.kernels.attend import _codes, _cold_tile, _raw_tile
+from kvstrata.radix.kernels.jit import jit_unspecialized
 
 
 @triton.jit
@@ -98,7 +99,10 @@ def _cold_tile_t(
     return acc * alpha[None, :] + pv, m_new, l_i
 
 
-@triton.jit
+@jit_unspecialized(  # the per-step arguments, as `attend._attend_kernel`'s
+    ints=("pt_stride", "rr_stride", "pages_per_split", "num_splits", "tail_split"),
+    pointers=("PT", "COLD_LEN", "ST", "SINK_OK", "RR", "RING_LEN"),
+)
 def _decode_kernel(
     Q,
     KN,
