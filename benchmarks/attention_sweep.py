@@ -80,7 +80,7 @@ EXTEND_4BIT = [shape(128, 64, 8, 2, True, 4, programs=0)]
 # 64 keys 2.27-3.82; 32 keys 3.43; ``maxnreg`` 168 or 128 (spills) 2.50/2.86; 4-bit codes by keys
 # (per-element decode in the decode module) 24-45 ms against 4.6-5.3 by blocks. Now: the previous
 # kernel (`attend._attend_kernel`, ``module`` "attend") against the decode module in the same run,
-# ``halves`` on values only, one stage (no copies in flight), one split at B=64 (512 programs).
+# ``halves`` on values only, one split at B=64 (512 programs).
 _F16 = dict(f16=True)
 _H = dict(f16=True, halves=True)
 DECODE = [
@@ -88,9 +88,7 @@ DECODE = [
     shape(64, 128, 4, 2, False, programs=1024, **_F16),
     shape(64, 128, 4, 2, False, programs=1024, **_H),
     shape(64, 128, 4, 3, False, prefetch=True, programs=1024, **_H),
-    shape(64, 128, 4, 1, False, programs=1024, **_F16),
     shape(64, 128, 4, 2, False, programs=512, **_F16),
-    shape(64, 128, 4, 2, False, programs=512, module="attend", **_F16),
     shape(64, 64, 2, 2, False, programs=2048, **_H),
 ]
 DECODE_4BIT: list[dict] = []  # the defaults (16-token blocks, 4 warps, 8 blocks) won the first sweep
