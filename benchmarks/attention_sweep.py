@@ -47,6 +47,7 @@ def shape(
     maxnreg: int | None = None,
     halves: bool = False,
     module: str = "decode",
+    min_pages: int = 16,
 ) -> dict:
     return dict(
         block_m=m,
@@ -62,6 +63,7 @@ def shape(
         maxnreg=maxnreg,
         halves=halves,
         module=module,
+        min_pages=min_pages,
     )
 
 
@@ -73,14 +75,14 @@ EXTEND = [
     shape(128, 64, 8, 4, False, prefetch=True, programs=0, f16=True),
 ]
 EXTEND_4BIT = [shape(128, 64, 8, 2, True, 4, programs=0)]
-# Decode. The first sweep of this revision (H200, Triton 3.6, FP8 at B=64, 32K; registers from the
-# compiled kernels): the decode module's 128-key tile with 4 warps 1.777 ms (255 registers, 12 spills);
-# ``halves`` on keys and values 2.581 ms (226 registers, no spills: fewer instructions but slower), with
-# 3 stages and prefetch 2.399; swapped operands 3.710 (58 spills), with halves 2.404; 8 warps 4.845;
-# 64 keys 2.27-3.82; 32 keys 3.43; ``maxnreg`` 168 or 128 (spills) 2.50/2.86; 4-bit codes by keys
-# (per-element decode in the decode module) 24-45 ms against 4.6-5.3 by blocks. Now: the previous
-# kernel (`attend._attend_kernel`, ``module`` "attend") against the decode module in the same run,
-# ``halves`` on values only, one split at B=64 (512 programs).
+# Decode. Sweeps of this revision (H200, Triton 3.6, FP8 at 32K; registers of the compiled kernels):
+# first call, B=64: the decode module's 128-key tile with 4 warps 1.777 ms (255 registers, 12
+# spills); ``halves`` on keys and values 2.581 (226, none), with 3 stages and prefetch 2.399; swapped
+# operands 3.710 (58 spills), with halves 2.404; 8 warps 4.845; 64 keys 2.27-3.82; 32 keys 3.43;
+# ``maxnreg`` 168 or 128 (spills) 2.50/2.86; 4-bit codes by keys (per-element decode in the decode
+# module) 24-45 ms against 4.6-5.3 by blocks. Second call (below, first six): `attend._attend_kernel`
+# 1.690 / decode module 1.684 ms at B=64 (0.061 / 0.061 at B=1); ``halves`` on values only 2.238
+# (0.071); 512 programs 1.854 at B=64 but 0.046 at B=1 (64 splits of 32 pages): hence ``min_pages``.
 _F16 = dict(f16=True)
 _H = dict(f16=True, halves=True)
 DECODE = [
@@ -90,6 +92,7 @@ DECODE = [
     shape(64, 128, 4, 3, False, prefetch=True, programs=1024, **_H),
     shape(64, 128, 4, 2, False, programs=512, **_F16),
     shape(64, 64, 2, 2, False, programs=2048, **_H),
+    shape(64, 128, 4, 2, False, programs=1024, min_pages=32, **_F16),
 ]
 DECODE_4BIT: list[dict] = []  # the defaults (16-token blocks, 4 warps, 8 blocks) won the first sweep
 # SWEEP_KINDS (environment): the kinds swept, "decode,extend" by default.
@@ -143,9 +146,10 @@ def warm(index: int) -> None:
     splits = None
     if kind == "decode" and batch == 64:
         plan = args[1]
-        target = kernels.DECODE_LAUNCH[codec in FOUR_BIT]["programs"]
+        launch = kernels.DECODE_LAUNCH[codec in FOUR_BIT]
         hkv = bench.GEOMETRIES["8b"][1]
-        splits = kernels._num_splits(64 * hkv, plan.page_table.shape[1], target)
+        least = launch.get("min_pages", kernels.MIN_PAGES_PER_SPLIT)
+        splits = kernels._num_splits(64 * hkv, plan.page_table.shape[1], launch["programs"], least)
     kernels.attend_group(*args, splits=splits)
     torch.cuda.synchronize()
 

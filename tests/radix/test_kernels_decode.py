@@ -117,3 +117,18 @@ def test_decode_module_bfloat16(codec, layout, device, monkeypatch):
     monkeypatch.setitem(attend.DECODE_LAUNCH[False], "f16_codes", True)
     cache = make_cache(codec, device, dtype=torch.bfloat16)
     check_steps(cache, [12, 50, 99], steps=2, n_new=1, tol=1.5e-2, dtype=torch.bfloat16)
+
+
+def test_split_counts_keep_min_pages():
+    """Split-KV counts of the decode launch table: every split reads at least ``min_pages`` cold pages
+    and the launch stays near its ``programs`` target. At the 8B geometry (8 KV heads) and 32K
+    context (2,040 cold pages): B=1 gets 63 splits of 33 pages, B=64 two, B=256 none."""
+    from kvstrata.radix.kernels.attend import DECODE_LAUNCH, _num_splits
+
+    launch = DECODE_LAUNCH[False]
+    target, least = launch["programs"], launch["min_pages"]
+    for programs in (1, 3, 8, 64, 512, 2048):
+        for pages in (0, 1, least, 2 * least, 2040, 8191):
+            splits = _num_splits(programs, pages, target, least)
+            assert splits == 1 or (pages // splits >= least and programs * splits <= target + programs)
+    assert [_num_splits(b * 8, 2040, target, least) for b in (1, 64, 256)] == [2040 // least, 2, 1]

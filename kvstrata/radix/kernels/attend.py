@@ -66,6 +66,11 @@ LOG2E = 1.4426950408889634
 # value weights normalised per tile, see `_cold_tile`): FP8 -> FP16 is one instruction per two codes
 # where FP8 -> BF16 goes through float32 (H200: FP8 decode at B=64, 32K 1.70 ms, against 1.74 with
 # BF16 operands in the previous revision's run; FP8 extend 4.90 ms against 5.34).
+# Decode with ``by_blocks`` off runs `kvstrata.radix.kernels.decode` (``module`` "attend": this module's
+# kernel, the same loop; H200, FP8 at B=64, 32K: 1.684 against 1.690 ms in one run). ``min_pages``:
+# the fewest cold pages a split reads (H200, FP8 at B=1, 32K: splits of 32 pages 0.046 ms, of 16
+# pages 0.061; B=64 keeps its 2 splits: 1.684 ms against 1.854 unsplit). ``swap_ab``, ``halves``
+# and ``maxnreg``: see `decode.launch_decode` (all slower on the H200, `attention_sweep.py`).
 DECODE_LAUNCH = {
     False: dict(
         block_m=64,
@@ -78,6 +83,10 @@ DECODE_LAUNCH = {
         programs=1024,
         f16_codes=True,
         swap_ab=False,
+        halves=False,
+        maxnreg=None,
+        module="decode",
+        min_pages=32,
     ),
     True: dict(
         block_m=64,
@@ -90,6 +99,10 @@ DECODE_LAUNCH = {
         programs=1024,
         f16_codes=False,
         swap_ab=False,
+        halves=False,
+        maxnreg=None,
+        module="decode",
+        min_pages=16,
     ),
 }
 # Extend, by the layer's codes (`extend_kind`): 128 query rows a tile. BF16/FP32 history ("raw"): 64
@@ -589,12 +602,12 @@ def extend_kind(k_fmt: int, v_fmt: int) -> str:
     return "raw" if k_fmt == 0 and v_fmt == 0 else "8bit"
 
 
-def _num_splits(programs: int, max_pages: int, target: int) -> int:
+def _num_splits(programs: int, max_pages: int, target: int, min_pages: int = MIN_PAGES_PER_SPLIT) -> int:
     """Splits of the cold pages so that about ``target`` programs run, each with at least
-    `MIN_PAGES_PER_SPLIT` pages."""
-    if max_pages < 2 * MIN_PAGES_PER_SPLIT or programs >= target:
+    ``min_pages`` pages."""
+    if max_pages < 2 * min_pages or programs >= target:
         return 1
-    return max(1, min(triton.cdiv(target, programs), max_pages // MIN_PAGES_PER_SPLIT))
+    return max(1, min(triton.cdiv(target, programs), max_pages // min_pages))
 
 
 class Partials(NamedTuple):
@@ -704,7 +717,8 @@ def _attend_pass(
     block_m = max(16, min(launch["block_m"], triton.next_power_of_2(T * group)))
     m_blocks = triton.cdiv(T * group, block_m)
     if splits is None:
-        splits = _num_splits(B * h * m_blocks, n_pages, launch["programs"]) if T == 1 else 1
+        least = launch.get("min_pages", MIN_PAGES_PER_SPLIT)
+        splits = _num_splits(B * h * m_blocks, n_pages, launch["programs"], least) if T == 1 else 1
     pages_per_split = triton.cdiv(max(n_pages, 1), splits)
     partial = out is None or splits > 1
     po = pl = out
