@@ -126,7 +126,7 @@ def codec_rows(geometry: str, batch: int, context: int, codec: str, old_torch: b
     row = dict(geometry=geometry, batch=batch, context=context, bytes=moved)
     rows = [dict(row, codec=codec, ms=bench(partial(kernels.attend_group, *args)))]
     if old_torch:
-        torch_args = (*args[:6], (cache.pool, None), *args[7:], cache.cfg.block_pages)
+        torch_args = (*args[:6], (cache.pool, None, None), *args[7:], cache.cfg.block_pages)
         ms = bench(partial(torch_attention._attend_group, *torch_args), graph=False)
         rows.append(dict(row, codec=f"{codec} torch", ms=ms))
     return rows

@@ -74,3 +74,61 @@ def test_fp4_value_rows_with_block_scales(d, device):
         want = torch.zeros(8, block_c)
         want[:, : d // 2] = ref[:, half::2]
         assert torch.equal(got.cpu(), want), half
+
+
+LAYOUTS = {"plain": {}, "swap_ab": dict(swap_ab=True), "halves": dict(halves=True)}
+LAYOUTS["swap_ab, halves"] = dict(swap_ab=True, halves=True)
+LAYOUTS["attend kernel"] = dict(module="attend")  # decode by `attend._attend_kernel` instead
+
+
+@pytest.mark.parametrize("device", kernel_helpers.DEVICES)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("codec", ["fp32", "fp8_e4m3", "int8", "int8_asym/fp8_e4m3", "int4/fp4_e2m1"])
+def test_decode_module_layouts(codec, layout, device, monkeypatch):
+    """`kvstrata.radix.kernels.decode` (cold pages read by keys, every codec through the launch table's
+    ``by_blocks`` off) in both orientations, scores ``q . k^T`` and scores ``k . q^T`` (``swap_ab``),
+    with value codes in channel-pair order (``halves``), and through the extend kernel (``module``).
+    32-key tiles: full and partial tiles, forced splits (some with no cold page) and sinks."""
+    from test_kernels_attend import check_steps, make_cache
+
+    from kvstrata.radix.kernels import attend
+
+    for four_bit in (False, True):
+        monkeypatch.setitem(attend.DECODE_LAUNCH[four_bit], "by_blocks", False)
+        monkeypatch.setitem(attend.DECODE_LAUNCH[four_bit], "block_n", 32)
+        for key, off in (("swap_ab", False), ("halves", False), ("module", "decode")):
+            monkeypatch.setitem(attend.DECODE_LAUNCH[four_bit], key, LAYOUTS[layout].get(key, off))
+    cache = make_cache(codec, device, sinks=True)
+    assert check_steps(cache, [9, 70, 300], steps=2, n_new=1, tol=2e-5, splits=3) == 6
+
+
+@pytest.mark.parametrize("device", kernel_helpers.DEVICES)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("codec", ["bf16", "fp8_e4m3", "fp8_e5m2", "int8_asym"])
+def test_decode_module_bfloat16(codec, layout, device, monkeypatch):
+    """BF16 model (8-bit codes as FP16 operands on CUDA), every layout, without splits (the kernel
+    writes the output directly): BF16-level error."""
+    from test_kernels_attend import check_steps, make_cache
+
+    from kvstrata.radix.kernels import attend
+
+    for key, off in (("swap_ab", False), ("halves", False), ("module", "decode")):
+        monkeypatch.setitem(attend.DECODE_LAUNCH[False], key, LAYOUTS[layout].get(key, off))
+    monkeypatch.setitem(attend.DECODE_LAUNCH[False], "f16_codes", True)
+    cache = make_cache(codec, device, dtype=torch.bfloat16)
+    check_steps(cache, [12, 50, 99], steps=2, n_new=1, tol=1.5e-2, dtype=torch.bfloat16)
+
+
+def test_split_counts_keep_min_pages():
+    """Split-KV counts of the decode launch table: every split reads at least ``min_pages`` cold pages
+    and the launch stays near its ``programs`` target. At the 8B geometry (8 KV heads) and 32K
+    context (2,040 cold pages): B=1 gets 63 splits of 33 pages, B=64 two, B=256 none."""
+    from kvstrata.radix.kernels.attend import DECODE_LAUNCH, _num_splits
+
+    launch = DECODE_LAUNCH[False]
+    target, least = launch["programs"], launch["min_pages"]
+    for programs in (1, 3, 8, 64, 512, 2048):
+        for pages in (0, 1, least, 2 * least, 2040, 8191):
+            splits = _num_splits(programs, pages, target, least)
+            assert splits == 1 or (pages // splits >= least and programs * splits <= target + programs)
+    assert [_num_splits(b * 8, 2040, target, least) for b in (1, 64, 256)] == [2040 // least, 2, 1]

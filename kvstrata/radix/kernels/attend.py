@@ -66,6 +66,11 @@ LOG2E = 1.4426950408889634
 # value weights normalised per tile, see `_cold_tile`): FP8 -> FP16 is one instruction per two codes
 # where FP8 -> BF16 goes through float32 (H200: FP8 decode at B=64, 32K 1.70 ms, against 1.74 with
 # BF16 operands in the previous revision's run; FP8 extend 4.90 ms against 5.34).
+# Decode with ``by_blocks`` off runs `kvstrata.radix.kernels.decode` (``module`` "attend": this module's
+# kernel, the same loop; H200, FP8 at B=64, 32K: 1.684 against 1.690 ms in one run). ``min_pages``:
+# the fewest cold pages a split reads (H200, FP8 at B=1, 32K: splits of 32 pages 0.046 ms, of 16
+# pages 0.061; B=64 keeps its 2 splits: 1.684 ms against 1.854 unsplit). ``swap_ab``, ``halves``
+# and ``maxnreg``: see `decode.launch_decode` (all slower on the H200, `attention_sweep.py`).
 DECODE_LAUNCH = {
     False: dict(
         block_m=64,
@@ -77,6 +82,11 @@ DECODE_LAUNCH = {
         prefetch=False,
         programs=1024,
         f16_codes=True,
+        swap_ab=False,
+        halves=False,
+        maxnreg=None,
+        module="decode",
+        min_pages=32,
     ),
     True: dict(
         block_m=64,
@@ -88,6 +98,11 @@ DECODE_LAUNCH = {
         prefetch=False,
         programs=1024,
         f16_codes=False,
+        swap_ab=False,
+        halves=False,
+        maxnreg=None,
+        module="decode",
+        min_pages=16,
     ),
 }
 # Extend, by the layer's codes (`extend_kind`): 128 query rows a tile. BF16/FP32 history ("raw"): 64
@@ -215,16 +230,34 @@ def _codes(
     FMT: tl.constexpr,
     DOT: tl.constexpr,
     DIRECT: tl.constexpr,
+    HALVES: tl.constexpr = False,
 ):
     """``[N, BLOCK_D]`` codes of rows ``row`` (``[N, 1]``) as dot operands: raw values, or FP8/int8
     codes converted exactly (their scales are the caller's). Rows past the keys are real rows (of the
     page the masked page-table load gives), so only channels past D are masked. ``DIRECT``: FP8 codes
-    convert straight to ``DOT`` (to FP16: two codes an instruction on sm_89+), else through float32."""
+    convert straight to ``DOT`` (to FP16: two codes an instruction on sm_89+), else through float32.
+
+    ``HALVES`` (D a power of two): the row's two contiguous channel halves load and convert apart and
+    are joined as channel pairs, so column ``2i`` is channel ``i`` and ``2i + 1`` channel ``D/2 + i``
+    (for values: the product's columns come out in that order, the caller puts them back). The codes
+    then reach the dot's layout already converted (on sm_90 a transposing ldmatrix of FP16, where
+    8-bit values in the P.V operand layout load byte by byte) and ``d`` is unused."""
+    if HALVES:
+        c = tl.arange(0, D // 2)[None, :]
+        lo = _convert(tl.load(p + row * D + c), FMT, DOT, DIRECT)
+        hi = _convert(tl.load(p + row * D + D // 2 + c), FMT, DOT, DIRECT)
+        return tl.reshape(tl.join(lo, hi), [row.shape[0], D])
     at = p + row * D + d
     if BLOCK_D == D:  # noqa: SIM108  (constexpr branches of a Triton function)
         x = tl.load(at)
     else:
         x = tl.load(at, mask=d_ok, other=0)
+    return _convert(x, FMT, DOT, DIRECT)
+
+
+@triton.jit
+def _convert(x, FMT: tl.constexpr, DOT: tl.constexpr, DIRECT: tl.constexpr):
+    """Loaded codes as ``DOT`` (see `_codes`)."""
     if FMT == 1 and DIRECT:
         x = x.to(tl.float8e4nv, bitcast=True)
     elif FMT == 2 and DIRECT:
@@ -263,6 +296,7 @@ def _cold_tile(
     DOT_DTYPE: tl.constexpr,
     CODE_DTYPE: tl.constexpr,
     NORM_W: tl.constexpr,
+    HALVES: tl.constexpr = False,
 ):
     """One tile of cold keys ``j`` (``[N]`` positions in the sequence's cold pages, ``MASKED``: those
     at or past ``end`` are padding) in pages ``page`` (``[N]`` int64, from the page table). Keys and
@@ -274,7 +308,8 @@ def _cold_tile(
     8-bit codes enter their dots as ``CODE_DTYPE`` (FP8 and int8 codes are exact in FP16; ``qc`` is q
     in it). ``NORM_W``: the scaled weights are divided by the tile's largest value scale before the
     cast and the product multiplied back, so FP16 weights stay normal (``p * s_v`` of a small scale
-    would lose bits as an FP16 subnormal)."""
+    would lose bits as an FP16 subnormal). ``HALVES``: 8/16-bit value codes in `_codes`' channel-pair
+    layout (``acc``'s columns in that order)."""
     ok = j < end
     tok = (j % P).to(tl.int64)
     row = (page * P + tok) * H + h
@@ -294,10 +329,10 @@ def _cold_tile(
         s = tl.where(ok[None, :], s, float("-inf"))
     p, alpha, m_i, l_i = _online(s, m_i, l_i)
     if V_FMT == 0:
-        v = _codes(V0, row[:, None], d[None, :], d_ok, D, BLOCK_D, V_FMT, DOT_DTYPE, False)
+        v = _codes(V0, row[:, None], d[None, :], d_ok, D, BLOCK_D, V_FMT, DOT_DTYPE, False, HALVES)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PREC)
     elif V_FMT <= 4:
-        v = _codes(V0, row[:, None], d[None, :], d_ok, D, BLOCK_D, V_FMT, CODE_DTYPE, NORM_W)
+        v = _codes(V0, row[:, None], d[None, :], d_ok, D, BLOCK_D, V_FMT, CODE_DTYPE, NORM_W, HALVES)
         vs, vo = value_tile_scales(V1, V2, row, V_FMT)
         if NORM_W:
             top = tl.max(tl.where(ok, vs, 1.1754943508222875e-38), 0)
@@ -567,12 +602,12 @@ def extend_kind(k_fmt: int, v_fmt: int) -> str:
     return "raw" if k_fmt == 0 and v_fmt == 0 else "8bit"
 
 
-def _num_splits(programs: int, max_pages: int, target: int) -> int:
+def _num_splits(programs: int, max_pages: int, target: int, min_pages: int = MIN_PAGES_PER_SPLIT) -> int:
     """Splits of the cold pages so that about ``target`` programs run, each with at least
-    `MIN_PAGES_PER_SPLIT` pages."""
-    if max_pages < 2 * MIN_PAGES_PER_SPLIT or programs >= target:
+    ``min_pages`` pages."""
+    if max_pages < 2 * min_pages or programs >= target:
         return 1
-    return max(1, min(triton.cdiv(target, programs), max_pages // MIN_PAGES_PER_SPLIT))
+    return max(1, min(triton.cdiv(target, programs), max_pages // min_pages))
 
 
 class Partials(NamedTuple):
@@ -682,7 +717,8 @@ def _attend_pass(
     block_m = max(16, min(launch["block_m"], triton.next_power_of_2(T * group)))
     m_blocks = triton.cdiv(T * group, block_m)
     if splits is None:
-        splits = _num_splits(B * h * m_blocks, n_pages, launch["programs"]) if T == 1 else 1
+        least = launch.get("min_pages", MIN_PAGES_PER_SPLIT)
+        splits = _num_splits(B * h * m_blocks, n_pages, launch["programs"], least) if T == 1 else 1
     pages_per_split = triton.cdiv(max(n_pages, 1), splits)
     partial = out is None or splits > 1
     po = pl = out
@@ -700,31 +736,11 @@ def _attend_pass(
     f16 = launch["f16_codes"] and q.dtype == torch.bfloat16 and not fold
     # The interpreter's BF16 dot is wrong (Triton 3.9): on CPU the operands go float32.
     dot_dtype = tl.float32 if interpreted else _DOT_DTYPES[q.dtype]
-    _attend_kernel[(B * m_blocks, h, splits)](
-        q,
-        k,
-        v,
-        po if out is None else out,
-        po,
-        pl,
-        g.page_table,
-        lengths[0],
-        *kp,
-        *vp,
-        *sink_args,
-        g.ring_rows,
-        lengths[1],
-        ring.k[layer],
-        ring.v[layer],
-        scale * LOG2E,
-        T,
-        h,
-        g.page_table.stride(0),
-        g.ring_rows.stride(0),
-        pages_per_split,
-        splits,
-        splits - 1 if tail else -1,
-        GROUP=group,
+    tensors = (q, k, v, po if out is None else out, po, pl, g.page_table, lengths[0], *kp, *vp, *sink_args)
+    tensors += (g.ring_rows, lengths[1], ring.k[layer], ring.v[layer])
+    tail_split = splits - 1 if tail else -1
+    strides = (g.page_table.stride(0), g.ring_rows.stride(0), pages_per_split, splits, tail_split)
+    meta = dict(
         D=d,
         BLOCK_D=block_d,
         P=page,
@@ -732,6 +748,23 @@ def _attend_pass(
         V_FMT=v_fmt,
         HAS_SINKS=sinks is not None and g.sink_table is not None,
         SPLIT=partial,
+        DOT_PREC="ieee" if q.dtype == torch.float32 or interpreted else "tf32",
+        DOT_DTYPE=dot_dtype,
+        CODE_DTYPE=tl.float16 if f16 and not interpreted else dot_dtype,
+        NORM_W=f16,
+    )
+    if T == 1 and not fold and launch.get("module", "decode") == "decode":
+        from kvstrata.radix.kernels import decode  # it imports this module's tile functions
+
+        decode.launch_decode((B, h, splits), (*tensors, scale * LOG2E, h, *strides), group, launch, **meta)
+        return Partials(po, pl) if partial else None
+    _attend_kernel[(B * m_blocks, h, splits)](
+        *tensors,
+        scale * LOG2E,
+        T,
+        h,
+        *strides,
+        GROUP=group,
         BLOCK_M=block_m,
         BLOCK_N=launch["block_n"],
         FOLD=fold,
@@ -741,12 +774,9 @@ def _attend_pass(
         HALF_V=half_v,
         BLOCK_DK=max(16, block_d // 2) if half_k else block_d,
         BLOCK_DV=max(16, block_d // 2) if half_v else block_d,
-        DOT_PREC="ieee" if q.dtype == torch.float32 or interpreted else "tf32",
-        DOT_DTYPE=dot_dtype,
-        CODE_DTYPE=tl.float16 if f16 and not interpreted else dot_dtype,
-        NORM_W=f16,
         num_warps=launch["num_warps"],
         num_stages=launch["num_stages"],
+        **meta,
     )
     return Partials(po, pl) if partial else None
 

@@ -115,14 +115,15 @@ def test_graph_plan_equals_eager_plan(stale_padding: bool):
     assert len(checked) == 8 and sum(checked) > 0  # every decode step, some completing a page
 
 
-def test_replayed_decode_equals_kvstrata_cache():
+def test_replayed_decode_equals_kvstrata_cache(monkeypatch):
     """Decode steps run on the captured step of their bucket (Triton kernels, interpreted on CPU):
     pool contents equal kvstrata's own cache bit for bit, attention outputs up to the split-KV merge
     (the static page table is as wide as a request can be long, so the kernel splits the history)."""
     from kvstrata.radix.kernels.attend import DECODE_LAUNCH, _num_splits
 
+    monkeypatch.setitem(DECODE_LAUNCH[False], "min_pages", 16)  # splits of this short history
     target = DECODE_LAUNCH[False]["programs"]
-    assert _num_splits(BUCKET * KV_HEADS, REPLAY_CONTEXT // PAGE, target) == 2  # the decode kernel splits
+    assert _num_splits(BUCKET * KV_HEADS, REPLAY_CONTEXT // PAGE, target, 16) == 2  # the kernel splits
     w = World("fp8_e4m3", "triton", max_context=REPLAY_CONTEXT)
     captured = capture(w, BUCKET)
     worst = []

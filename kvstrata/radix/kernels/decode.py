@@ -1,0 +1,286 @@
+"""Decode attention over the strata: one query token per sequence, cold pages read by keys.
+
+The decode-only twin of `kvstrata.radix.kernels.attend`'s kernel, driven by the same plan and the
+same launch table (``DECODE_LAUNCH``, entries with ``by_blocks`` off): one program per (sequence, KV
+head, split), its ``GROUP`` query heads padded to ``BLOCK_H`` rows (16, `tl.dot`'s minimum), so it
+carries no query-block index, no causal mask and no loop over new tokens (the one new key is a
+tile of its own). Cold keys come in tiles of ``BLOCK_N`` across pages, decoded as `_cold_tile` does
+(codes with one scale per key straight into the dot, the key scale on the scores, the value scale on
+the softmax weights), then the sink page, the ring rows and the new key in the last split.
+
+``swap_ab`` (``SWAP``): the cold tiles are computed transposed, scores ``[BLOCK_N, BLOCK_H] = codes .
+q^T`` and the accumulator ``[BLOCK_D, BLOCK_H] = v^T . p^T``, so the keys (64 or more) are the
+product's M side: on Hopper a warp-group product (wgmma, M of 64) instead of 16-row products of which
+a decode step fills only ``GROUP`` rows. The tail (sinks, ring, new key) runs untransposed.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kvstrata.quant.kernel_decode import load_decoded, pow2_scale, value_tile_scales
+from kvstrata.radix.kernels.attend import _codes, _cold_tile, _raw_tile
+from kvstrata.radix.kernels.jit import jit_unspecialized
+
+
+@triton.jit
+def _cold_tile_t(
+    qt,
+    qct,
+    acc,
+    m_i,
+    l_i,
+    page,
+    K0,
+    K1,
+    K2,
+    V0,
+    V1,
+    V2,
+    j,
+    end,
+    d,
+    h,
+    H,
+    P: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    K_FMT: tl.constexpr,
+    V_FMT: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    CODE_DTYPE: tl.constexpr,
+    NORM_W: tl.constexpr,
+    HALVES: tl.constexpr,
+):
+    """`_cold_tile` transposed: ``qt``/``qct`` are q^T ``[BLOCK_D, BLOCK_H]`` (dot dtype / code dtype),
+    ``acc`` is ``[BLOCK_D, BLOCK_H]``; scores and weights are ``[BLOCK_N, BLOCK_H]``."""
+    ok = j < end
+    tok = (j % P).to(tl.int64)
+    row = (page * P + tok) * H + h
+    d_ok = (d < D)[None, :]
+    if K_FMT == 0:
+        k = _codes(K0, row[:, None], d[None, :], d_ok, D, BLOCK_D, K_FMT, DOT_DTYPE, False)
+        s = tl.dot(k, qt, input_precision=DOT_PREC)
+    elif K_FMT <= 2:
+        k = _codes(K0, row[:, None], d[None, :], d_ok, D, BLOCK_D, K_FMT, CODE_DTYPE, NORM_W)
+        s = tl.dot(k, qct, input_precision=DOT_PREC)
+        s = s * pow2_scale(tl.load(K1 + page * H + h))[:, None]
+    else:
+        k = load_decoded(K0, K1, K2, page[:, None], tok[:, None], h, d[None, :], ok[:, None] & d_ok,
+                         ok[:, None], H, P, D, BLOCK_D, K_FMT, True).to(DOT_DTYPE)  # fmt: skip
+        s = tl.dot(k, qt, input_precision=DOT_PREC)
+    if MASKED:
+        s = tl.where(ok[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 0))
+    p = tl.exp2(s - m_new[None, :])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 0)
+    if V_FMT == 0:
+        v = _codes(V0, row[:, None], d[None, :], d_ok, D, BLOCK_D, V_FMT, DOT_DTYPE, False, HALVES)
+        pv = tl.dot(tl.trans(v), p.to(DOT_DTYPE), input_precision=DOT_PREC)
+    elif V_FMT <= 4:
+        v = _codes(V0, row[:, None], d[None, :], d_ok, D, BLOCK_D, V_FMT, CODE_DTYPE, NORM_W, HALVES)
+        vs, vo = value_tile_scales(V1, V2, row, V_FMT)
+        if NORM_W:
+            top = tl.max(tl.where(ok, vs, 1.1754943508222875e-38), 0)
+            w = p * (vs * (1.0 / top))[:, None]
+            pv = tl.dot(tl.trans(v), w.to(CODE_DTYPE), input_precision=DOT_PREC) * top
+        else:
+            pv = tl.dot(tl.trans(v), (p * vs[:, None]).to(CODE_DTYPE), input_precision=DOT_PREC)
+        if V_FMT == 4:
+            pv += tl.sum(p * vo[:, None], 0)[None, :]
+    else:
+        v = load_decoded(V0, V1, V2, page[:, None], tok[:, None], h, d[None, :], ok[:, None] & d_ok,
+                         ok[:, None], H, P, D, BLOCK_D, V_FMT, False).to(DOT_DTYPE)  # fmt: skip
+        pv = tl.dot(tl.trans(v), p.to(DOT_DTYPE), input_precision=DOT_PREC)
+    return acc * alpha[None, :] + pv, m_new, l_i
+
+
+@jit_unspecialized(  # the per-step arguments, as `attend._attend_kernel`'s
+    ints=("pt_stride", "rr_stride", "pages_per_split", "num_splits", "tail_split"),
+    pointers=("PT", "COLD_LEN", "ST", "SINK_OK", "RR", "RING_LEN"),
+)
+def _decode_kernel(
+    Q,
+    KN,
+    VN,
+    OUT,
+    PO,
+    PL,
+    PT,
+    COLD_LEN,
+    K0,
+    K1,
+    K2,
+    V0,
+    V1,
+    V2,
+    ST,
+    SINK_OK,
+    SK,
+    SV,
+    RR,
+    RING_LEN,
+    RK,
+    RV,
+    qk_scale,
+    H,
+    pt_stride,
+    rr_stride,
+    pages_per_split,
+    num_splits,
+    tail_split,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    P: tl.constexpr,
+    K_FMT: tl.constexpr,
+    V_FMT: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    SWAP: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    CODE_DTYPE: tl.constexpr,
+    NORM_W: tl.constexpr,
+    HALVES: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    r = tl.arange(0, BLOCK_H)
+    row_ok = r < GROUP
+    q_row = (b * H + h).to(tl.int64) * GROUP + r  # query head h * GROUP + r of token b
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    q = tl.load(Q + q_row[:, None] * D + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = q.to(tl.float32) * qk_scale  # the softmax scale (base 2) folded in
+    qd = q.to(DOT_DTYPE)
+    qc = q.to(CODE_DTYPE)  # the operand of 8-bit key codes
+    m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if SWAP:
+        qd = tl.trans(qd)
+        qc = tl.trans(qc)
+        acc = tl.zeros([BLOCK_D, BLOCK_H], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+
+    # Cold keys of this split: full tiles unmasked, then the partial last one masked.
+    n_cold = tl.load(COLD_LEN + b)
+    lo = split * pages_per_split
+    hi = tl.minimum(lo + pages_per_split, n_cold)
+    end = hi * P
+    full = lo * P + tl.maximum(hi - lo, 0) * P // BLOCK_N * BLOCK_N
+    n = tl.arange(0, BLOCK_N)
+    pt = PT + b * pt_stride
+    if PREFETCH:  # page-table entries a tile ahead, so a tile's code loads never wait on them
+        page = tl.load(pt + (lo * P + n) // P, mask=lo * P + n < end, other=0).to(tl.int64)
+    for j0 in range(lo * P, full, BLOCK_N):
+        if PREFETCH:
+            ahead = j0 + BLOCK_N + n
+            page_ahead = tl.load(pt + ahead // P, mask=ahead < end, other=0).to(tl.int64)
+        else:
+            page = tl.load(pt + (j0 + n) // P).to(tl.int64)
+        if SWAP:
+            acc, m_i, l_i = _cold_tile_t(
+                qd, qc, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, j0 + n, end, d, h,
+                H, P, D, BLOCK_D, K_FMT, V_FMT, False, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES,
+            )  # fmt: skip
+        else:
+            acc, m_i, l_i = _cold_tile(
+                qd, qc, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, j0 + n, end, d, h,
+                H, P, D, BLOCK_D, K_FMT, V_FMT, False, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES,
+            )  # fmt: skip
+        if PREFETCH:
+            page = page_ahead
+    if full < end:
+        if not PREFETCH:
+            page = tl.load(pt + (full + n) // P, mask=full + n < end, other=0).to(tl.int64)
+        if SWAP:
+            acc, m_i, l_i = _cold_tile_t(
+                qd, qc, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, full + n, end, d, h,
+                H, P, D, BLOCK_D, K_FMT, V_FMT, True, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES,
+            )  # fmt: skip
+        else:
+            acc, m_i, l_i = _cold_tile(
+                qd, qc, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, full + n, end, d, h,
+                H, P, D, BLOCK_D, K_FMT, V_FMT, True, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES,
+            )  # fmt: skip
+    if SWAP:
+        acc = tl.trans(acc)
+        qd = tl.trans(qd)
+    if HALVES:  # values' channels back in order: column 2i + t holds channel t * BLOCK_D / 2 + i
+        acc = tl.permute(tl.reshape(acc, [BLOCK_H, BLOCK_D // 2, 2]), (0, 2, 1))
+        acc = tl.reshape(acc, [BLOCK_H, BLOCK_D])
+
+    if split == tail_split:  # sinks, ring and the new key: the last split of the text pool's pass
+        if HAS_SINKS:
+            sink_len = tl.load(SINK_OK + b) * P  # P keys when the sequence has a sink page, else 0
+            slot = tl.load(ST + b).to(tl.int64)
+            for j0 in range(0, sink_len, BLOCK_N):
+                ok = j0 + n < sink_len
+                acc, _, m_i, l_i = _raw_tile(
+                    qd, qd, acc, acc, m_i, l_i, SK, SV, (slot * P + j0 + n) * H + h, ok, ok[None, :],
+                    d, d, d, d, D, False, False, DOT_PREC,
+                )  # fmt: skip
+        ring_len = tl.load(RING_LEN + b)
+        for j0 in range(0, ring_len, BLOCK_N):
+            ok = j0 + n < ring_len
+            ring_row = tl.load(RR + b * rr_stride + j0 + n, mask=ok, other=0).to(tl.int64)
+            acc, _, m_i, l_i = _raw_tile(
+                qd, qd, acc, acc, m_i, l_i, RK, RV, ring_row * H + h, ok, ok[None, :],
+                d, d, d, d, D, False, False, DOT_PREC,
+            )  # fmt: skip
+        ok = n < 1
+        acc, _, m_i, l_i = _raw_tile(
+            qd, qd, acc, acc, m_i, l_i, KN, VN, (b + n).to(tl.int64) * H + h, ok, ok[None, :],
+            d, d, d, d, D, False, False, DOT_PREC,
+        )  # fmt: skip
+
+    if SPLIT:
+        has = l_i > 0
+        inv = 1.0 / tl.where(has, l_i, 1.0)
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        o_at = PO + (q_row * num_splits + split)[:, None] * D
+        tl.store(PL + q_row * num_splits + split, lse, mask=row_ok)
+    else:
+        inv = 1.0 / l_i
+        o_at = OUT + q_row[:, None] * D
+    tl.store(o_at + d[None, :], (acc * inv[:, None]).to(o_at.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])  # fmt: skip
+
+
+def halves_apply(meta: dict) -> bool:
+    """Whether the ``halves`` layout applies: 8-bit values (codes loaded by `_codes`; raw BF16 values in
+    it load 16-bit elements one by one on sm_90), a power-of-two head_dim of 32 or more."""
+    return meta["V_FMT"] in (1, 2, 3, 4) and meta["BLOCK_D"] == meta["D"] >= 32
+
+
+def launch_decode(grid: tuple[int, int, int], args: tuple, group: int, launch: dict, **meta) -> None:
+    """Launch `_decode_kernel` over ``grid`` (sequences, KV heads, splits): ``args`` are
+    `_attend_kernel`'s runtime arguments without ``T`` (tensors, softmax scale, KV heads, strides,
+    split arguments), ``meta`` the constexprs both kernels share; ``launch`` the `DECODE_LAUNCH` entry
+    (``block_n``, ``num_warps``, ``num_stages``, ``prefetch``, ``swap_ab``, ``halves``: value codes in
+    `_codes`' channel-pair layout where `halves_apply`, ``maxnreg``: a register cap per thread, so
+    more programs fit an SM, or None)."""
+    if launch.get("maxnreg"):
+        meta["maxnreg"] = launch["maxnreg"]
+    _decode_kernel[grid](
+        *args,
+        GROUP=group,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=launch["block_n"],
+        PREFETCH=launch["prefetch"],
+        SWAP=launch.get("swap_ab", False),
+        HALVES=bool(launch.get("halves")) and halves_apply(meta),
+        num_warps=launch["num_warps"],
+        num_stages=launch["num_stages"],
+        **meta,
+    )
