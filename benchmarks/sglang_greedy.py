@@ -7,15 +7,16 @@ Three steps, driven by ``benchmarks/sglang_greedy_gpu.sh``:
   has none), ``config.json`` and the tokenizer files of kvstrata's converted directory, the prompts
   as token ids (the corpus is not on the GPU machine) and a manifest (the GGUF's sha256, each
   tensor's sha256);
-- ``build STAGE MODEL_DIR`` (GPU machine): joins the parts, checks the GGUF's sha256, dequantizes it
-  with kvstrata's own reader into ``MODEL_DIR/model.safetensors`` (float32, as kvstrata's converter
-  writes it) and checks every tensor against the manifest, so SGLang loads exactly the weights
-  kvstrata's engine loads;
-- ``compare PROMPTS name=port ...``: sends the prompts (temperature 0, ``ignore_eos``) to each
-  server, first one at a time, then all at once (the second pass finds the prompts in the radix
-  cache), and prints, per server and pass, how many leading tokens of each prompt agree with the
-  first server's (the baseline). The baseline's top-2 logprob gap at the first disagreeing token
-  tells a near-tie from a real error.
+- ``build PARTS META MODEL_DIR`` (GPU machine): joins the parts, checks the GGUF's sha256,
+  dequantizes it with kvstrata's own reader into ``MODEL_DIR/model.safetensors`` (float32, as
+  kvstrata's converter writes it) and checks every tensor against the manifest, so SGLang loads
+  exactly the weights kvstrata's engine loads;
+- ``compare PROMPTS name=port ... [--out FILE]``: sends the prompts (temperature 0, ``ignore_eos``)
+  to each server, first one at a time, then all at once (the second pass finds the prompts in the
+  radix cache), and prints, per server and pass, how many leading tokens of each prompt agree with
+  the first server's (the baseline); ``report FILE`` prints the table again from the saved answers.
+  The baseline's top-2 logprob gap at the first disagreeing token tells a near-tie from a real
+  error; the mean change of that gap while the tokens still agree says how far apart the logits are.
 
 The prompts are those of ``tests/engine/test_engine.py::test_fp8_agrees_with_unquantized``: the
 first 160 tokens of the first 8 corpus paragraphs longer than 600 characters; agreement is judged
@@ -48,7 +49,10 @@ def sha256_file(path: Path) -> str:
 
 
 def tensor_digests(state) -> dict[str, str]:
-    return {name: hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest() for name, t in sorted(state.items())}
+    return {
+        name: hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
+        for name, t in sorted(state.items())
+    }
 
 
 def stage(out: Path, part_mib: list[float]) -> None:
@@ -63,7 +67,8 @@ def stage(out: Path, part_mib: list[float]) -> None:
     meta = out / "meta"
     shutil.rmtree(out, ignore_errors=True)
     (meta / "hf").mkdir(parents=True)
-    shutil.copytree(Path(gguf.__file__).parent, meta / "gguf", ignore=shutil.ignore_patterns("__pycache__", "scripts"))
+    skip = shutil.ignore_patterns("__pycache__", "scripts")
+    shutil.copytree(Path(gguf.__file__).parent, meta / "gguf", ignore=skip)
     for name in MODEL_FILES:
         if (model_dir / name).is_file():
             shutil.copy(model_dir / name, meta / "hf" / name)
@@ -73,7 +78,7 @@ def stage(out: Path, part_mib: list[float]) -> None:
     for size in sizes:
         bounds.append(min(bounds[-1] + size, len(data)))
     bounds.append(len(data))
-    for i, (lo, hi) in enumerate(zip(bounds, bounds[1:]), start=1):
+    for i, (lo, hi) in enumerate(zip(bounds, bounds[1:], strict=False), start=1):
         (out / f"p{i}").mkdir()
         (out / f"p{i}" / f"part{i}").write_bytes(data[lo:hi])
     tok = load_tokenizer(model_dir)
@@ -142,7 +147,22 @@ def run_pass(port: int, prompts: list[list[int]], new_tokens: int, concurrent: b
 
 
 def agreeing(ref: list[int], got: list[int]) -> int:
-    return next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+    """Leading tokens on which ``got`` equals ``ref``."""
+    return next(
+        (i for i, (a, b) in enumerate(zip(ref, got, strict=False)) if a != b), min(len(ref), len(got))
+    )
+
+
+def gap_drift(ref: list[dict], got: list[dict], agree: list[int]) -> float:
+    """Mean |difference| of the top-2 logprob gap over the positions where both still agree: how far
+    apart the two servers' logits are, also where the chosen tokens are the same."""
+    diffs = [
+        abs(r["gaps"][i] - g["gaps"][i])
+        for r, g, n in zip(ref, got, agree, strict=True)
+        for i in range(n)
+        if r["gaps"][i] is not None and g["gaps"][i] is not None
+    ]
+    return sum(diffs) / max(len(diffs), 1)
 
 
 def compare(prompts_file: Path, servers: list[str], new_tokens: int, out: Path | None) -> int:
@@ -161,26 +181,39 @@ def compare(prompts_file: Path, servers: list[str], new_tokens: int, out: Path |
         results = dict(pool.map(server_run, ports.items()))
     if out is not None:
         out.write_text(json.dumps(results))
-    base_name = next(iter(ports))
+    return report(results, new_tokens)
+
+
+def report(results: dict, new_tokens: int) -> int:
+    """The agreement table of ``results`` ({server: {pass: [{"ids", "gaps"} per prompt]} or an
+    error string}, the baseline first)."""
+    base_name = next(iter(results))
     base = results[base_name]
     if isinstance(base, str):
         print(f"baseline {base_name} {base}")
         return 1
-    print(f"{len(prompts)} prompts of {PROMPT_TOKENS} tokens, {new_tokens} greedy tokens each; baseline {base_name}")
-    print("| server | pass | prompts identical | agreeing tokens per prompt | share >= 16 | base top-2 gap at first difference |")
-    print("|---|---|---:|---|---:|---|")
-    rows = [(name, p, base[p]) for name in results if name != base_name for p in passes]
-    rows.append((f"{base_name} (all at once vs one at a time)", "all at once", base["one at a time"]))
-    for name, p, ref in rows:
-        res = results[name.split(" ")[0]]
+    prompts = len(base["one at a time"])
+    print(
+        f"{prompts} prompts of {PROMPT_TOKENS} tokens, {new_tokens} greedy tokens each; baseline {base_name}"
+    )
+    print(
+        "| server | pass | prompts identical | agreeing tokens per prompt | share >= 16 "
+        "| base top-2 gap at first difference | mean abs. change of top-2 gap while agreeing |"
+    )
+    print("|---|---|---:|---|---:|---|---:|")
+    rows = [(name, p, results[name], base[p]) for name in results if name != base_name for p in base]
+    rows.append((f"{base_name} (all at once vs one at a time)", "all at once", base, base["one at a time"]))
+    for name, p, res, ref in rows:
         if isinstance(res, str):
-            print(f"| {name} | {p} | {res} | | | |")
+            print(f"| {name} | {p} | {res} | | | | |")
             continue
         agree = [agreeing(r["ids"], g["ids"]) for r, g in zip(ref, res[p], strict=True)]
         identical = sum(n == new_tokens for n in agree)
-        gaps = [f"{r['gaps'][n]:.3f}" for r, n in zip(ref, agree) if n < new_tokens and r["gaps"][n] is not None]
+        firsts = [r["gaps"][n] for r, n in zip(ref, agree, strict=True) if n < new_tokens]
+        gaps = ", ".join(f"{g:.3f}" for g in firsts if g is not None) or "-"
         share = sum(n >= AGREE_TOKENS for n in agree) / len(agree)
-        print(f"| {name} | {p} | {identical}/{len(agree)} | {agree} | {share:.2f} | {', '.join(gaps) or '-'} |")
+        drift = gap_drift(ref, res[p], agree)
+        print(f"| {name} | {p} | {identical}/{len(agree)} | {agree} | {share:.2f} | {gaps} | {drift:.3f} |")
     return 0
 
 
@@ -199,11 +232,16 @@ def main() -> int:
     p.add_argument("servers", nargs="+", help="name=port, the baseline first")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--out", type=Path)
+    p = sub.add_parser("report", help="the table again, from compare's --out file")
+    p.add_argument("results", type=Path)
+    p.add_argument("--new-tokens", type=int, default=64)
     args = parser.parse_args()
     if args.cmd == "stage":
         stage(args.out, [float(x) for x in args.part_mib.split(",")])
     elif args.cmd == "build":
         build(args.parts_dir, args.meta, args.model_dir)
+    elif args.cmd == "report":
+        return report(json.loads(args.results.read_text()), args.new_tokens)
     else:
         return compare(args.prompts, args.servers, args.new_tokens, args.out)
     return 0
