@@ -86,23 +86,16 @@ class PluginServer:
 
     def forward(self, batch: list[tuple[str, int, int]], decode: bool) -> None:
         """One forward batch of (request, cached length, new tokens); appends each request's greedy token."""
-        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+        from kvstrata.integrations.sglang.warmup import forward_batch
 
         ids, positions, locs = [], [], []
         for name, cached, n in batch:
             ids += self.tokens[name][cached : cached + n]
             positions += range(cached, cached + n)
             locs.append(self.req_pool.req_to_token[self.rows[name], cached : cached + n].to(torch.int64))
-        lengths = torch.tensor([cached + n for _, cached, n in batch])
-        fb = SimpleNamespace(
-            forward_mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND,
-            req_pool_indices=torch.tensor([self.rows[name] for name, _, _ in batch]),
-            seq_lens=lengths,
-            seq_lens_cpu=lengths,
-            extend_prefix_lens_cpu=[cached for _, cached, _ in batch],
-            extend_seq_lens_cpu=[n for _, _, n in batch],
-            out_cache_loc=torch.cat(locs),
-        )
+        rows = [self.rows[name] for name, _, _ in batch]
+        prefix, extend = [cached for _, cached, _ in batch], [n for _, _, n in batch]
+        fb = forward_batch(rows, prefix, extend, torch.cat(locs), decode)
         self.backend.init_forward_metadata(fb)
         attend = self.backend.forward_decode if decode else self.backend.forward_extend
 

@@ -1,0 +1,72 @@
+"""The kernel warm-up (`warmup.warm_up`): the step shapes it compiles, on a scratch pool only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstrata.integrations.sglang.kernels import TorchStrataKernels, make_kernels
+from kvstrata.integrations.sglang.options import PluginOptions
+from kvstrata.integrations.sglang.pool import pool_class
+from tests.integrations.sglang.conftest import PAGE, make_pools
+
+WINDOW = 2 * PAGE
+Q_HEADS = 4
+
+
+class Recording(TorchStrataKernels):
+    """The torch kernels, recording (decode, tokens per request, page-table width) of every group."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.groups: set[tuple[bool, int, int]] = set()
+        self.steps_with_groups: list[int] = []
+
+    def attend(self, layer, batch, q, k, v, scale, pool, ring):
+        for g in batch.groups:
+            self.groups.add((g.tokens == 1, g.tokens, g.page_table.shape[1]))
+        self.steps_with_groups.append(len(batch.groups))
+        return super().attend(layer, batch, q, k, v, scale, pool, ring)
+
+
+def served_pool():
+    options = PluginOptions(codec="fp8_e4m3", recent_window=WINDOW)
+    return make_pools(pool_class(options))[1]
+
+
+def test_warm_up_covers_the_step_shapes_and_leaves_the_pool_alone():
+    from kvstrata.integrations.sglang.warmup import warm_up
+
+    pool = served_pool()
+    before = [t.clone() for bufs in pool.cold.k + pool.cold.v for t in bufs.values()]
+    kernels = Recording()
+    warm_up(pool, Q_HEADS, kernels)
+    extend = {(T, width) for decode, T, width in kernels.groups if not decode}
+    decode_widths = {width for decode, _, width in kernels.groups if decode}
+    # tokens per request a multiple of 16 and not; 0, 1, 16 and 20 cold pages; several groups per step
+    assert {T % 16 == 0 for T, _ in extend} == {True, False}
+    assert {0, 1, 16, 20} <= {width for _, width in extend}
+    assert min(decode_widths) <= 1 and max(decode_widths) > 16  # decode over short and long histories
+    assert max(kernels.steps_with_groups) > 1
+    # the served pool: no page written, no ring bound
+    after = [t for bufs in pool.cold.k + pool.cold.v for t in bufs.values()]
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    assert pool.quantized_pages == 0 and pool.ring is None
+
+
+def test_warm_up_runs_the_triton_kernels():
+    """Every warm-up step through the Triton kernels (interpreted on CPU, see conftest)."""
+    from kvstrata.integrations.sglang.warmup import warm_up
+
+    assert warm_up(served_pool(), Q_HEADS, make_kernels("triton")) > 0
+
+
+@pytest.mark.parametrize(("value", "on"), [(None, True), ("0", False), ("no", False), ("1", True)])
+def test_warm_up_switch(value, on, monkeypatch):
+    from kvstrata.integrations.sglang.warmup import ENV_WARMUP, warmup_enabled
+
+    if value is None:
+        monkeypatch.delenv(ENV_WARMUP, raising=False)
+    else:
+        monkeypatch.setenv(ENV_WARMUP, value)
+    assert warmup_enabled() is on
