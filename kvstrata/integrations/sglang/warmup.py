@@ -83,6 +83,8 @@ def warm_up(pool, q_heads: int, kernels) -> float:
         layer_num=1,
         device=device,
         enable_memory_saver=False,
+        enable_alt_stream=False,
+        allocation_label="kvstrata warm-up scratch",
     )
     req_pool = ReqToTokenPool(
         size=rows, max_context_len=row_pages * P, device=device, enable_memory_saver=False
