@@ -124,19 +124,29 @@ class KvstrataAttnBackend(AttentionBackend):
 
 def create_kvstrata_backend(model_runner) -> KvstrataAttnBackend:
     """SGLang's factory: the backend, its Triton kernels compiled for the extend and eager decode
-    steps before the server takes requests (`warmup`; CUDA only, ``KVSTRATA_WARMUP=0`` skips it)."""
-    from sglang.srt.runtime_context import get_parallel
-
-    from kvstrata.integrations.sglang.warmup import warm_up, warmup_enabled
+    steps before the server takes requests (`warm_up_backend`; CUDA only, ``KVSTRATA_WARMUP=0``
+    skips it)."""
+    from kvstrata.integrations.sglang.warmup import warmup_enabled
 
     backend = KvstrataAttnBackend(model_runner)
     on_cuda = torch.device(backend.pool.device).type == "cuda"
     if warmup_enabled() and on_cuda and isinstance(backend.kernels, TritonStrataKernels):
-        q_heads = model_runner.model_config.get_num_attention_heads(get_parallel().attn_tp_size)
-        try:
-            seconds = warm_up(backend.pool, q_heads, backend.kernels)
-        except Exception as exc:  # noqa: BLE001  (an optimization: serving never depends on it)
-            log.warning("kvstrata: kernel warm-up failed, the first batches compile instead: %r", exc)
-        else:
-            log.info("kvstrata: extend and eager decode kernels compiled in %.1f s", seconds)
+        warm_up_backend(backend, model_runner)
     return backend
+
+
+def warm_up_backend(backend: KvstrataAttnBackend, model_runner) -> float | None:
+    """`warmup.warm_up` for the backend's pool and kernels; seconds taken, or None when it failed
+    (logged: serving never depends on it, the first batches then compile as before)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    from kvstrata.integrations.sglang.warmup import warm_up
+
+    try:
+        q_heads = model_runner.model_config.get_num_attention_heads(get_parallel().attn_tp_size)
+        seconds = warm_up(backend.pool, q_heads, backend.kernels)
+    except Exception as exc:  # noqa: BLE001  (an optimization: serving never depends on it)
+        log.warning("kvstrata: kernel warm-up failed, the first batches compile instead: %r", exc)
+        return None
+    log.info("kvstrata: extend and eager decode kernels compiled in %.1f s", seconds)
+    return seconds

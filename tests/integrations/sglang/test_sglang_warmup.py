@@ -70,3 +70,22 @@ def test_warm_up_switch(value, on, monkeypatch):
     else:
         monkeypatch.setenv(ENV_WARMUP, value)
     assert warmup_enabled() is on
+
+
+def test_warm_up_backend_logs_and_never_fails(published, caplog):
+    """SGLang's factory path (`warm_up_backend`): query heads from the model config; a failure is a
+    warning and the backend stays usable."""
+    import logging
+    from types import SimpleNamespace
+
+    from kvstrata.integrations.sglang.attention_backend import KvstrataAttnBackend, warm_up_backend
+
+    req_pool, pool, _ = make_pools(pool_class(PluginOptions(codec="fp8_e4m3", recent_window=WINDOW)))
+    backend = KvstrataAttnBackend(SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=req_pool))
+    heads = SimpleNamespace(get_num_attention_heads=lambda tp: Q_HEADS * tp)
+    with caplog.at_level(logging.INFO, logger="kvstrata.integrations.sglang.attention_backend"):
+        assert warm_up_backend(backend, SimpleNamespace(model_config=heads)) > 0
+        assert "kernels compiled in" in caplog.text
+        assert warm_up_backend(backend, SimpleNamespace(model_config=None)) is None
+        assert "kernel warm-up failed" in caplog.text
+    assert pool.quantized_pages == 0
