@@ -1,15 +1,17 @@
 """Compile the Triton variants of the plugin's extend and eager decode steps before SGLang serves.
 
-Triton compiles a kernel once per specialization: its constexprs (tile sizes follow the step's
-tokens per request and the codec) and the divisibility by 16 (or equality to 1) of its integer
-arguments (tokens per request, page-table width, ...). SGLang captures the decode CUDA graphs at
-startup, which compiles the decode variants, but the first prefill batches of a server compiled
-theirs while requests waited (on the H200: about 12 s before the first 8,192-token batch of the
-benchmark completed; docs/sglang.md). `warm_up` runs a few steps on a scratch pool of one layer
+Triton compiles a kernel once per set of its constexprs (`kvstrata.radix.kernels.jit` leaves the
+per-step integer and pointer arguments unspecialized): for the attention kernel, the query tile
+(from the new tokens per request times the query heads per KV head), whether a pass writes split
+partials, and the codec's launch shape; the page-quantize kernel has its own. SGLang's decode-graph
+capture compiles the decode variants at startup, but the extend variants were compiled by the first
+prefill batches while requests waited (on the H200: about 12 s before the first 8,192-token batch of
+the benchmark completed; docs/sglang.md). `warm_up` runs a few steps on a scratch pool of one layer
 with the served pool's codec, window, page size, heads and dtype, so that those compiles happen at
-startup: fresh prompts (tokens per request a multiple of 16 or not, one group or several), chunks
-that continue a prompt over 1, 16 and 20 cold pages, and eager decode steps over short and long
-histories. The served pool is not touched.
+startup: fresh prompts (torch SDPA; their completed pages quantized by the kernel), chunks that
+continue a prompt (3 new tokens to 8 pages of them, over 0, 1, 16 and 20 cold pages; several requests
+per step), and eager decode over short and long histories (one split and several). The served pool
+is not touched.
 """
 
 from __future__ import annotations
@@ -54,8 +56,8 @@ def warmup_steps(window: int, page: int) -> list[list[tuple[int, int, int]]]:
     continues where its last step left it."""
     W, P = window, page
     fresh = [[(1, 0, 4 * P), (2, 0, 2 * P + 3)], [(3, 0, W + 20 * P)], [(4, 0, W + P), (5, 0, W + 16 * P)]]
-    chunks = [[(3, W + 20 * P, P + 5)], [(4, W + P, 2 * P), (5, W + 16 * P, 3)]]
-    ends = {1: 4 * P, 2: 2 * P + 3, 3: W + 21 * P + 5, 4: W + 3 * P, 5: W + 16 * P + 3}
+    chunks = [[(3, W + 20 * P, P + 5)], [(4, W + P, 2 * P), (5, W + 16 * P, 3)], [(1, 4 * P, 8 * P)]]
+    ends = {1: 12 * P, 2: 2 * P + 3, 3: W + 21 * P + 5, 4: W + 3 * P, 5: W + 16 * P + 3}
     decode = [[(r, ends[r], 1) for r in ends], [(2, ends[2] + 1, 1)]]
     return fresh + chunks + decode
 
