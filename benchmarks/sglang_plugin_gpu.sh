@@ -25,32 +25,16 @@ MIN_LEFT=${MIN_LEFT:-100}; BENCH_CAP=${BENCH_CAP:-170}; BENCH_TOOL=${BENCH_TOOL:
 OUT=${OUT:-/tmp/sgl_out}; mkdir -p "$OUT"
 REPO=$(pwd)
 PAYLOAD_DIR=${PAYLOAD_DIR:-$REPO/.sgl}
-SITE=/tmp/sglsite
-PLUGIN_META=/tmp/kvstrata_plugin_meta
 MODEL=$PAYLOAD_DIR/model
 PORT=30000
 TABLE=/tmp/sglang_plugin_table.md
 left() { echo $(( DEADLINE - ($(date +%s) - T0) )); }
 log() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/summary.txt"; }
 
-# 1. SGLang's payload (once per machine), and an entry-point record for kvstrata (what `pip install`
-#    would write), so that importlib.metadata finds the plugin in the group sglang.srt.plugins.
-if [ ! -f $SITE/.ok ]; then
-  rm -rf $SITE; mkdir -p $SITE
-  tar -xJf "$PAYLOAD_DIR/payload.tar.xz" -C $SITE && touch $SITE/.ok
-fi
-VERSION=$(python3 -c "import re,sys; print(re.search(r'__version__ = \"(.*)\"', open(sys.argv[1]).read())[1])" \
-  "$REPO/kvstrata/__init__.py")
-mkdir -p "$PLUGIN_META/kvstrata-$VERSION.dist-info"
-printf 'Metadata-Version: 2.1\nName: kvstrata\nVersion: %s\n' "$VERSION" \
-  > "$PLUGIN_META/kvstrata-$VERSION.dist-info/METADATA"
-printf '[sglang.srt.plugins]\nkvstrata = kvstrata.integrations.sglang:register\n' \
-  > "$PLUGIN_META/kvstrata-$VERSION.dist-info/entry_points.txt"
-log "payload: $(du -sh $SITE | cut -f1); kvstrata $VERSION from $REPO"
-
-export PYTHONPATH=$SITE:$REPO:$PLUGIN_META
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# 1. SGLang's payload (once per machine), the plugin's entry point and the environment
+source "$REPO/benchmarks/sglang_gpu_env.sh"
+sgl_env > /tmp/sgl_env.txt 2>&1 || { cat /tmp/sgl_env.txt; exit 1; }
+log "$(cat /tmp/sgl_env.txt)"
 
 # 2. environment, CUDA-path imports, and plugin discovery as SGLang does it
 {
@@ -62,11 +46,6 @@ from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS as
 print('plugin: radix backends', r(), 'kvstrata attention', 'kvstrata' in a)"
 } > "$OUT/env.txt" 2>&1
 log "envcheck: $(grep -c '^OK' "$OUT/env.txt") OK, $(grep -c '^FAIL' "$OUT/env.txt") FAIL; $(grep '^plugin:' "$OUT/env.txt")"
-
-health() {
-  python3 -c "import urllib.request,sys; sys.exit(urllib.request.urlopen('http://127.0.0.1:$PORT/health',timeout=3).status!=200)" \
-    >/dev/null 2>&1
-}
 
 bench() {
   local name=$1 tokens=$2
@@ -115,7 +94,7 @@ run_cfg() {
   local pid=$! ts=$(date +%s) ok=0
   while [ "$(left)" -gt 40 ]; do
     kill -0 $pid 2>/dev/null || break
-    if health; then ok=1; break; fi
+    if health $PORT; then ok=1; break; fi
     sleep 2
   done
   local tokens
@@ -129,9 +108,7 @@ run_cfg() {
     echo "| $name | server failed | | | | | ${tokens:-?} |" >> "$TABLE"
     log "$name: server not ready; tail: $(grep -v '^\s*$' "$slog" | tail -12 | tr '\n' '|' | cut -c1-1500)"
   fi
-  kill -TERM -- -$pid 2>/dev/null
-  for _ in $(seq 1 20); do kill -0 $pid 2>/dev/null || break; sleep 1; done
-  kill -KILL -- -$pid 2>/dev/null
+  stop_server $pid
   sleep 2
   log "$name: stopped; gpu mem used now $(nvidia-smi --query-gpu=memory.used --format=csv,noheader)"
 }

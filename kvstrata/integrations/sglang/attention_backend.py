@@ -14,6 +14,8 @@ records the device gathers of page tables and page ids. Prefill steps run eagerl
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
@@ -22,6 +24,8 @@ from kvstrata.integrations.sglang.kernels import StrataKernels, TritonStrataKern
 from kvstrata.integrations.sglang.pool import StratifiedTokenToKVPool
 
 BACKEND_NAME = "kvstrata"
+
+log = logging.getLogger(__name__)
 
 
 def step_lengths(forward_batch) -> tuple[list[int], list[int], list[int]]:
@@ -119,4 +123,30 @@ class KvstrataAttnBackend(AttentionBackend):
 
 
 def create_kvstrata_backend(model_runner) -> KvstrataAttnBackend:
-    return KvstrataAttnBackend(model_runner)
+    """SGLang's factory: the backend, its Triton kernels compiled for the extend and eager decode
+    steps before the server takes requests (`warm_up_backend`; CUDA only, ``KVSTRATA_WARMUP=0``
+    skips it)."""
+    from kvstrata.integrations.sglang.warmup import warmup_enabled
+
+    backend = KvstrataAttnBackend(model_runner)
+    on_cuda = torch.device(backend.pool.device).type == "cuda"
+    if warmup_enabled() and on_cuda and isinstance(backend.kernels, TritonStrataKernels):
+        warm_up_backend(backend, model_runner)
+    return backend
+
+
+def warm_up_backend(backend: KvstrataAttnBackend, model_runner) -> float | None:
+    """`warmup.warm_up` for the backend's pool and kernels; seconds taken, or None when it failed
+    (logged: serving never depends on it, the first batches then compile as before)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    from kvstrata.integrations.sglang.warmup import warm_up
+
+    try:
+        q_heads = model_runner.model_config.get_num_attention_heads(get_parallel().attn_tp_size)
+        seconds = warm_up(backend.pool, q_heads, backend.kernels)
+    except Exception as exc:  # noqa: BLE001  (an optimization: serving never depends on it)
+        log.warning("kvstrata: kernel warm-up failed, the first batches compile instead: %r", exc)
+        return None
+    log.info("kvstrata: extend and eager decode kernels compiled in %.1f s", seconds)
+    return seconds

@@ -18,12 +18,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from kvstrata.integrations.sglang.options import PluginOptions
 from kvstrata.radix.pool import cold_page_bytes
 
 CELL_SIZE_TARGET = "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size"
 POOL_SIZES_TARGET = "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.calculate_pool_sizes"
-RING_ITEM_BYTES = 2  # the ring is BF16 (FP16 when the model runs in FP16)
+RING_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def ring_dtype(kv_dtype: torch.dtype) -> torch.dtype:
+    """The BF16 ring's dtype for SGLang's KV dtype: the model's own 16- or 32-bit float (a float32
+    model keeps float32 recent tokens, as kvstrata's engine does), BF16 for anything else."""
+    return kv_dtype if kv_dtype in RING_DTYPES else torch.bfloat16
 
 
 @dataclass(frozen=True)
@@ -35,11 +43,17 @@ class StrataPlan:
 
 
 def strata_plan(
-    options: PluginOptions, num_layers: int, kv_heads: int, head_dim: int, page_size: int, max_running: int
+    options: PluginOptions,
+    num_layers: int,
+    kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    max_running: int,
+    ring_item_bytes: int = 2,
 ) -> StrataPlan:
     page = cold_page_bytes([options.codec] * num_layers, page_size, kv_heads, head_dim)
     rows = max_running + 1  # SGLang's ReqToTokenPool has a padding row 0
-    ring_token = 2 * num_layers * kv_heads * head_dim * RING_ITEM_BYTES
+    ring_token = 2 * num_layers * kv_heads * head_dim * ring_item_bytes
     ring_tokens = rows * (options.recent_window + page_size) + 1  # + the null row
     return StrataPlan(cell_size=-(-page // page_size), ring_bytes=ring_tokens * ring_token)
 
@@ -66,6 +80,7 @@ def cell_size_hook(original, configurator, kvc, num_layers: int, *args, **kwargs
         model.head_dim,
         schedule.page_size,
         schedule.max_running_requests,
+        ring_dtype(kvc.kv_cache_dtype).itemsize,
     )
     configurator.kvstrata_ring_bytes = plan.ring_bytes
     return plan.cell_size

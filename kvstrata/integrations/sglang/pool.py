@@ -3,7 +3,8 @@
 History is stored as quantized cold pages (`kvstrata.radix.pool.ColdPool`) whose page ids are
 SGLang's own page indices (``slot // page_size``), so SGLang's allocator, ``req_to_token`` and radix
 tree stay unchanged. The recent window of each request row is kept in a BF16 ring
-(`kvstrata.radix.ring.HotRing`, one slot per ``ReqToTokenPool`` row). A token is written once to
+(`kvstrata.radix.ring.HotRing`, one slot per ``ReqToTokenPool`` row; FP16 or float32 when SGLang's
+KV dtype is, see `memory_plan.ring_dtype`). A token is written once to
 the ring; a page is quantized once, in the step that completes it (so the tree can share it at
 once), and read from the ring while it is inside the window. Only ``--attention-backend kvstrata``
 reads this pool: plain ``get_key_buffer`` readers are refused with a clear error.
@@ -15,6 +16,7 @@ import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 
 from kvstrata.integrations.sglang.kernels import StrataKernels, TorchStrataKernels
+from kvstrata.integrations.sglang.memory_plan import ring_dtype
 from kvstrata.integrations.sglang.options import PluginOptions
 from kvstrata.integrations.sglang.step import DecodePlan, RingBook
 from kvstrata.radix.plan import NullRows, StepBatch
@@ -39,7 +41,7 @@ class StratifiedTokenToKVPool(MHATokenToKVPool):
         self.num_cold_pages = (self.size + P) // P
         codecs = [self.options.codec] * self.layer_num
         self.cold = ColdPool(codecs, self.num_cold_pages, P, self.head_num, self.head_dim, self.device)
-        self.ring_dtype = self.dtype if self.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        self.ring_dtype = ring_dtype(self.dtype)
         self.ring: HotRing | None = None
         self.rings: RingBook | None = None
         self.step: StepBatch | None = None

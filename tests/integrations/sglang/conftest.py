@@ -83,8 +83,18 @@ def published():
         yield server_args
 
 
-def make_pools(pool_cls, size: int = SLOTS, rows: int = 8, max_context: int = 256):
-    """(ReqToTokenPool, KV pool of ``pool_cls``, paged allocator) as SGLang builds them on CPU."""
+def make_pools(
+    pool_cls,
+    size: int = SLOTS,
+    rows: int = 8,
+    max_context: int = 256,
+    layers: int = LAYERS,
+    kv_heads: int = KV_HEADS,
+    head_dim: int = HEAD_DIM,
+    dtype: torch.dtype = torch.bfloat16,
+):
+    """(ReqToTokenPool, KV pool of ``pool_cls``, paged allocator) as SGLang builds them on CPU;
+    ``dtype`` is SGLang's KV dtype (the model's, with ``--kv-cache-dtype auto``)."""
     from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
@@ -92,14 +102,14 @@ def make_pools(pool_cls, size: int = SLOTS, rows: int = 8, max_context: int = 25
     kv = pool_cls(
         size=size,
         page_size=PAGE,
-        dtype=torch.bfloat16,
-        head_num=KV_HEADS,
-        head_dim=HEAD_DIM,
-        layer_num=LAYERS,
+        dtype=dtype,
+        head_num=kv_heads,
+        head_dim=head_dim,
+        layer_num=layers,
         device="cpu",
         enable_memory_saver=False,
     )
-    allocator = PagedTokenToKVPoolAllocator(size, PAGE, torch.bfloat16, "cpu", kv, need_sort=False)
+    allocator = PagedTokenToKVPoolAllocator(size, PAGE, dtype, "cpu", kv, need_sort=False)
     return req_pool, kv, allocator
 
 

@@ -18,8 +18,9 @@ RUNNING = 256
 BF16_CELL = LAYERS_8B * KV_HEADS_8B * 2 * HEAD_DIM_8B * 2
 
 
-def plan(**server_args) -> tuple[int, object]:
-    """(max_total_num_tokens, configurator) from SGLang's ``DefaultPoolConfigurator`` for the model."""
+def plan(kv_dtype: torch.dtype = torch.bfloat16, **server_args) -> tuple[int, object]:
+    """(max_total_num_tokens, configurator) from SGLang's ``DefaultPoolConfigurator`` for the model
+    whose KV dtype (the model's, with ``--kv-cache-dtype auto``) is ``kv_dtype``."""
     from sglang.srt.model_executor.pool_configurator import DefaultPoolConfigurator
     from sglang.srt.plugins import load_plugins
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
@@ -39,8 +40,8 @@ def plan(**server_args) -> tuple[int, object]:
     with published_topology(page_size=PAGE_8B, **server_args) as args:
         kvc = SimpleNamespace(
             kv_cache_dtype_str="auto",
-            kv_cache_dtype=torch.bfloat16,
-            model_dtype=torch.bfloat16,
+            kv_cache_dtype=kv_dtype,
+            model_dtype=kv_dtype,
             model_config=model,
             layer_info=SimpleNamespace(num_effective_layers=LAYERS_8B, start_layer=0, end_layer=LAYERS_8B),
             use_mla_backend=False,
@@ -81,6 +82,21 @@ def test_tokens_that_fit_grow_by_the_codec(codec, monkeypatch):
     )
     # The gain is the codec's per-token compression less the rings' share of the budget.
     assert abs(ratio - compression * (1 - ring / BUDGET)) < 1e-4
+
+
+def test_rings_of_a_float32_model_are_float32(monkeypatch):
+    """A float32 model keeps a float32 ring (the pool's `ring_dtype`): the rings cost twice the BF16 ones."""
+    from kvstrata.integrations.sglang.memory_plan import ring_dtype
+
+    monkeypatch.setenv("KVSTRATA_KV_CODEC", "fp32")
+    monkeypatch.setenv("KVSTRATA_RECENT_WINDOW", "128")
+    _, ours = plan(torch.float32, radix_cache_backend="kvstrata", max_running_requests=RUNNING)
+    assert ours.kvstrata_ring_bytes == ((RUNNING + 1) * (128 + PAGE_8B) + 1) * 2 * BF16_CELL
+    assert [ring_dtype(d) for d in (torch.float32, torch.float16, torch.float8_e4m3fn)] == [
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+    ]
 
 
 def test_rings_need_max_running_requests(monkeypatch):

@@ -78,7 +78,7 @@ class World:
         """One forward batch of (request, cached length, new tokens); returns both sides' outputs.
         ``graph_bs``: a decode batch padded to that bucket and run as SGLang replays a captured
         graph (`padded_decode`)."""
-        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+        from kvstrata.integrations.sglang.warmup import forward_batch
 
         rows, locs, qs, ks, vs = [], [], [], [], []
         for name, L, n in batch:
@@ -90,15 +90,8 @@ class World:
             ks.append(self.k_of[:, toks])
             vs.append(self.v_of[:, toks])
         q, k, v = torch.cat(qs), torch.cat(ks, dim=1), torch.cat(vs, dim=1)
-        fb = SimpleNamespace(
-            forward_mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND,
-            req_pool_indices=torch.tensor(rows),
-            seq_lens=torch.tensor([L + n for _, L, n in batch]),
-            seq_lens_cpu=torch.tensor([L + n for _, L, n in batch]),
-            extend_prefix_lens_cpu=[L for _, L, _ in batch],
-            extend_seq_lens_cpu=[n for _, _, n in batch],
-            out_cache_loc=torch.cat(locs),
-        )
+        prefix, extend = [L for _, L, _ in batch], [n for _, _, n in batch]
+        fb = forward_batch(rows, prefix, extend, torch.cat(locs), decode)
         if graph_bs is None:
             self.backend.init_forward_metadata(fb)
         else:
