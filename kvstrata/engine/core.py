@@ -4,7 +4,8 @@ Everything reaches it through an inbox (`post`, or `call` for a result): request
 commands (cache stats, flush, invariants), shutdown. Between steps it drains the inbox, applies the
 drift monitor's current fallback window, and runs one step; a fault in a step ends the requests in
 it with an error (their pages and slots come back), never the thread.
-Results leave through per-request sinks; statistics through the `StatsCollector`.
+Results leave through per-request sinks (those of asyncio callers through their loop's `LoopMailbox`,
+flushed once per iteration); statistics through the `StatsCollector`.
 """
 
 from __future__ import annotations
@@ -164,6 +165,7 @@ class EngineCore:
         # posted can wait for an answer that never comes.
         self._closed = False
         self._post_lock = threading.Lock()
+        self._outbox: dict[int, Any] = {}  # mailboxes given chunks since the last flush, by id
         self._thread = threading.Thread(target=self._loop, name="kvstrata-engine", daemon=True)
         self._thread.start()
 
@@ -199,7 +201,9 @@ class EngineCore:
                 except Exception as exc:  # a failed step ends the requests in it, never the engine
                     log.exception("engine iteration failed")
                     self._fail(list(self.scheduler.running), exc)
+                self._flush_outbox()
             self._abort_all("engine shut down")
+            self._flush_outbox()
 
     def _iterate(self) -> None:
         self._drain_inbox()
@@ -218,6 +222,7 @@ class EngineCore:
         if self.scheduler.has_work():
             self._step()
         else:
+            self._flush_outbox()  # what the inbox's commands delivered goes out before the wait
             self._wake.wait(timeout=1.0)
             self._wake.clear()
 
@@ -329,7 +334,7 @@ class EngineCore:
             elif req.stream and req.sink is not None:
                 chunk = req.delta()
                 if chunk is not None:
-                    _deliver(req.sink, chunk)
+                    self._deliver(req.sink, chunk)
         self.stats.step(len(sampled), len(self.scheduler.running), len(self.scheduler.waiting))
 
     def _finish(self, req: Request, reason: dict[str, Any]) -> None:
@@ -347,7 +352,7 @@ class EngineCore:
         if req.sink is not None:
             chunk = req.delta() if req.stream else req.result()
             if chunk is not None:
-                _deliver(req.sink, chunk)
+                self._deliver(req.sink, chunk)
         times = req.token_times
         self.stats.finished(
             RequestFinished(
@@ -388,7 +393,15 @@ class EngineCore:
     def _on_level(self, level: int, window: int) -> None:  # drift worker thread
         self._wake.set()  # the engine thread applies the monitor's window before its next step
 
+    def _deliver(self, sink: ResultCallback, chunk: dict[str, Any]) -> None:
+        with contextlib.suppress(RuntimeError):  # the consumer's event loop is closed: nobody listens
+            sink(chunk)
+        mailbox = getattr(sink, "mailbox", None)
+        if mailbox is not None:
+            self._outbox[id(mailbox)] = mailbox
 
-def _deliver(sink: ResultCallback, chunk: dict[str, Any]) -> None:
-    with contextlib.suppress(RuntimeError):  # the consumer's event loop is closed: nobody listens
-        sink(chunk)
+    def _flush_outbox(self) -> None:
+        """Wake each event loop that was given chunks since the last flush, once."""
+        for mailbox in self._outbox.values():
+            mailbox.flush()
+        self._outbox.clear()
