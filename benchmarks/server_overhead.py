@@ -204,7 +204,8 @@ def measure(args: argparse.Namespace, n: int, model_dir: Path, work: Path) -> di
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     cmd = [sys.executable, __file__, "--serve", "--model-dir", str(model_dir), "--port", str(port),
            "--streams", str(n), "--step-ms", str(args.step_ms), "--input-len", str(args.input_len),
-           "--output-len", str(args.output_len), "--result", str(result_file), "--top", str(args.top)]  # fmt: skip
+           "--output-len", str(args.output_len), "--result", str(result_file),
+           "--top", str(args.top)]  # fmt: skip
     if args.profile:
         cmd.append("--profile")
     server = subprocess.Popen(cmd, env=env)
