@@ -89,6 +89,9 @@ class FixedStep:
         self.cpu_starts.append(time.thread_time())
         self.full.append(len(plan.reqs) == self.streams and all(n == 1 for n in plan.n_new))
         sampled = [r for r, n in zip(plan.reqs, plan.n_new, strict=True) if r.computed + n == r.tokens_len]
+        before_sync = self.runner.sampler.before_sync
+        if before_sync is not None:  # as the sampler does once the step is launched
+            before_sync()
         time.sleep(self.step_s)
         cache = self.runner.cache
         plan.batch.layers_done.update(range(cache.cfg.num_layers))  # no K/V written: never read
@@ -144,6 +147,8 @@ def serve(args: argparse.Namespace) -> None:
                 prof.disable()
 
         core_module.EngineCore._loop = profiled_loop  # type: ignore[method-assign]
+    if os.environ.get("SWITCH_INTERVAL"):
+        sys.setswitchinterval(float(os.environ["SWITCH_INTERVAL"]))
     n = args.streams[0]
     model = load_model(args.model_dir, load_format="dummy", device="cpu")
     per_seq = args.input_len + args.output_len + 64
@@ -155,6 +160,7 @@ def serve(args: argparse.Namespace) -> None:
         chunked_prefill_size=n * args.input_len,
         kv_plan="off",
     )
+    engine.core.set_flush_at_sync(args.flush == "at-sync")
     step = FixedStep(engine.core.runner, args.step_ms / 1e3, model.config.vocab_size, n)
     engine.core.runner.run = step  # type: ignore[method-assign]
     app = create_app(engine, ServerConfig())
@@ -205,7 +211,7 @@ def measure(args: argparse.Namespace, n: int, model_dir: Path, work: Path) -> di
     cmd = [sys.executable, __file__, "--serve", "--model-dir", str(model_dir), "--port", str(port),
            "--streams", str(n), "--step-ms", str(args.step_ms), "--input-len", str(args.input_len),
            "--output-len", str(args.output_len), "--result", str(result_file),
-           "--top", str(args.top)]  # fmt: skip
+           "--top", str(args.top), "--flush", args.flush]  # fmt: skip
     if args.profile:
         cmd.append("--profile")
     server = subprocess.Popen(cmd, env=env)
@@ -233,6 +239,12 @@ def main() -> None:
     ap.add_argument("--step-ms", type=float, default=30.0, help="the model step's fixed cost")
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=160)
+    ap.add_argument(
+        "--flush",
+        choices=("at-sync", "after-step"),
+        default="at-sync",
+        help="where the engine hands chunks to the loop: as on CUDA (at-sync) or on CPU (after-step)",
+    )
     ap.add_argument("--profile", action="store_true", help="cProfile the event loop and engine threads")
     ap.add_argument("--timeout", type=float, default=300, help="seconds one bench run may take")
     ap.add_argument("--top", type=int, default=25, help="profile lines per thread")

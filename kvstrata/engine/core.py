@@ -166,8 +166,19 @@ class EngineCore:
         self._closed = False
         self._post_lock = threading.Lock()
         self._outbox: dict[int, Any] = {}  # mailboxes given chunks since the last flush, by id
+        self.set_flush_at_sync(self.device.type == "cuda")
         self._thread = threading.Thread(target=self._loop, name="kvstrata-engine", daemon=True)
         self._thread.start()
+
+    def set_flush_at_sync(self, on: bool) -> None:
+        """Where streamed chunks leave: ``on`` (the CUDA default) holds a step's chunks until the next
+        step is launched and its sampler is about to wait for the device, so the event loop streams
+        them while the GPU computes instead of competing for the GIL with the step's planning and
+        launches (a token reaches its client one step's host time later; the step interval shrinks).
+        Off (the CPU default, where the forward itself is the host's work): at the end of each step.
+        """
+        self.flush_at_sync = on
+        self.runner.sampler.before_sync = self._flush_outbox if on else None
 
     # --- inbox (any thread) ---------------------------------------------------------------------
     def post(self, kind: str, payload: Any) -> None:
@@ -196,20 +207,23 @@ class EngineCore:
     def _loop(self) -> None:
         with torch.inference_mode():
             while not self.stopping:
+                stepped = False
                 try:
-                    self._iterate()
+                    stepped = self._iterate()
                 except Exception as exc:  # a failed step ends the requests in it, never the engine
                     log.exception("engine iteration failed")
                     self._fail(list(self.scheduler.running), exc)
-                self._flush_outbox()
+                if not (stepped and self.flush_at_sync and self.scheduler.has_work()):
+                    self._flush_outbox()  # else the next step's sampler flushes, before its read-back
             self._abort_all("engine shut down")
             self._flush_outbox()
 
-    def _iterate(self) -> None:
+    def _iterate(self) -> bool:
+        """Drain the inbox, then run one step (True when its forward pass ran) or wait for work."""
         self._drain_inbox()
         self.stats.queue_sizes(len(self.scheduler.running), len(self.scheduler.waiting))
         if self.stopping:
-            return
+            return False
         if self.drift is not None:
             # Pulled from the monitor, not handed over: a level change can never be lost between threads.
             level = self.drift.policy.level  # read once: window and codecs of the same level
@@ -220,11 +234,11 @@ class EngineCore:
                 self.cache.set_raised(raised)
         self.cache.pins.expire()  # also while idle: the loop wakes at least once a second
         if self.scheduler.has_work():
-            self._step()
-        else:
-            self._flush_outbox()  # what the inbox's commands delivered goes out before the wait
-            self._wake.wait(timeout=1.0)
-            self._wake.clear()
+            return self._step()
+        self._flush_outbox()  # what the inbox's commands delivered goes out before the wait
+        self._wake.wait(timeout=1.0)
+        self._wake.clear()
+        return False
 
     def _pending(self) -> Iterator[tuple[str, Any]]:
         """The inbox's messages, until it is empty."""
@@ -287,21 +301,23 @@ class EngineCore:
         self.cache.cache_prefix(req.seq)
         req.mm.pin_spans(req.prompt_ids, self.cache.pins, self.args.pin_ttl)
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
         try:
             plan = self.scheduler.schedule()
         except Exception as exc:  # planning failed (the cache rolled the step back): end what it picked
             log.exception("planning a step failed")
             self._fail(list(self.scheduler.running), exc)
-            return
+            return False
         self.stats.queue_sizes(len(self.scheduler.running), len(self.scheduler.waiting))
         if plan is None:
-            return
+            return False
         try:
             self._run(plan)
         except Exception as exc:  # the forward pass or sampling failed: end the requests of this step
             log.exception("engine step failed")
             self._fail(plan.reqs, exc)
+            return False
+        return True
 
     def _run(self, plan: StepPlan) -> None:
         sampled, out, logits = self.runner.run(plan)
@@ -312,7 +328,8 @@ class EngineCore:
                 req.prompt_cached = True
             if req.mm is not None and not req.mm.pinned and req.computed >= len(req.prompt_ids):
                 self._pin_images(req)
-        if out is None:
+        if out is None:  # no sampler ran, so nothing was flushed before the device
+            self._flush_outbox()
             self.stats.step(0, len(self.scheduler.running), len(self.scheduler.waiting))
             return
         for i, req in enumerate(sampled):
