@@ -19,6 +19,7 @@ from typing import Any
 
 from kvstrata.engine.core import EngineCore, ResultCallback
 from kvstrata.engine.delivery import LoopMailbox
+from kvstrata.engine.detokenizer import byte_table
 from kvstrata.engine.inputs import normalize_inputs
 from kvstrata.engine.kvplan import plan_summary
 from kvstrata.engine.loader import LoadedModel, load_model
@@ -61,6 +62,7 @@ class Engine:
         self.capacity_tokens = self.cache.num_pages * args.page_size  # text pool + raised pool
         self.max_context = self.config.max_position_embeddings
         self.eos_ids = frozenset(self.config.eos_token_ids)
+        byte_table(self.tokenizer)  # built (and checked) now, not in the first request's submission
         self._closed = False
         self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopMailbox] = (
             weakref.WeakKeyDictionary()
