@@ -24,6 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import attention_gpu as bench  # noqa: E402
 
+from kvstrata.quant.kernel_decode import kernel_format  # noqa: E402
+from kvstrata.quant.registry import get_codec  # noqa: E402
 from kvstrata.radix.kernels import attend as kernels  # noqa: E402
 
 CONTEXT, CHUNK = 32768, 2048
@@ -89,11 +91,23 @@ def case(kind: str, codec: str, batch: int):
     return (0, plan, q, k, v, 1 / math.sqrt(d), cache.pool, cache.ring, None), moved
 
 
+def entry(kind: str, codec: str) -> tuple[str, bool | str]:
+    """The launch table entry a variant of ``codec`` uses: (kind, 4-bit codes) for decode, (kind,
+    `extend_kind`) for extend."""
+    if kind == "decode":
+        return kind, codec in FOUR_BIT
+    fmt = kernel_format(get_codec(codec))[0]
+    return kind, kernels.extend_kind(fmt, fmt)
+
+
+def table_of(key: tuple[str, bool | str]) -> dict:
+    kind, which = key
+    return (kernels.EXTEND_LAUNCH if kind == "extend" else kernels.DECODE_LAUNCH)[which]
+
+
 def use(kind: str, codec: str, launch: dict | None) -> None:
-    if launch is None:
-        return
-    table = kernels.EXTEND_LAUNCH if kind == "extend" else kernels.DECODE_LAUNCH
-    table[codec in FOUR_BIT].update(launch)
+    if launch is not None:
+        table_of(entry(kind, codec)).update(launch)
 
 
 def warm(index: int) -> None:
@@ -119,9 +133,9 @@ def sdpa(kind: str, batch: int) -> float:
     return bench.bench(fn)
 
 
-def sweep() -> dict[tuple[str, bool], dict]:
-    """Time every variant; returns the fastest shape of each launch table entry (kind, 4-bit codes),
-    by the sum of its milliseconds over the swept batches."""
+def sweep() -> dict[tuple[str, bool | str], dict]:
+    """Time every variant; returns the fastest shape of each launch table entry (`entry`), by the sum
+    of its milliseconds over the swept batches."""
     rows = []
     base: dict[tuple[str, int], float] = {}
     built = first = None
@@ -162,12 +176,12 @@ def sweep() -> dict[tuple[str, bool], dict]:
         )
     total: dict[tuple, float] = {}
     for kind, codec, _, s, ms, _, _ in rows:
-        key = (kind, codec in FOUR_BIT, tuple(s.items()))
+        key = (entry(kind, codec), tuple(s.items()))
         total[key] = total.get(key, 0.0) + ms
-    best: dict[tuple[str, bool], dict] = {}
-    for kind, four_bit, items in sorted(total, key=total.get, reverse=True):
-        best[kind, four_bit] = dict(items)
-    print("\nfastest shapes (kind, 4-bit): " + "; ".join(f"{k}: {v}" for k, v in best.items()), flush=True)
+    best: dict[tuple[str, bool | str], dict] = {}
+    for which, items in sorted(total, key=total.get, reverse=True):
+        best[which] = dict(items)
+    print("\nfastest shapes (table entry): " + "; ".join(f"{k}: {v}" for k, v in best.items()), flush=True)
     return best
 
 
@@ -188,10 +202,8 @@ def main() -> None:
     else:
         best = sweep()
         if args.then_bench is not None:
-            for (kind, four_bit), launch in best.items():
-                (kernels.EXTEND_LAUNCH if kind == "extend" else kernels.DECODE_LAUNCH)[four_bit].update(
-                    launch
-                )
+            for which, launch in best.items():
+                table_of(which).update(launch)
             sys.argv = ["attention_gpu.py", *args.then_bench]
             bench.main()
 

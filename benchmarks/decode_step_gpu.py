@@ -23,12 +23,21 @@ lets two versions of the code be compared for token-for-token equality on the sa
 (`SlotPageTable`, the CUDA default: page tables and ring rows gathered on the device) and with them
 built from the sequences' lists every step (the CPU default), for the host time of ``begin_step``.
 
+``--dense torch,fused`` runs every codec with the dense half as the torch code (``fused.MODE = "off"``:
+RMSNorm, RoPE, SiLU*mul and residual adds as separate torch kernels) and with the fused Triton kernels
+of `kvstrata.engine.fused` (the CUDA default), one after the other in one process, so the two are
+measured on the same machine in one call. ``--profile FILE`` writes the profile of every run as
+markdown tables: kernel time per step by kind against the step's wall time (the rest is the GPU
+waiting on the host: launches, the plan, the sampler's read), and the top kernels; the matmul row
+also gives the rate the matmuls ran at (FLOP/s of ``2 x batch x weights`` and weight bytes/s).
+
 ``--geometry tiny --device cpu`` runs the same code on a small model on the CPU (a smoke test).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import statistics
@@ -37,6 +46,7 @@ from typing import Any
 
 import torch
 
+from kvstrata.engine import fused
 from kvstrata.engine.attention import get_backend
 from kvstrata.engine.config import ModelConfig
 from kvstrata.engine.cuda_graph import DecodeGraphs
@@ -258,7 +268,7 @@ def profile_steps(decoder: Decoder, steps: int, device: torch.device) -> dict[st
     by_name: dict[str, float] = {}
     for s, e, name in leaves:
         by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + (e - s)
-        by_name[name] = by_name.get(name, 0.0) + (e - s)
+        by_name[name[:90]] = by_name.get(name[:90], 0.0) + (e - s)  # names as printed, summed
     wall = t1 - t0
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
     return {
@@ -270,7 +280,7 @@ def profile_steps(decoder: Decoder, steps: int, device: torch.device) -> dict[st
         "kernel_ms_per_step_by_kind": {
             k: v / steps / 1e3 for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])
         },
-        "top_kernels_ms_per_step": {name[:90]: v / steps / 1e3 for name, v in top},
+        "top_kernels_ms_per_step": {name: v / steps / 1e3 for name, v in top},
     }
 
 
@@ -282,6 +292,7 @@ def kernel_kind(name: str) -> str:
     lowered = name.lower()
     for kind, keys in (
         ("attention (Triton)", ("_attend_kernel", "_merge_kernel")),
+        ("fused dense (Triton)", ("rms_norm_kernel", "silu_mul_kernel", "rope_qkv_kernel")),
         ("page quantize (Triton)", ("_page_quantize",)),
         ("matmul (cuBLAS/CUTLASS)", ("gemm", "nvjet", "cutlass", "sm90_xmma", "gemv")),
         ("copies", ("memcpy", "memset", "copy_kernel")),
@@ -293,9 +304,13 @@ def kernel_kind(name: str) -> str:
 
 
 def run_codec(
-    net: Any, cfg: ModelConfig, kv: str, plan: str, args: argparse.Namespace, bw: float
+    net: Any, cfg: ModelConfig, kv: str, plan: str, dense: str, args: argparse.Namespace, bw: float
 ) -> dict[str, Any]:
     device = net.device
+    fused.MODE = DENSE_MODES[dense]
+    gc.collect()  # the previous run's cache (reference cycles) before this one's: two BF16 caches
+    if device.type == "cuda":  # of 256 x 2K tokens do not fit one GPU
+        torch.cuda.empty_cache()
     total = args.context + args.warmup + args.steps + args.profile_steps + 1
     cache = build_cache(net, cfg, kv, args.batch, total)
     if plan == "lists":  # the plan's page tables and ring rows built on the host every step
@@ -335,6 +350,7 @@ def run_codec(
     return {
         "kv": kv,
         "plan": plan,
+        "dense": dense,
         "ms_per_step": ms,
         "ms_mean": 1e3 * statistics.mean(times),
         "ms_spread": [1e3 * min(times), 1e3 * max(times)],
@@ -346,6 +362,42 @@ def run_codec(
         "tokens_sha1": tokens,
         "profile": prof,
     }
+
+
+DENSE_MODES = {"torch": "off", "fused": "auto"}
+
+
+def profile_table(r: dict[str, Any], batch: int) -> str:
+    """Markdown: kernel ms per step by kind against the step's wall time, then the top kernels."""
+    p = r["profile"]
+    if not p:
+        return ""
+    wall = p["wall_ms_per_step"]
+    kinds = p["kernel_ms_per_step_by_kind"]
+    weight_bytes = r["weight_bytes"]
+    lines = [
+        f"#### dense {r['dense']}, history {r['kv']}, plan {r['plan']}: {p['kernels_per_step']:.0f} kernels "
+        f"per step, profiled wall {wall:.2f} ms/step",
+        "",
+        "| kind | ms/step | share of wall |",
+        "|---|---:|---:|",
+    ]
+    for kind, ms in kinds.items():
+        note = ""
+        if kind.startswith("matmul") and ms > 0:
+            params = weight_bytes / 2  # BF16 weights
+            note = (
+                f" ({2 * batch * params / (ms * 1e-3) / 1e12:.0f} TFLOP/s, "
+                f"{weight_bytes / (ms * 1e-3) / 1e12:.2f} TB/s of weights)"
+            )
+        lines.append(f"| {kind}{note} | {ms:.2f} | {100 * ms / wall:.1f}% |")
+    kernel_ms = sum(kinds.values())
+    lines.append(f"| all kernels | {kernel_ms:.2f} | {100 * kernel_ms / wall:.1f}% |")
+    gap = wall - kernel_ms
+    lines.append(f"| no kernel running (launch/host gaps) | {gap:.2f} | {100 * gap / wall:.1f}% |")
+    lines += ["", "| top kernels | ms/step |", "|---|---:|"]
+    lines += [f"| `{name}` | {ms:.3f} |" for name, ms in p["top_kernels_ms_per_step"].items()]
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -366,6 +418,13 @@ def main() -> None:
         help="comma-separated: table (page tables gathered from the cache's device table), lists "
         "(built from the sequences' lists every step); each runs every codec",
     )
+    ap.add_argument(
+        "--dense",
+        default="fused",
+        help="comma-separated: torch (the dense half as torch ops), fused (the Triton kernels of "
+        "kvstrata.engine.fused, the CUDA default); each runs every codec",
+    )
+    ap.add_argument("--profile", default=None, help="write the kernel tables (markdown) here")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -373,13 +432,19 @@ def main() -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     net = dummy_model(cfg, dtype, device, seed=args.seed)
     bw = hbm_bandwidth(device) if device.type == "cuda" else 50e9
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    denses = args.dense.split(",")
+    if unknown := set(denses) - set(DENSE_MODES):
+        ap.error(f"--dense takes {', '.join(DENSE_MODES)}, got {', '.join(sorted(unknown))}")
     results = [
-        run_codec(net, cfg, kv, plan, args, bw) for plan in args.plan.split(",") for kv in args.kv.split(",")
+        run_codec(net, cfg, kv, plan, dense, args, bw)
+        for dense in denses
+        for plan in args.plan.split(",")
+        for kv in args.kv.split(",")
     ]
     print(
         f"\ndecode step, {args.geometry} geometry (random BF16 weights), batch {args.batch}, context "
-        f"{args.context}; {name}, torch {torch.__version__}; copy bandwidth {bw / 1e9:.0f} GB/s\n"
+        f"{args.context}; {gpu}, torch {torch.__version__}; copy bandwidth {bw / 1e9:.0f} GB/s\n"
     )
     print(
         "| code | history | ms/step (median) | mean | floor ms (weights + KV read) | ratio | begin_step ms "
@@ -389,7 +454,8 @@ def main() -> None:
     for r in results:
         p = r["profile"]
         print(
-            f"| {args.label} {r['plan']} | {r['kv']} | {r['ms_per_step']:.2f} | {r['ms_mean']:.2f} "
+            f"| {args.label} {r['plan']} {r['dense']} | {r['kv']} | {r['ms_per_step']:.2f} "
+            f"| {r['ms_mean']:.2f} "
             f"| {r['floor_ms']:.2f} "
             f"({(r['weight_bytes'] + r['kv_bytes']) / 1e9:.1f} GB) | {r['ratio']:.2f}x "
             f"| {r['begin_step_ms']:.2f} | {p.get('busy_ms_per_step', float('nan')):.2f} "
@@ -398,12 +464,16 @@ def main() -> None:
     for r in results:
         kinds = r["profile"].get("kernel_ms_per_step_by_kind", {})
         parts = ", ".join(f"{k} {v:.2f}" for k, v in kinds.items())
-        print(f"{args.label} {r['plan']} {r['kv']}: kernel ms/step by kind: {parts}")
-        for name, ms in r["profile"].get("top_kernels_ms_per_step", {}).items():
-            print(f"    {ms:7.3f} ms  {name}")
+        print(f"{args.label} {r['plan']} {r['dense']} {r['kv']}: kernel ms/step by kind: {parts}")
+        for kernel, ms in r["profile"].get("top_kernels_ms_per_step", {}).items():
+            print(f"    {ms:7.3f} ms  {kernel}")
+    if args.profile:
+        with open(args.profile, "w") as f:
+            f.write(f"decode step profile, batch {args.batch}, context {args.context}, {gpu}\n\n")
+            f.write("\n".join(profile_table(r, args.batch) for r in results))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"label": args.label, "device": name, "bandwidth": bw, "results": results}, f, indent=1)
+            json.dump({"label": args.label, "device": gpu, "bandwidth": bw, "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -136,6 +136,7 @@ class EngineCore:
             OutOfPages,
             OutOfSlots,
             self._finish,
+            mixed_chunk=args.enable_mixed_chunk,
         )
         self.stats = StatsCollector()
         self.drift: DriftMonitor | None = None

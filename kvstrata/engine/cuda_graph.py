@@ -35,6 +35,7 @@ log = logging.getLogger("kvstrata.engine")
 FIRST_SIZES = (1, 2, 4, 8)
 SIZE_STEP = 8  # after 8: 16, 24, 32, ... as SGLang captures
 ALLOCATOR_SLACK = 64 << 20  # the caching allocator's segment rounding (2 MiB blocks and up)
+Buffers = tuple[Tensor, Tensor, Tensor, Tensor]  # residual stream x, q, k, v
 
 
 def capture_sizes(max_bs: int) -> list[int]:
@@ -87,22 +88,26 @@ class DecodePieces:
         self.net = net
         self.num_layers = len(net.layers)
 
-    def first(self, ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-        """-> residual x, cos, sin, q, k, v of layer 0."""
+    def first(
+        self, ids: Tensor, positions: Tensor, out: Buffers | None = None
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """-> residual x, cos, sin, q, k, v of layer 0; x, q, k, v written into ``out`` if given."""
         x = self.net.embed(ids)
         cos, sin = self.net.rope(positions)
-        return (x, cos, sin, *self.net.layers[0].pre_attn(x, cos, sin))
+        x, q, k, v = self.net.layers[0].pre_attn(x, cos, sin, out=out)
+        return x, cos, sin, q, k, v
 
     def middle(
-        self, layer: int, x: Tensor, attn_out: Tensor, cos: Tensor, sin: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Layer ``layer - 1`` after attention, then layer ``layer`` up to attention: x, q, k, v."""
-        x = self.net.layers[layer - 1].post_attn(x, attn_out)
-        return (x, *self.net.layers[layer].pre_attn(x, cos, sin))
+        self, layer: int, x: Tensor, attn_out: Tensor, cos: Tensor, sin: Tensor, out: Buffers | None = None
+    ) -> Buffers:
+        """Layer ``layer - 1`` after attention, then layer ``layer`` up to attention: x, q, k, v (the
+        residual add between them fused with the norm on CUDA), written into ``out`` if given."""
+        x, mlp_out = self.net.layers[layer - 1].post_attn(x, attn_out)
+        return self.net.layers[layer].pre_attn(x, cos, sin, delta=mlp_out, out=out)
 
     def last(self, x: Tensor, attn_out: Tensor) -> Tensor:
-        x = self.net.layers[-1].post_attn(x, attn_out)
-        return self.net.lm_head(self.net.norm(x)).float()
+        x, mlp_out = self.net.layers[-1].post_attn(x, attn_out)
+        return self.net.lm_head(self.net.norm.add_forward(x, mlp_out)[1]).float()
 
     def forward(self, ids: Tensor, positions: Tensor, attn: AttnFn) -> Tensor:
         """The pieces chained eagerly: float32 logits of every row, as ``net(ids, positions, attn)``."""
@@ -149,22 +154,21 @@ class DecodeGraphs:
         return self.sizes[i] if i < len(self.sizes) else None
 
     # --- the pieces on the static buffers -------------------------------------------------------------
+    def _outs(self, bs: int) -> Buffers:
+        """Where the pieces write the residual stream and q, k, v: the static buffers' first rows."""
+        return self.x[:bs], self.q[:bs], self.k[:bs], self.v[:bs]
+
     def _first(self, bs: int) -> None:
-        x, cos, sin, q, k, v = self.pieces.first(self.inputs[0, :bs], self.inputs[1, :bs])
-        for dst, src in (
-            (self.x, x),
-            (self.cos, cos),
-            (self.sin, sin),
-            (self.q, q),
-            (self.k, k),
-            (self.v, v),
-        ):
-            dst[:bs].copy_(src)
+        _, cos, sin, *_ = self.pieces.first(self.inputs[0, :bs], self.inputs[1, :bs], out=self._outs(bs))
+        self.cos[:bs].copy_(cos)
+        self.sin[:bs].copy_(sin)
 
     def _middle(self, layer: int, bs: int) -> None:
-        x, q, k, v = self.pieces.middle(layer, self.x[:bs], self.attn_out[:bs], self.cos[:bs], self.sin[:bs])
-        for dst, src in ((self.x, x), (self.q, q), (self.k, k), (self.v, v)):
-            dst[:bs].copy_(src)
+        # reads the residual stream from self.x and writes the next one there: post_attn's sum is a
+        # new tensor, computed before pre_attn writes
+        self.pieces.middle(
+            layer, self.x[:bs], self.attn_out[:bs], self.cos[:bs], self.sin[:bs], out=self._outs(bs)
+        )
 
     def _last(self, bs: int) -> None:
         self.logits[:bs].copy_(self.pieces.last(self.x[:bs], self.attn_out[:bs]))

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kvstrata.engine import fused
 from kvstrata.engine.config import ModelConfig
 from kvstrata.engine.rope import rope_inv_freq
 
@@ -63,11 +64,21 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        if fused.applies(x) and x.dim() == 2 and self.weight.dtype == x.dtype:
+            return fused.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # same values as below, fewer ops
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+    def add_forward(self, x: Tensor, delta: Tensor, out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """The residual add and the norm of its result: ``(x + delta, self(x + delta))``, one kernel on
+        CUDA (`fused.add_rms_norm`); the sum is written into ``out`` if given."""
+        if fused.applies(x) and x.dim() == 2 and self.weight.dtype == x.dtype:
+            return fused.add_rms_norm(x, delta, self.weight, self.eps, out)
+        total = x + delta if out is None else torch.add(x, delta, out=out)
+        return total, self(total)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -91,17 +102,29 @@ class Attention(nn.Module):
         # without their large per-channel offsets.
         self.key_center: Tensor | None = None
 
-    def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """q [T, Hq, D], k, v [T, Hkv, D] after q/k-norm and RoPE."""
+    def project(
+        self, x: Tensor, cos: Tensor, sin: Tensor, out: tuple[Tensor, Tensor, Tensor] | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """q [T, Hq, D], k, v [T, Hkv, D] after q/k-norm and RoPE, written into ``out`` if given (the
+        CUDA graphs' static buffers). On CUDA RoPE and the split are one kernel (`fused.rope_qkv`)."""
         T, hq = x.shape[0], self.q_heads
         qk, v = self.wqkv(x).split(self.splits, dim=-1)
         qk = qk.view(T, hq + self.kv_heads, self.head_dim)
         v = v.view(T, self.kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :hq]), self.k_norm(qk[:, hq:])), dim=1)
+        if fused.applies(qk) and cos.dtype == qk.dtype:
+            q, k, v = fused.rope_qkv(qk, v, cos, sin, hq, out)
+            if self.key_center is not None:
+                k.sub_(self.key_center)  # k is the kernel's output: a new tensor or the caller's buffer
+            return q, k, v
         qk = apply_rope(qk, cos, sin)
         k = qk[:, hq:] if self.key_center is None else qk[:, hq:] - self.key_center
-        return qk[:, :hq], k, v
+        if out is None:
+            return qk[:, :hq], k, v
+        for dst, src in zip(out, (qk[:, :hq], k, v), strict=True):
+            dst.copy_(src)
+        return out
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer_idx: int, attn: AttnFn) -> Tensor:
         out = attn(layer_idx, *self.project(x, cos, sin))
@@ -115,7 +138,10 @@ class MLP(nn.Module):
         self.w2 = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)  # down
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.w13(x).chunk(2, dim=-1)
+        gate_up = self.w13(x)
+        if fused.applies(gate_up) and gate_up.dim() == 2:
+            return self.w2(fused.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.w2(F.silu(gate) * up)
 
 
@@ -128,17 +154,35 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer_idx: int, attn: AttnFn) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, layer_idx, attn)
-        return x + self.mlp(self.mlp_norm(x))
+        x, h = self.mlp_norm.add_forward(x, self.attn(self.attn_norm(x), cos, sin, layer_idx, attn))
+        return x + self.mlp(h)
 
     # The two halves of `forward` around attention, for the piecewise CUDA graphs (cuda_graph.py).
-    def pre_attn(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        return self.attn.project(self.attn_norm(x), cos, sin)
+    def pre_attn(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        delta: Tensor | None = None,
+        out: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The layer up to attention: the residual stream and q, k, v. ``delta`` (the previous layer's
+        MLP output, see `post_attn`) is added to ``x`` first, in one kernel with the norm on CUDA;
+        ``out`` (residual, q, k, v) are buffers to write into."""
+        x_out, qkv_out = (None, None) if out is None else (out[0], out[1:])
+        if delta is not None:
+            x, h = self.attn_norm.add_forward(x, delta, out=x_out)
+        else:
+            if x_out is not None:
+                x = x_out.copy_(x)
+            h = self.attn_norm(x)
+        return (x, *self.attn.project(h, cos, sin, out=qkv_out))  # type: ignore[arg-type]
 
-    def post_attn(self, x: Tensor, attn_out: Tensor) -> Tensor:
-        """``x`` [T, hidden] plus the output projection of ``attn_out`` [T, Hq, D], then the MLP."""
-        x = x + self.attn.wo(attn_out.reshape(x.shape[0], -1))
-        return x + self.mlp(self.mlp_norm(x))
+    def post_attn(self, x: Tensor, attn_out: Tensor) -> tuple[Tensor, Tensor]:
+        """``x`` [T, hidden] plus the output projection of ``attn_out`` [T, Hq, D], and the MLP's
+        output on it, not yet added: the layer's output is their sum (the next `pre_attn`'s ``delta``)."""
+        x, h = self.mlp_norm.add_forward(x, self.attn.wo(attn_out.reshape(x.shape[0], -1)))
+        return x, self.mlp(h)
 
 
 class Transformer(nn.Module):
@@ -249,7 +293,8 @@ class Transformer(nn.Module):
         at = None
         if logits_from:
             at = (
-                torch.arange(B, device=input_ids.device).view(B, 1) * T + torch.arange(logits_from, T)
+                torch.arange(B, device=input_ids.device).view(B, 1) * T
+                + torch.arange(logits_from, T, device=input_ids.device)
             ).view(-1)
         return self(input_ids.reshape(-1), positions, attn, logits_at=at).view(B, T - logits_from, -1)
 

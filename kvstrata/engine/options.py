@@ -40,6 +40,9 @@ class EngineArgs:
     mem_fraction_static: float | None = None  # share of free memory for the cold pool
     max_running_requests: int = 32
     chunked_prefill_size: int = 512
+    # Prefill chunks share a step with the running decodes (SGLang's flag); off: prefill-only steps
+    # while prompt tokens can be scheduled, decode-only steps otherwise (scheduler.py).
+    enable_mixed_chunk: bool = False
     device: str = "auto"
     drift_sample_rate: float = 0.0  # share of finished requests re-scored without quantization
     drift_threshold: float = 0.05  # smoothed drift (|ppl ratio - 1| or KL) that triggers fallback

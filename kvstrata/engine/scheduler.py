@@ -1,8 +1,11 @@
 """Continuous batching over the stratified cache: admission, chunked prefill, preemption, abort.
 
-Every step is one varlen forward that mixes the running decodes (one token each) with prefill
-chunks (at most ``chunk_size`` tokens in all) of requests that are still reading their prompt,
-oldest first, then newly admitted ones. A request is admitted when a ring slot is free
+A step is one varlen forward. Prefill chunks (at most ``chunk_size`` tokens in all) go to requests
+still reading their prompt, oldest first, then to newly admitted ones. By default (SGLang's, whose
+``--enable-mixed-chunk`` opts in to mixing) a step that has prefill chunks runs them alone: the
+running decodes wait until no prompt token can be scheduled, then run as a decode-only step (the
+batch the CUDA graphs capture). With ``mixed_chunk`` every step carries the running decodes (one
+token each) beside the chunks. A request is admitted when a ring slot is free
 (``cache.admit`` matches its cached prefix, so cached tokens skip prefill), when the pages that are
 free or evictable cover what it and the running requests will still write (the reserve below), and
 when the step's pages can be taken (``cache.begin_step``, which first evicts unlocked tree leaves).
@@ -48,8 +51,10 @@ class Scheduler:
         out_of_pages: type[Exception],
         out_of_slots: type[Exception],
         end_request: Callable[[Request, dict[str, Any]], None],
+        mixed_chunk: bool = False,
     ) -> None:
         self.cache = cache
+        self.mixed_chunk = mixed_chunk  # decodes ride along in prefill steps
         self.max_running = max_running
         self.chunk_size = chunk_size
         self.OutOfPages = out_of_pages
@@ -121,7 +126,7 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         """Pick this step's tokens and reserve their pages; None when there is nothing to run."""
         while self.running or self.waiting:
-            plan = self._reserve(*self._pick())
+            plan = self._plan()
             if plan is not None:
                 self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
                 for req in plan.reqs:
@@ -139,6 +144,15 @@ class Scheduler:
                     self.waiting[0], {"type": "abort", "message": "prompt does not fit the KV pool"}
                 )
         return None
+
+    def _plan(self) -> StepPlan | None:
+        """The step's plan: prefill chunks alone when there are any (unless ``mixed_chunk``); when
+        none of their pages can be found, the decodes alone; None when the decodes cannot grow."""
+        decode, chunks, admitted = self._pick()
+        if self.mixed_chunk or not chunks:
+            return self._reserve(decode, chunks, admitted)
+        plan = self._reserve([], chunks, admitted)
+        return plan if plan is not None else self._reserve(decode, [], [])
 
     def _pick(self) -> tuple[list[Request], list[tuple[Request, int]], list[Request]]:
         decode = [r for r in self.running if not r.in_prefill]

@@ -228,6 +228,13 @@ FLAGS: tuple[Flag, ...] = (
         True,
     ),
     Flag(
+        "enable_mixed_chunk",
+        _bool,
+        None,
+        "running decodes share steps with prefill chunks (default off)",
+        True,
+    ),
+    Flag(
         "drift_raise_dtype",
         str,
         None,
@@ -274,6 +281,7 @@ class ServerConfig:
     disable_cuda_graph: bool | None = None
     cuda_graph_max_bs: int | None = None
     chunked_prefill_size: int | None = None
+    enable_mixed_chunk: bool | None = None
     drift_raise_dtype: str | None = None
     drift_raise_share: float | None = None
 

@@ -122,3 +122,33 @@ def test_with_a_raised_pool_level_one_raises_precision_and_the_window_steps_come
     stats = feed_uniform_served(mon, 5)
     assert levels == [(1, 32), (2, 64), (3, 128)]  # max_level counts the window steps after the raise
     assert stats.level == 3 and stats.raised and stats.window == 128
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dense_forward_logits_from_equals_the_tail_of_the_full_logits(device):
+    """The drift monitor's reference pass keeps only the tail's logits; on every device (on CUDA the
+    row index was once built on the CPU and failed) they equal the full computation's tail."""
+    from kvstrata.engine.config import ModelConfig
+    from kvstrata.engine.loader import dummy_model
+
+    cfg = ModelConfig.from_hf(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": 97,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 64,
+        }
+    )
+    net = dummy_model(cfg, torch.float32, torch.device(device), seed=0)
+    ids = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(1)).to(device)
+    full = net.dense_forward(ids)
+    tail = net.dense_forward(ids, logits_from=13)
+    assert tail.shape == (2, 7, 97) and tail.device.type == device
+    torch.testing.assert_close(tail, full[:, 13:], rtol=1e-5, atol=1e-5)

@@ -139,9 +139,10 @@ def test_extend_8_and_16_bit_tiles(codec, block_n, prefetch, device, monkeypatch
     tile ahead."""
     from kvstrata.radix.kernels import attend
 
-    monkeypatch.setitem(attend.EXTEND_LAUNCH[False], "prefetch", prefetch)
-    if block_n is not None:
-        monkeypatch.setitem(attend.EXTEND_LAUNCH[False], "block_n", block_n)
+    for kind in ("raw", "8bit"):
+        monkeypatch.setitem(attend.EXTEND_LAUNCH[kind], "prefetch", prefetch)
+        if block_n is not None:
+            monkeypatch.setitem(attend.EXTEND_LAUNCH[kind], "block_n", block_n)
     cache = make_cache(codec, device, sinks=codec == "fp8_e4m3")
     assert check_steps(cache, [3, 70, 300], steps=1, n_new=9, tol=2e-5) == 3
 
@@ -170,9 +171,39 @@ def test_bfloat16_model_with_fp16_code_operands(codec, device, monkeypatch):
     sinks, and extend (partial last tiles): BF16-level error."""
     from kvstrata.radix.kernels import attend
 
-    for table in (attend.DECODE_LAUNCH, attend.EXTEND_LAUNCH):
-        monkeypatch.setitem(table[False], "f16_codes", True)
+    for table, key in ((attend.DECODE_LAUNCH, False), (attend.EXTEND_LAUNCH, "8bit")):
+        monkeypatch.setitem(table[key], "f16_codes", True)
     cache = make_cache(codec, device, dtype=torch.bfloat16, sinks=True)
     check_steps(cache, [12, 50, 99], steps=2, n_new=1, tol=1.5e-2, dtype=torch.bfloat16, splits=2)
     cache = make_cache(codec, device, dtype=torch.bfloat16)
     check_steps(cache, [30, 70], steps=1, n_new=9, tol=1.5e-2, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompts_without_history_take_causal_sdpa(device, dtype):
+    """Fresh prompts (no cold page, ring row or sink) in groups of 20 and 7 new tokens go through
+    torch SDPA (`prompt_only`); the same groups through the kernel, and a group where one sequence
+    has history (kernel only), agree with the float64 reference."""
+    from kvstrata.radix.kernels import attend
+
+    tol = 2e-5 if dtype == torch.float32 else 1.5e-2
+    g = torch.Generator().manual_seed(5)
+    cache = make_cache("fp8_e4m3", device, sinks=True, dtype=dtype)
+    old = fill(cache, [40], g, HQ, SCALE)
+    fresh = [cache.admit(list(range(5000 * i, 5000 * i + 40))) for i in range(1, 4)]
+    for seqs, n_new, want in (
+        (fresh, [20, 20, 7], [True, True]),
+        ([*fresh[:2], old[0]], [20, 20, 20], [False]),
+    ):
+        batch = cache.begin_step(seqs, n_new)
+        assert [attend.prompt_only(grp) for grp in batch.groups] == want
+        T = sum(n_new)
+        q, k, v = (torch.randn(T, n, D, generator=g).to(cache.device, dtype) for n in (HQ, HKV, HKV))
+        ref = reference_attend(cache, batch, q, k, v, SCALE)
+        got = kernel_attend(cache, batch, q, k, v, SCALE)
+        by_kernel = kernel_attend(cache, batch, q, k, v, SCALE, splits=1)  # attend_group per group
+        assert got.dtype == dtype
+        assert rel_err(got.cpu(), ref) < tol and rel_err(by_kernel.cpu(), ref) < tol
+        cache.cancel_step(batch)
+    cache.check_invariants()

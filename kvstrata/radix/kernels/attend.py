@@ -32,6 +32,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -45,6 +46,7 @@ from kvstrata.quant.kernel_decode import (
     tile_codes,
     value_tile_scales,
 )
+from kvstrata.radix.kernels.jit import jit_unspecialized
 from kvstrata.radix.plan import GroupPlan, StepBatch
 from kvstrata.radix.pool import ColdPool, as_raw
 from kvstrata.radix.ring import HotRing
@@ -88,10 +90,24 @@ DECODE_LAUNCH = {
         f16_codes=False,
     ),
 }
-# Extend: 128 query rows a tile; 8/16-bit codes by keys, 128 a tile, 3 pipeline stages (BF16 history:
-# 3.11 ms against 3.65 with 2); 4-bit by blocks. Extend does not split.
+# Extend, by the layer's codes (`extend_kind`): 128 query rows a tile. BF16/FP32 history ("raw"): 64
+# keys a tile, 4 pipeline stages, page-table entries a tile ahead (`prefetch`: three tiles of K/V
+# copies in flight; H200, 2K chunk over 30K: 2.692 ms against 3.101 for the 8-bit shape, 0.66x SDPA
+# in `attention_sweep.py`). 8-bit codes by keys, 128 a tile, 3 stages (FP8 4.904 ms; the raw shape
+# took 9.526). 4-bit by blocks. Extend does not split.
 EXTEND_LAUNCH = {
-    False: dict(
+    "raw": dict(
+        block_m=128,
+        block_n=64,
+        blocks=8,
+        num_warps=8,
+        num_stages=4,
+        by_blocks=False,
+        prefetch=True,
+        programs=0,
+        f16_codes=True,
+    ),
+    "8bit": dict(
         block_m=128,
         block_n=128,
         blocks=8,
@@ -102,7 +118,7 @@ EXTEND_LAUNCH = {
         programs=0,
         f16_codes=True,
     ),
-    True: dict(
+    "4bit": dict(
         block_m=128,
         block_n=64,
         blocks=4,
@@ -310,7 +326,10 @@ def _channels(HALF: tl.constexpr, BLOCK: tl.constexpr):
         return i, i
 
 
-@triton.jit
+@jit_unspecialized(
+    ints=("pt_stride", "rr_stride", "pages_per_split", "num_splits", "tail_split"),
+    pointers=("PT", "COLD_LEN", "ST", "SINK_OK", "RR", "RING_LEN"),
+)
 def _attend_kernel(
     Q,
     KN,
@@ -523,7 +542,7 @@ def _attend_kernel(
                  mask=row_ok[:, None] & (cv1 < D)[None, :])  # fmt: skip
 
 
-@triton.jit
+@jit_unspecialized(ints=("num_splits",))
 def _merge_kernel(PO, PL, OUT, num_splits, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
     """Combine the splits of one (token, query head) row by their base-2 log-sum-exp."""
     row = tl.program_id(0).to(tl.int64)
@@ -539,6 +558,13 @@ def _merge_kernel(PO, PL, OUT, num_splits, D: tl.constexpr, BLOCK_D: tl.constexp
     )
     out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
     tl.store(OUT + row * D + d, out.to(OUT.dtype.element_ty), mask=d < D)
+
+
+def extend_kind(k_fmt: int, v_fmt: int) -> str:
+    """The `EXTEND_LAUNCH` entry of a layer whose keys and values have these kernel formats."""
+    if k_fmt in HALF_FORMATS or v_fmt in HALF_FORMATS:
+        return "4bit"
+    return "raw" if k_fmt == 0 and v_fmt == 0 else "8bit"
 
 
 def _num_splits(programs: int, max_pages: int, target: int) -> int:
@@ -650,7 +676,7 @@ def _attend_pass(
     # Cold tiles of whole 16-token blocks (one key-scale vector each) need pages of a multiple of 16
     # tokens; other page sizes read keys across pages (`_cold_tile`).
     four_bit = k_fmt in HALF_FORMATS or v_fmt in HALF_FORMATS
-    launch = (DECODE_LAUNCH if T == 1 else EXTEND_LAUNCH)[four_bit]
+    launch = DECODE_LAUNCH[four_bit] if T == 1 else EXTEND_LAUNCH[extend_kind(k_fmt, v_fmt)]
     fold = page % 16 == 0 and launch["by_blocks"]
     half_k, half_v = fold and k_fmt in HALF_FORMATS, fold and v_fmt in HALF_FORMATS
     block_m = max(16, min(launch["block_m"], triton.next_power_of_2(T * group)))
@@ -729,6 +755,30 @@ def _take(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     return (x if rows is None else x.index_select(0, rows)).contiguous()
 
 
+def prompt_only(g: GroupPlan) -> bool:
+    """Prompts read from their first token: several new tokens a sequence and no history (no cold,
+    image or raised page, ring row or sink page), so attention is plain causal attention. Read from
+    the plan's host lists, which `build_step` fills (the decode-graph plans of the SGLang plugin keep
+    placeholder zeros there, but have one token a sequence)."""
+    history = (g.cold_pages, g.image_pages, g.raised_pages, g.ring_len, g.sink_valid)
+    return g.tokens > 1 and not any(any(part) for part in history)
+
+
+def causal_sdpa(
+    g: GroupPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """`prompt_only` groups: torch SDPA (flash on CUDA) over ``[B, heads, T, D]`` views, causal, GQA."""
+    B, T = g.batch, g.tokens
+
+    def heads_first(x: torch.Tensor) -> torch.Tensor:
+        return x.view(B, T, *x.shape[1:]).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(
+        heads_first(q), heads_first(k), heads_first(v), is_causal=True, scale=scale, enable_gqa=True
+    )
+    return out.transpose(1, 2).reshape(q.shape)
+
+
 def attend(
     layer: int,
     batch: StepBatch,
@@ -744,18 +794,20 @@ def attend(
 ) -> torch.Tensor:
     """Causal attention of the step's new tokens over each sequence's strata: ``[T, Hq, D]`` in q's
     dtype, as `kvstrata.radix.attention.attend` computes it (same plan, same keys; image pages from
-    ``image_pool`` when the plan has them)."""
-    if len(batch.groups) == 1 and batch.groups[0].rows is None:
-        g = batch.groups[0]
+    ``image_pool`` when the plan has them). Groups of prompts with no history (`prompt_only`) take
+    torch SDPA (`causal_sdpa`), the others the kernel."""
+
+    def group_out(g: GroupPlan) -> torch.Tensor:
+        gq, gk, gv = _take(q, g.rows), _take(k, g.rows), _take(v, g.rows)
+        if prompt_only(g):
+            return causal_sdpa(g, gq, gk, gv, scale)
         return attend_group(
-            layer, g, _take(q, None), _take(k, None), _take(v, None), scale, pool, ring, sinks,
-            image_pool=image_pool, raised_pool=raised_pool,
-        )  # fmt: skip
+            layer, g, gq, gk, gv, scale, pool, ring, sinks, image_pool=image_pool, raised_pool=raised_pool
+        )
+
+    if len(batch.groups) == 1 and batch.groups[0].rows is None:
+        return group_out(batch.groups[0])
     out = torch.empty_like(q)
     for g in batch.groups:
-        got = attend_group(
-            layer, g, _take(q, g.rows), _take(k, g.rows), _take(v, g.rows), scale, pool, ring, sinks,
-            image_pool=image_pool, raised_pool=raised_pool,
-        )  # fmt: skip
-        out.index_copy_(0, g.rows, got)
+        out.index_copy_(0, g.rows, group_out(g))
     return out

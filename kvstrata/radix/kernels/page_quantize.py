@@ -15,6 +15,7 @@ import triton.language as tl
 
 from kvstrata.quant.kernel_encode import encode_store, to_storage
 from kvstrata.radix.attention import write_ring
+from kvstrata.radix.kernels.jit import jit_unspecialized
 from kvstrata.radix.plan import StepBatch, WritePlan
 from kvstrata.radix.pool import ColdPool, WriteCounts, as_raw
 from kvstrata.radix.ring import HotRing
@@ -97,7 +98,7 @@ def _quantize_head(
     tl.store(STATS + stat_off + 1, nonfinite)
 
 
-@triton.jit
+@jit_unspecialized(pointers=("SRC", "PAGE_IDS", "SINK_SLOTS"))
 def _page_quantize_kernel(
     RK,
     RV,

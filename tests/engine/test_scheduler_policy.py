@@ -1,0 +1,101 @@
+"""Prefill-only steps (the default, SGLang's) against mixed steps (``enable_mixed_chunk``): which
+requests a step carries, the fallback to a decode step when no chunk gets pages, and equal greedy
+outputs either way."""
+
+from __future__ import annotations
+
+from test_scheduler_cache import make, request, run
+
+from kvstrata.engine.engine import Engine
+from kvstrata.radix import OutOfPages
+
+
+def two_requests(mixed: bool) -> tuple[list[list[str]], list]:
+    """A (16-token prompt) runs alone for one step; then B (48 tokens, 16-token chunks) arrives.
+    Returns the request ids of each of the next five steps, and the two requests."""
+    cache, sched, ended = make(num_pages=32)
+    sched.mixed_chunk = mixed
+    sched.chunk_size = 16
+    a = request("a", list(range(100, 116)), max_new=20)
+    sched.add(a)
+    run(cache, sched)  # A's prompt; A now decodes
+    b = request("b", list(range(300, 348)), max_new=20)
+    sched.add(b)
+    steps = []
+    for _ in range(5):
+        reqs = run(cache, sched)
+        steps.append([r.rid for r in reqs])
+    assert not ended
+    return steps, [a, b]
+
+
+def test_prefill_chunks_run_alone_by_default() -> None:
+    steps, (a, b) = two_requests(mixed=False)
+    # B's three chunks first, A waiting; then both decode in one step.
+    assert steps == [["b"], ["b"], ["b"], ["a", "b"], ["a", "b"]]
+    assert len(a.output_ids) == 1 + 2 and len(b.output_ids) == 3
+
+
+def test_mixed_chunk_carries_the_decodes_in_every_step() -> None:
+    steps, (a, b) = two_requests(mixed=True)
+    assert steps == [["a", "b"]] * 5
+    assert len(a.output_ids) == 1 + 5 and len(b.output_ids) == 3
+
+
+def test_decodes_run_when_no_prefill_chunk_gets_pages(monkeypatch) -> None:
+    """A step of B's chunk alone finds no pages: the scheduler runs A's decode instead, with no
+    preemption; B's chunk runs once pages are found again."""
+    cache, sched, ended = make(num_pages=32)
+    sched.chunk_size = 16
+    a = request("a", list(range(100, 116)), max_new=20)
+    sched.add(a)
+    run(cache, sched)
+    b = request("b", list(range(300, 348)), max_new=20)
+    sched.add(b)
+    real = cache.begin_step
+    blocked = [True]
+
+    def begin_step(seqs, n_new):
+        if blocked[0] and any(n > 1 for n in n_new):
+            raise OutOfPages("test: no pages for a prefill chunk")
+        return real(seqs, n_new)
+
+    monkeypatch.setattr(cache, "begin_step", begin_step)
+    assert [r.rid for r in run(cache, sched)] == ["a"]
+    assert [r.rid for r in run(cache, sched)] == ["a"]
+    assert b in sched.waiting and not b.started  # its admission was rolled back
+    blocked[0] = False
+    assert [r.rid for r in run(cache, sched)] == ["b"]
+    assert a.preemptions == 0 and b.preemptions == 0 and not ended
+
+
+def test_greedy_outputs_do_not_depend_on_the_policy(default_model) -> None:
+    """Four prompts in 16-token chunks, four running: the same greedy tokens with prefill-only
+    steps and with mixed steps."""
+    tok = default_model.tokenizer
+    texts = [
+        "The French Revolution began in 1789 when",
+        "In mathematics, a prime number is a natural number greater than one that",
+        "Once upon a time in a small village by the sea, there lived an old fisherman who",
+        "Python is a programming language that",
+    ]
+    prompts = [tok.encode(t) for t in texts]
+    params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    outs = []
+    for mixed in (False, True):
+        eng = Engine(
+            model=default_model,
+            kv_cache_dtype="auto",
+            recent_window=16,
+            max_total_tokens=2048,
+            max_running_requests=4,
+            chunked_prefill_size=16,
+            enable_mixed_chunk=mixed,
+        )
+        try:
+            outs.append([o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)])
+            eng.check_invariants()
+        finally:
+            eng.shutdown()
+    assert all(len(o) == 12 for o in outs[0])
+    assert outs[0] == outs[1]

@@ -1,0 +1,44 @@
+"""The kernels compile once per set of constexprs: the arguments that change from step to step (table
+and ring-row widths, split counts, small index tensors at arbitrary offsets) are not specialized.
+
+Read from the compiled (not interpreted) JIT functions, in a child process without TRITON_INTERPRET:
+a name given to `jit_unspecialized` that is not a parameter would be ignored by Triton silently."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import kvstrata
+
+CHILD = """
+import json
+from kvstrata.radix.kernels import attend, page_quantize
+out = {}
+for fn in (attend._attend_kernel, attend._merge_kernel, page_quantize._page_quantize_kernel):
+    out[fn.__name__] = {
+        "ints": sorted(p.name for p in fn.params if p.do_not_specialize),
+        "pointers": sorted(p.name for p in fn.params if p.do_not_specialize_on_alignment),
+    }
+print(json.dumps(out))
+"""
+
+
+def test_step_varying_arguments_are_not_specialized():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = str(Path(kvstrata.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got == {
+        "_attend_kernel": {
+            "ints": sorted(["pt_stride", "rr_stride", "pages_per_split", "num_splits", "tail_split"]),
+            "pointers": sorted(["PT", "COLD_LEN", "ST", "SINK_OK", "RR", "RING_LEN"]),
+        },
+        "_merge_kernel": {"ints": ["num_splits"], "pointers": []},
+        "_page_quantize_kernel": {"ints": [], "pointers": sorted(["SRC", "PAGE_IDS", "SINK_SLOTS"])},
+    }
