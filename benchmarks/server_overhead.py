@@ -19,7 +19,8 @@ concurrency N. Reported, for the steps where all N streams decode:
 
 With --profile the server also writes a cProfile of the event-loop thread and of the engine thread
 (top functions by own time), printed after the table. The machine's other load shows in every figure;
-compare runs of the same invocation.
+compare runs of the same invocation. For a before/after, run this file with another checkout's
+package first on PYTHONPATH (one without `set_flush_at_sync` runs as it is).
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ class FixedStep:
         self.cpu_starts.append(time.thread_time())
         self.full.append(len(plan.reqs) == self.streams and all(n == 1 for n in plan.n_new))
         sampled = [r for r, n in zip(plan.reqs, plan.n_new, strict=True) if r.computed + n == r.tokens_len]
-        before_sync = self.runner.sampler.before_sync
+        before_sync = getattr(self.runner.sampler, "before_sync", None)  # None before it existed
         if before_sync is not None:  # as the sampler does once the step is launched
             before_sync()
         time.sleep(self.step_s)
@@ -160,7 +161,8 @@ def serve(args: argparse.Namespace) -> None:
         chunked_prefill_size=n * args.input_len,
         kv_plan="off",
     )
-    engine.core.set_flush_at_sync(args.flush == "at-sync")
+    if hasattr(engine.core, "set_flush_at_sync"):  # a checkout before it: the baseline
+        engine.core.set_flush_at_sync(args.flush == "at-sync")
     step = FixedStep(engine.core.runner, args.step_ms / 1e3, model.config.vocab_size, n)
     engine.core.runner.run = step  # type: ignore[method-assign]
     app = create_app(engine, ServerConfig())
