@@ -4,7 +4,8 @@ Everything reaches it through an inbox (`post`, or `call` for a result): request
 commands (cache stats, flush, invariants), shutdown. Between steps it drains the inbox, applies the
 drift monitor's current fallback window, and runs one step; a fault in a step ends the requests in
 it with an error (their pages and slots come back), never the thread.
-Results leave through per-request sinks; statistics through the `StatsCollector`.
+Results leave through per-request sinks (those of asyncio callers through their loop's `LoopMailbox`,
+flushed once per iteration); statistics through the `StatsCollector`.
 """
 
 from __future__ import annotations
@@ -165,8 +166,20 @@ class EngineCore:
         # posted can wait for an answer that never comes.
         self._closed = False
         self._post_lock = threading.Lock()
+        self._outbox: dict[int, Any] = {}  # mailboxes given chunks since the last flush, by id
+        self.set_flush_at_sync(self.device.type == "cuda")
         self._thread = threading.Thread(target=self._loop, name="kvstrata-engine", daemon=True)
         self._thread.start()
+
+    def set_flush_at_sync(self, on: bool) -> None:
+        """Where streamed chunks leave: ``on`` (the CUDA default) holds a step's chunks until the next
+        step is launched and its sampler is about to wait for the device, so the event loop streams
+        them while the GPU computes instead of competing for the GIL with the step's planning and
+        launches (a token reaches its client one step's host time later; the step interval shrinks).
+        Off (the CPU default, where the forward itself is the host's work): at the end of each step.
+        """
+        self.flush_at_sync = on
+        self.runner.sampler.before_sync = self._flush_outbox if on else None
 
     # --- inbox (any thread) ---------------------------------------------------------------------
     def post(self, kind: str, payload: Any) -> None:
@@ -195,18 +208,23 @@ class EngineCore:
     def _loop(self) -> None:
         with torch.inference_mode():
             while not self.stopping:
+                stepped = False
                 try:
-                    self._iterate()
+                    stepped = self._iterate()
                 except Exception as exc:  # a failed step ends the requests in it, never the engine
                     log.exception("engine iteration failed")
                     self._fail(list(self.scheduler.running), exc)
+                if not (stepped and self.flush_at_sync and self.scheduler.has_work()):
+                    self._flush_outbox()  # else the next step's sampler flushes, before its read-back
             self._abort_all("engine shut down")
+            self._flush_outbox()
 
-    def _iterate(self) -> None:
+    def _iterate(self) -> bool:
+        """Drain the inbox, then run one step (True when its forward pass ran) or wait for work."""
         self._drain_inbox()
         self.stats.queue_sizes(len(self.scheduler.running), len(self.scheduler.waiting))
         if self.stopping:
-            return
+            return False
         if self.drift is not None:
             # Pulled from the monitor, not handed over: a level change can never be lost between threads.
             level = self.drift.policy.level  # read once: window and codecs of the same level
@@ -217,10 +235,11 @@ class EngineCore:
                 self.cache.set_raised(raised)
         self.cache.pins.expire()  # also while idle: the loop wakes at least once a second
         if self.scheduler.has_work():
-            self._step()
-        else:
-            self._wake.wait(timeout=1.0)
-            self._wake.clear()
+            return self._step()
+        self._flush_outbox()  # what the inbox's commands delivered goes out before the wait
+        self._wake.wait(timeout=1.0)
+        self._wake.clear()
+        return False
 
     def _pending(self) -> Iterator[tuple[str, Any]]:
         """The inbox's messages, until it is empty."""
@@ -283,21 +302,23 @@ class EngineCore:
         self.cache.cache_prefix(req.seq)
         req.mm.pin_spans(req.prompt_ids, self.cache.pins, self.args.pin_ttl)
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
         try:
             plan = self.scheduler.schedule()
         except Exception as exc:  # planning failed (the cache rolled the step back): end what it picked
             log.exception("planning a step failed")
             self._fail(list(self.scheduler.running), exc)
-            return
+            return False
         self.stats.queue_sizes(len(self.scheduler.running), len(self.scheduler.waiting))
         if plan is None:
-            return
+            return False
         try:
             self._run(plan)
         except Exception as exc:  # the forward pass or sampling failed: end the requests of this step
             log.exception("engine step failed")
             self._fail(plan.reqs, exc)
+            return False
+        return True
 
     def _run(self, plan: StepPlan) -> None:
         sampled, out, logits = self.runner.run(plan)
@@ -308,7 +329,8 @@ class EngineCore:
                 req.prompt_cached = True
             if req.mm is not None and not req.mm.pinned and req.computed >= len(req.prompt_ids):
                 self._pin_images(req)
-        if out is None:
+        if out is None:  # no sampler ran, so nothing was flushed before the device
+            self._flush_outbox()
             self.stats.step(0, len(self.scheduler.running), len(self.scheduler.waiting))
             return
         for i, req in enumerate(sampled):
@@ -330,7 +352,7 @@ class EngineCore:
             elif req.stream and req.sink is not None:
                 chunk = req.delta()
                 if chunk is not None:
-                    _deliver(req.sink, chunk)
+                    self._deliver(req.sink, chunk)
         self.stats.step(len(sampled), len(self.scheduler.running), len(self.scheduler.waiting))
 
     def _finish(self, req: Request, reason: dict[str, Any]) -> None:
@@ -348,7 +370,7 @@ class EngineCore:
         if req.sink is not None:
             chunk = req.delta() if req.stream else req.result()
             if chunk is not None:
-                _deliver(req.sink, chunk)
+                self._deliver(req.sink, chunk)
         times = req.token_times
         self.stats.finished(
             RequestFinished(
@@ -389,7 +411,15 @@ class EngineCore:
     def _on_level(self, level: int, window: int) -> None:  # drift worker thread
         self._wake.set()  # the engine thread applies the monitor's window before its next step
 
+    def _deliver(self, sink: ResultCallback, chunk: dict[str, Any]) -> None:
+        with contextlib.suppress(RuntimeError):  # the consumer's event loop is closed: nobody listens
+            sink(chunk)
+        mailbox = getattr(sink, "mailbox", None)
+        if mailbox is not None:
+            self._outbox[id(mailbox)] = mailbox
 
-def _deliver(sink: ResultCallback, chunk: dict[str, Any]) -> None:
-    with contextlib.suppress(RuntimeError):  # the consumer's event loop is closed: nobody listens
-        sink(chunk)
+    def _flush_outbox(self) -> None:
+        """Wake each event loop that was given chunks since the last flush, once."""
+        for mailbox in self._outbox.values():
+            mailbox.flush()
+        self._outbox.clear()

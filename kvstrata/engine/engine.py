@@ -2,7 +2,8 @@
 
 Callers (any thread, or an asyncio loop) validate and tokenize here, then only post to the engine
 thread's inbox (`EngineCore`); results come back through per-request sinks: a `queue.Queue` for
-`generate`, an asyncio queue fed with ``loop.call_soon_threadsafe`` for `async_generate`.
+`generate`, an asyncio queue for `async_generate`, fed through its loop's `LoopMailbox` (one wake-up of
+the loop per engine step for all its requests).
 """
 
 from __future__ import annotations
@@ -12,10 +13,13 @@ import contextlib
 import logging
 import queue
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from kvstrata.engine.core import EngineCore, ResultCallback
+from kvstrata.engine.delivery import LoopMailbox
+from kvstrata.engine.detokenizer import byte_table
 from kvstrata.engine.inputs import normalize_inputs
 from kvstrata.engine.kvplan import plan_summary
 from kvstrata.engine.loader import LoadedModel, load_model
@@ -58,7 +62,11 @@ class Engine:
         self.capacity_tokens = self.cache.num_pages * args.page_size  # text pool + raised pool
         self.max_context = self.config.max_position_embeddings
         self.eos_ids = frozenset(self.config.eos_token_ids)
+        byte_table(self.tokenizer)  # built (and checked) now, not in the first request's submission
         self._closed = False
+        self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopMailbox] = (
+            weakref.WeakKeyDictionary()
+        )
 
     # ============================================================== public API
     def generate(
@@ -106,10 +114,9 @@ class Engine:
         """
         loop = asyncio.get_running_loop()
         aq: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-
-        def sink(chunk: dict[str, Any]) -> None:
-            loop.call_soon_threadsafe(aq.put_nowait, chunk)
-
+        mailbox = self._mailboxes.get(loop)
+        if mailbox is None:
+            mailbox = self._mailboxes[loop] = LoopMailbox(loop)
         reqs, single = self._submit(
             prompt,
             input_ids,
@@ -118,7 +125,7 @@ class Engine:
             return_logprob,
             top_logprobs_num,
             stream,
-            sink,
+            mailbox.sink(aq),
             image_data,
         )
         if stream:

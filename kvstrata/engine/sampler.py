@@ -10,7 +10,7 @@ model distribution (log-softmax of the logits before penalties and temperature).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,6 +93,11 @@ def filter_probs(
 class Sampler:
     """Samples one token per row of logits [B, V]."""
 
+    def __init__(self) -> None:
+        # Called once the step is launched, just before the host waits for the device (the engine
+        # hands the previous step's streamed chunks to the event loop there: `EngineCore`).
+        self.before_sync: Callable[[], None] | None = None
+
     def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleOutput:
         logits = logits.float()
         invalid = (
@@ -110,6 +115,8 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         if not all(greedy):
             tokens = self._sample(logits, rows, greedy, tokens)
+        if self.before_sync is not None:
+            self.before_sync()
         # The step's one device-to-host copy: sampled ids and invalid flags travel together.
         token_list, invalid_list = torch.stack((tokens, invalid.to(tokens.dtype))).tolist()
 

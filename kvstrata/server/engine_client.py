@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+from kvstrata.engine.detokenizer import UNICODE_TO_BYTE
 from kvstrata.server.errors import APIError
 from kvstrata.server.snapshot import PAGE_STATES, DriftSnapshot, EngineSnapshot, TierSnapshot
 
@@ -91,21 +92,6 @@ def _length_cause(raw: Any) -> str | None:
     if isinstance(raw, dict) and raw.get("type") == "length" and raw.get("pool") == "full":
         return KV_POOL_FULL
     return None
-
-
-def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2 byte-level BPE's printable stand-in for each byte (as ``bytes_to_unicode``)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    mapping: dict[str, int] = {chr(b): b for b in keep}
-    extra = 0
-    for b in range(256):
-        if b not in keep:
-            mapping[chr(256 + extra)] = b
-            extra += 1
-    return mapping
-
-
-_UNICODE_TO_BYTE = _byte_level_alphabet()
 
 
 class EngineRequest:
@@ -192,8 +178,8 @@ class EngineClient:
     def _decode_one(self, token_id: int) -> tuple[str, bytes]:
         text = self.tokenizer.decode([token_id])
         piece = self.tokenizer.convert_ids_to_tokens([token_id])[0] or ""
-        if piece and all(ch in _UNICODE_TO_BYTE for ch in piece):  # byte-level BPE: exact bytes
-            raw = bytes(_UNICODE_TO_BYTE[ch] for ch in piece)
+        if piece and all(ch in UNICODE_TO_BYTE for ch in piece):  # byte-level BPE: exact bytes
+            raw = bytes(UNICODE_TO_BYTE[ch] for ch in piece)
             if raw.decode("utf-8", "replace") == text:
                 return text, raw
         return text, text.encode("utf-8")

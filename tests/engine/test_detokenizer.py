@@ -1,8 +1,11 @@
-"""Incremental detokenization never splits a character; stop strings are found once and held back."""
+"""Incremental detokenization never splits a character; stop strings are found once and held back.
+Both paths: the byte table (byte-level BPE) and windows of ids decoded by the tokenizer."""
+
+import random
 
 import pytest
 
-from kvstrata.engine.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
+from kvstrata.engine.detokenizer import IncrementalDetokenizer, byte_table, find_stop, stop_holdback
 
 
 @pytest.fixture(scope="module")
@@ -21,10 +24,11 @@ TEXTS = [
 ]
 
 
+@pytest.mark.parametrize("byte_level", [True, False])
 @pytest.mark.parametrize("text", TEXTS)
-def test_token_by_token_never_emits_replacement(tokenizer, text):
+def test_token_by_token_never_emits_replacement(tokenizer, text, byte_level):
     ids = tokenizer.encode(text)
-    detok = IncrementalDetokenizer(tokenizer)
+    detok = IncrementalDetokenizer(tokenizer, byte_level=byte_level)
     deltas = [detok.add([t]) for t in ids]
     deltas.append(detok.flush())
     assert all("\ufffd" not in d for d in deltas)
@@ -35,17 +39,19 @@ def test_token_by_token_never_emits_replacement(tokenizer, text):
         assert "" in deltas[:-1]
 
 
-def test_prompt_context_keeps_leading_space(tokenizer):
+@pytest.mark.parametrize("byte_level", [True, False])
+def test_prompt_context_keeps_leading_space(tokenizer, byte_level):
     prompt = tokenizer.encode("The capital")
     out = tokenizer.encode(" of France is Paris")
-    detok = IncrementalDetokenizer(tokenizer, prompt)
+    detok = IncrementalDetokenizer(tokenizer, prompt, byte_level=byte_level)
     text = "".join(detok.add([t]) for t in out) + detok.flush()
     assert text == " of France is Paris"
 
 
-def test_flush_emits_incomplete_tail(tokenizer):
+@pytest.mark.parametrize("byte_level", [True, False])
+def test_flush_emits_incomplete_tail(tokenizer, byte_level):
     ids = tokenizer.encode("ok 😀")
-    detok = IncrementalDetokenizer(tokenizer)
+    detok = IncrementalDetokenizer(tokenizer, byte_level=byte_level)
     text = "".join(detok.add([t]) for t in ids[:-1])
     assert "\ufffd" not in text
     assert detok.flush().endswith("\ufffd")
@@ -74,7 +80,7 @@ def test_request_text_on_length_cut_and_stop_string(tokenizer):
     for t in ids[:-1]:
         req.append(t, 0.0)
     assert req.finish_reason == {"type": "length", "length": len(ids) - 1}
-    assert req.visible_text() == "ok"  # " 😀" is still incomplete: held back
+    assert req.visible_text() == "ok "  # the emoji's bytes are still incomplete: held back
     req.finish(req.finish_reason, 1.0)
     assert req.visible_text().startswith("ok ") and req.visible_text().count("\ufffd") == 1  # flushed once
 
@@ -90,3 +96,37 @@ def test_request_text_on_length_cut_and_stop_string(tokenizer):
     req.finish(req.finish_reason, 1.0)
     assert req.finish_reason == {"type": "stop", "matched": "world"}
     assert req.visible_text() == "Hello "
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_byte_table_streams_what_decode_gives(tokenizer, skip_special_tokens):
+    """Random ids (special ones, and bytes of characters split across tokens, included), fed in
+    random runs: the streamed text is the tokenizer's decode of all of them, and a partial character
+    never comes out before it is complete or flushed."""
+    assert byte_table(tokenizer, skip_special_tokens) is not None  # SmolLM2: byte-level BPE
+    rng = random.Random(7)
+    for _ in range(200):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 40))]
+        ids += [rng.randrange(17)] * rng.randrange(2)  # a special or added token now and then
+        detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
+        pieces, i = [], 0
+        while i < len(ids):
+            n = rng.randrange(1, 4)
+            pieces.append(detok.add(ids[i : i + n]))
+            i += n
+        pieces.append(detok.flush())
+        assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        assert detok.text == "".join(pieces)
+
+
+def test_byte_table_only_for_byte_level_decoders():
+    class WordPiece:  # decode() is not the UTF-8 of per-id bytes
+        backend_tokenizer = None
+
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(map(str, ids))
+
+    assert byte_table(WordPiece()) is None
+    assert byte_table(None) is None
+    detok = IncrementalDetokenizer(WordPiece())
+    assert detok.add([5]) == "5" and detok.add([6]) == " 6"
