@@ -5,7 +5,9 @@ step's sampler is about to wait for the device (CUDA default, forced here on the
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
+import weakref
 
 import pytest
 
@@ -63,6 +65,22 @@ def test_mailbox_on_a_closed_loop_drops_quietly():
     box.flush()  # no exception: nobody listens
     box.sink(asyncio.Queue())("again")
     box.flush()
+
+
+def test_a_mailbox_does_not_keep_its_loop_alive():
+    """`Engine` keeps one mailbox per loop in a WeakKeyDictionary keyed by the loop: a mailbox that
+    held its loop strongly would keep every finished loop (each ``asyncio.run``) and itself forever."""
+    boxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopMailbox] = weakref.WeakKeyDictionary()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        boxes[loop] = box = LoopMailbox(loop)
+        box.sink(asyncio.Queue())("chunk")
+
+    for _ in range(3):
+        asyncio.run(main())
+    gc.collect()
+    assert len(boxes) == 0
 
 
 @pytest.fixture(scope="module")
