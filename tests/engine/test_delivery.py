@@ -137,3 +137,18 @@ def test_streams_complete_and_equal_generate(engine, default_model, at_sync):
     assert wakeups <= 12 + 4  # decode steps + prefill steps + a final flush
     stats = engine.check_invariants()
     assert stats.running == 0
+
+
+def test_engine_builds_both_byte_tables_before_any_request(default_model):
+    """Requests are submitted on the caller's thread (the HTTP event loop): the check of a byte table
+    (one decode of the whole vocabulary) must not run there on the first request that asks for
+    ``skip_special_tokens=False``."""
+    from kvstrata.engine import detokenizer
+
+    tok = default_model.tokenizer
+    detokenizer._tables.pop(getattr(tok, "inner", tok), None)
+    eng = Engine(model=default_model, kv_cache_dtype="int8", recent_window=32, max_total_tokens=1024)
+    try:
+        assert set(detokenizer._tables[getattr(tok, "inner", tok)]) == {True, False}
+    finally:
+        eng.shutdown()
