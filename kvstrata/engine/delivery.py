@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
 from typing import Any
 
 
@@ -18,7 +19,8 @@ class LoopMailbox:
     """Chunks bound for one event loop's request queues; `put` from the engine thread, then `flush`."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
+        # Weakly: `Engine` keeps its mailboxes in a WeakKeyDictionary keyed by their loops.
+        self._loop = weakref.ref(loop)
         self._items: list[tuple[asyncio.Queue[Any], Any]] = []
         self._lock = threading.Lock()
         self._armed = False  # a drain is scheduled on the loop and has not taken the items yet
@@ -36,9 +38,12 @@ class LoopMailbox:
             if self._armed or not self._items:
                 return
             self._armed = True
+        loop = self._loop()
         try:
-            self.loop.call_soon_threadsafe(self._drain)
-        except RuntimeError:  # the loop is closed: nobody listens any more
+            if loop is None:
+                raise RuntimeError("the event loop is gone")
+            loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the loop is closed or gone: nobody listens any more
             with self._lock:
                 self._items.clear()
                 self._armed = False

@@ -62,7 +62,8 @@ class Engine:
         self.capacity_tokens = self.cache.num_pages * args.page_size  # text pool + raised pool
         self.max_context = self.config.max_position_embeddings
         self.eos_ids = frozenset(self.config.eos_token_ids)
-        byte_table(self.tokenizer)  # built (and checked) now, not in the first request's submission
+        for skip_special_tokens in (True, False):  # built (and checked) now, not in a request's submission
+            byte_table(self.tokenizer, skip_special_tokens)
         self._closed = False
         self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopMailbox] = (
             weakref.WeakKeyDictionary()

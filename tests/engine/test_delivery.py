@@ -5,7 +5,9 @@ step's sampler is about to wait for the device (CUDA default, forced here on the
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
+import weakref
 
 import pytest
 
@@ -65,6 +67,22 @@ def test_mailbox_on_a_closed_loop_drops_quietly():
     box.flush()
 
 
+def test_a_mailbox_does_not_keep_its_loop_alive():
+    """`Engine` keeps one mailbox per loop in a WeakKeyDictionary keyed by the loop: a mailbox that
+    held its loop strongly would keep every finished loop (each ``asyncio.run``) and itself forever."""
+    boxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopMailbox] = weakref.WeakKeyDictionary()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        boxes[loop] = box = LoopMailbox(loop)
+        box.sink(asyncio.Queue())("chunk")
+
+    for _ in range(3):
+        asyncio.run(main())
+    gc.collect()
+    assert len(boxes) == 0
+
+
 @pytest.fixture(scope="module")
 def engine(default_model):
     eng = Engine(
@@ -119,3 +137,18 @@ def test_streams_complete_and_equal_generate(engine, default_model, at_sync):
     assert wakeups <= 12 + 4  # decode steps + prefill steps + a final flush
     stats = engine.check_invariants()
     assert stats.running == 0
+
+
+def test_engine_builds_both_byte_tables_before_any_request(default_model):
+    """Requests are submitted on the caller's thread (the HTTP event loop): the check of a byte table
+    (one decode of the whole vocabulary) must not run there on the first request that asks for
+    ``skip_special_tokens=False``."""
+    from kvstrata.engine import detokenizer
+
+    tok = default_model.tokenizer
+    detokenizer._tables.pop(getattr(tok, "inner", tok), None)
+    eng = Engine(model=default_model, kv_cache_dtype="int8", recent_window=32, max_total_tokens=1024)
+    try:
+        assert set(detokenizer._tables[getattr(tok, "inner", tok)]) == {True, False}
+    finally:
+        eng.shutdown()

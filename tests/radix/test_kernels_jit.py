@@ -16,9 +16,10 @@ import kvstrata
 
 CHILD = """
 import json
-from kvstrata.radix.kernels import attend, page_quantize
+from kvstrata.radix.kernels import attend, decode, page_quantize
 out = {}
-for fn in (attend._attend_kernel, attend._merge_kernel, page_quantize._page_quantize_kernel):
+kernels = (attend._attend_kernel, decode._decode_kernel, attend._merge_kernel)
+for fn in (*kernels, page_quantize._page_quantize_kernel):
     out[fn.__name__] = {
         "ints": sorted(p.name for p in fn.params if p.do_not_specialize),
         "pointers": sorted(p.name for p in fn.params if p.do_not_specialize_on_alignment),
@@ -34,11 +35,13 @@ def test_step_varying_arguments_are_not_specialized():
     done = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     got = json.loads(done.stdout.strip().splitlines()[-1])
+    attention = {
+        "ints": sorted(["pt_stride", "rr_stride", "pages_per_split", "num_splits", "tail_split"]),
+        "pointers": sorted(["PT", "COLD_LEN", "ST", "SINK_OK", "RR", "RING_LEN"]),
+    }
     assert got == {
-        "_attend_kernel": {
-            "ints": sorted(["pt_stride", "rr_stride", "pages_per_split", "num_splits", "tail_split"]),
-            "pointers": sorted(["PT", "COLD_LEN", "ST", "SINK_OK", "RR", "RING_LEN"]),
-        },
+        "_attend_kernel": attention,
+        "_decode_kernel": attention,
         "_merge_kernel": {"ints": ["num_splits"], "pointers": []},
         "_page_quantize_kernel": {"ints": [], "pointers": sorted(["SRC", "PAGE_IDS", "SINK_SLOTS"])},
     }
