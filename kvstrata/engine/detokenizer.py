@@ -72,9 +72,12 @@ def _build_table(tokenizer: Any, inner: Any, skip: bool) -> dict[int, bytes] | N
         return None
     if decoder.get("type") != "ByteLevel":
         return None
-    added_tokens = backend.get_added_tokens_decoder()
-    added = {int(i): t.content for i, t in added_tokens.items()}
-    special = set(inner.all_special_ids) | {int(i) for i, t in added_tokens.items() if t.special}
+    try:  # a tokenizer without these falls back to the window path rather than failing the engine
+        added_tokens = backend.get_added_tokens_decoder()
+        added = {int(i): t.content for i, t in added_tokens.items()}
+        special = set(inner.all_special_ids) | {int(i) for i, t in added_tokens.items() if t.special}
+    except (AttributeError, TypeError, ValueError):
+        return None
     table: dict[int, bytes] = {}
     for piece, i in backend.get_vocab(with_added_tokens=True).items():
         if i in added:

@@ -130,3 +130,22 @@ def test_byte_table_only_for_byte_level_decoders():
     assert byte_table(None) is None
     detok = IncrementalDetokenizer(WordPiece())
     assert detok.add([5]) == "5" and detok.add([6]) == " 6"
+
+
+def test_byte_table_falls_back_when_the_tokenizer_lacks_the_added_tokens_api():
+    """A byte-level backend without ``get_added_tokens_decoder`` (or ``all_special_ids``) gets no table
+    (the window path) instead of failing the engine's construction."""
+    import json
+
+    class Backend:
+        def to_str(self):
+            return json.dumps({"decoder": {"type": "ByteLevel"}})
+
+    class Partial:
+        backend_tokenizer = Backend()
+        clean_up_tokenization_spaces = False
+
+        def decode(self, ids, skip_special_tokens=True):
+            return ""
+
+    assert byte_table(Partial()) is None
