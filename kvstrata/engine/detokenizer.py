@@ -5,7 +5,7 @@ We decode a short window of ids (a few ids of context plus the new ones) and hol
 while it ends in U+FFFD, as vLLM and SGLang do. Context ids keep SentencePiece-style tokenizers
 from dropping the leading space of a word that starts the window.
 
-A byte-level BPE tokenizer (GPT-2 style: Llama 3, SmolLM2, Qwen) maps every id to fixed bytes, so its
+A byte-level BPE tokenizer (GPT-2 style: SmolLM2, Qwen) maps every id to fixed bytes, so its
 text is the UTF-8 decoding of the ids' concatenated bytes: `byte_table` builds that map once per
 tokenizer (and checks it against the tokenizer's own decode), and the detokenizer then feeds bytes to
 an incremental UTF-8 decoder, which holds back a partial character by itself. That is one dict lookup
