@@ -14,6 +14,9 @@ concurrency N. Reported, for the steps where all N streams decode:
 - ``host/step``: interval - step-ms, the time the GPU would wait on the host every step;
 - ``engine CPU``: CPU time of the engine thread per step outside the step (the rest of host/step
   is the engine thread waiting for the GIL or a core while the HTTP event loop runs);
+- ``loop CPU``: CPU time of the HTTP event loop's thread per step (parsing, JSON, socket writes of
+  N chunks; divided by N: ``loop us/chunk``). It competes with the engine thread for the GIL: with a
+  step shorter than it (a fast GPU at large N) it is host time the GPU waits on;
 - the client's median ITL and output tokens/s, and their excess over step-ms (the baseline: a
   server with no host work would stream one token per stream every step-ms).
 
@@ -82,12 +85,15 @@ class FixedStep:
         self.cpu_starts: list[float] = []
         self.cpu_ends: list[float] = []
         self.full: list[bool] = []  # every stream decodes one token in this step
+        self.loop_clock = time.pthread_getcpuclockid(threading.main_thread().ident or 0)  # uvicorn's loop
+        self.loop_cpu: list[float] = []
 
     def __call__(self, plan: Any) -> tuple[list[Any], Any, None]:
         from kvstrata.engine.sampler import SampleOutput
 
         self.starts.append(time.perf_counter())
         self.cpu_starts.append(time.thread_time())
+        self.loop_cpu.append(time.clock_gettime(self.loop_clock))
         self.full.append(len(plan.reqs) == self.streams and all(n == 1 for n in plan.n_new))
         sampled = [r for r, n in zip(plan.reqs, plan.n_new, strict=True) if r.computed + n == r.tokens_len]
         before_sync = getattr(self.runner.sampler, "before_sync", None)  # None before it existed
@@ -104,16 +110,18 @@ class FixedStep:
 
     def summary(self) -> dict[str, Any]:
         """Medians over consecutive full decode steps (step i's start to step i+1's start)."""
-        intervals, cpu = [], []
+        intervals, cpu, loop = [], [], []
         for i in range(len(self.starts) - 1):
             if self.full[i] and self.full[i + 1]:
                 intervals.append(self.starts[i + 1] - self.starts[i])
                 cpu.append(self.cpu_starts[i + 1] - self.cpu_ends[i])
+                loop.append(self.loop_cpu[i + 1] - self.loop_cpu[i])
         return {
             "steps": len(self.starts),
             "full_steps": len(intervals),
             "interval_ms": 1e3 * statistics.median(intervals) if intervals else float("nan"),
             "engine_cpu_ms": 1e3 * statistics.median(cpu) if cpu else float("nan"),
+            "loop_cpu_ms": 1e3 * statistics.median(loop) if loop else float("nan"),
         }
 
 
@@ -166,7 +174,14 @@ def serve(args: argparse.Namespace) -> None:
     step = FixedStep(engine.core.runner, args.step_ms / 1e3, model.config.vocab_size, n)
     engine.core.runner.run = step  # type: ignore[method-assign]
     app = create_app(engine, ServerConfig())
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=args.port, log_level="warning"))
+    try:
+        from kvstrata.server.transport import uvicorn_options
+    except ImportError:  # a checkout before it: uvicorn's defaults
+        transport = {}
+    else:
+        transport = uvicorn_options()
+    config = uvicorn.Config(app, host="127.0.0.1", port=args.port, log_level="warning", **transport)
+    server = uvicorn.Server(config)
     if args.profile:
         prof = profiles["event loop thread"] = cProfile.Profile()
         prof.enable()
@@ -179,6 +194,7 @@ def serve(args: argparse.Namespace) -> None:
             profiles["event loop thread"].disable()
         engine.shutdown()
     result = step.summary()
+    result["transport"] = f"loop {transport.get('loop', config.loop)}, {config.http_protocol_class.__name__}"
     result["profile"] = [profile_report(p, name, args.top) for name, p in profiles.items()]
     Path(args.result).write_text(json.dumps(result))
 
@@ -258,7 +274,7 @@ def main() -> None:
     if args.serve:
         serve(args)
         return
-    rows, profiles = [], []
+    rows, profiles, transports = [], [], set()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = tiny_model_dir(Path(tmp))
         for n in args.streams:
@@ -267,17 +283,21 @@ def main() -> None:
             rows.append(
                 f"| {n} | {args.step_ms:.1f} | {r['full_steps']} | {r['interval_ms']:.1f} "
                 f"| {r['interval_ms'] - args.step_ms:.1f} | {r['engine_cpu_ms']:.1f} "
+                f"| {r['loop_cpu_ms']:.1f} | {1e3 * r['loop_cpu_ms'] / n:.0f} "
                 f"| {b['median_itl_ms']:.1f} | {b['median_itl_ms'] - args.step_ms:.1f} "
                 f"| {b['output_throughput']:,.0f} | {n * 1e3 / args.step_ms:,.0f} |"
             )
             profiles.extend(f"=== {n} streams\n{p}" for p in r["profile"])
+            transports.add(r["transport"])
     for p in profiles:
         print(p)
+    print("server:", "; ".join(sorted(transports)))
     print(
-        "| streams | step ms | full steps | step interval ms | host/step ms | engine CPU ms "
+        "| streams | step ms | full steps | step interval ms | host/step ms | engine CPU ms | loop CPU ms "
+        "| loop us/chunk "
         "| client median ITL ms | ITL - step ms | output tok/s | baseline tok/s (N / step) |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     print("\n".join(rows))
 
 

@@ -25,6 +25,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvstrata import Engine
     from kvstrata.server.app import create_app
+    from kvstrata.server.transport import uvicorn_options
 
     try:
         engine = Engine(**config.engine_kwargs())
@@ -34,8 +35,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         app = create_app(engine, config)
         info = engine.get_server_info()
+        transport = uvicorn_options()
         log.info(
-            "serving %s on http://%s:%d (kv %s, window %s, %s tokens of KV, auth %s)",
+            "serving %s on http://%s:%d (kv %s, window %s, %s tokens of KV, auth %s, %s + %s)",
             app.state.kvstrata.client.model_name,
             config.host,
             config.port,
@@ -43,8 +45,17 @@ def run(args: argparse.Namespace) -> int:
             info["recent_window"],
             info["max_total_tokens"],
             "on" if config.api_key else "off",
+            transport["loop"],
+            transport["http"],
         )
-        uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level, access_log=False)
+        uvicorn.run(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level=config.log_level,
+            access_log=False,
+            **transport,
+        )
     finally:
         engine.shutdown()
     return 0

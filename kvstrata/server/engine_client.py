@@ -73,18 +73,20 @@ def _logprobs(meta: dict[str, Any]) -> list[TokenLogprob]:
 
 
 def to_delta(chunk: dict[str, Any]) -> Delta:
+    """One engine chunk as a Delta (per streamed token: the checks for rare fields come first)."""
     meta = chunk.get("meta_info", {})
-    finish, error = _finish_reason(meta.get("finish_reason"))
+    raw_finish = meta.get("finish_reason")
+    finish, error = _finish_reason(raw_finish) if raw_finish is not None else (None, None)
     return Delta(
         text=chunk.get("text", ""),
         token_ids=list(chunk.get("output_ids", [])),
-        logprobs=_logprobs(meta),
+        logprobs=_logprobs(meta) if meta.get("output_token_logprobs") else [],
         finish_reason=finish,
         prompt_tokens=int(meta.get("prompt_tokens", 0)),
         completion_tokens=int(meta.get("completion_tokens", 0)),
         cached_tokens=int(meta.get("cached_tokens", 0)),
         error=error,
-        length_cause=_length_cause(meta.get("finish_reason")),
+        length_cause=_length_cause(raw_finish) if raw_finish is not None else None,
     )
 
 

@@ -13,10 +13,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from kvstrata.server import sse
 from kvstrata.server.engine_client import Delta, EngineClient, TokenLogprob
 from kvstrata.server.validation import Job
 
 Kind = Literal["chat", "completion"]
+# placeholders the text frame is cut at: control characters, which JSON always escapes
+_INDEX, _TEXT = "\x00kvstrata-index\x00", "\x00kvstrata-text\x00"
 
 
 @dataclass
@@ -50,6 +53,7 @@ class Run:
             for j in range(job.n)
         ]
 
+        self._frames: dict[bool, tuple[bytes, bytes, bytes]] = {}
         self.request = client.submit(job.prompts, job.params, job.images)  # raises APIError(400) on bad input
 
     def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
@@ -172,12 +176,35 @@ class Run:
         if not delta.text and not delta.logprobs and finish is None:
             return None
         logprobs = self.logprobs(choice, delta.logprobs) if delta.logprobs else None
-        if self.kind == "chat":
-            content = {"content": delta.text} if delta.text else {}
-            body = {"index": choice.index, "delta": content, "logprobs": logprobs, "finish_reason": finish}
-        else:
-            body = {"index": choice.index, "text": delta.text, "logprobs": logprobs, "finish_reason": finish}
+        body = self._choice(choice.index, delta.text, logprobs, finish)
         return _with_details(body, delta.length_cause if finish is not None else None)
+
+    def _choice(self, index: Any, text: str, logprobs: Any, finish: str | None) -> dict[str, Any]:
+        if self.kind == "chat":
+            content = {"content": text} if text else {}
+            return {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    def delta_event(self, choice: Choice, delta: Delta, with_usage: bool) -> bytes | None:
+        """The SSE event of one engine delta (None when it carries nothing). A delta of text alone,
+        nearly every one, is written into a frame rendered once per request: the same bytes as
+        ``sse.event(self.chunk([self.delta_choice(...)], None, with_usage))`` without building and
+        encoding the whole chunk per token."""
+        if not delta.text or delta.logprobs or delta.finish_reason is not None:
+            body = self.delta_choice(choice, delta)
+            return None if body is None else sse.event(self.chunk([body], None, with_usage))
+        frame = self._frames.get(with_usage)
+        if frame is None:
+            frame = self._frames[with_usage] = self._text_frame(with_usage)
+        head, middle, tail = frame
+        return b"".join((head, str(choice.index).encode(), middle, sse.encode(delta.text), tail))
+
+    def _text_frame(self, with_usage: bool) -> tuple[bytes, bytes, bytes]:
+        """The text-only chunk rendered by the general path with placeholders, cut around them."""
+        rendered = sse.event(self.chunk([self._choice(_INDEX, _TEXT, None, None)], None, with_usage))
+        head, rest = rendered.split(sse.encode(_INDEX))
+        middle, tail = rest.split(sse.encode(_TEXT))
+        return head, middle, tail
 
 
 def _with_details(choice: dict[str, Any], length_cause: str | None) -> dict[str, Any]:

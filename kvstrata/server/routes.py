@@ -122,9 +122,9 @@ async def _stream(run: Run, include_usage: bool) -> AsyncIterator[bytes]:
                 message = f"the engine aborted the request: {choice.error}"
                 yield sse.event(APIError(503, message, code="request_aborted").body())
                 break
-            body = run.delta_choice(choice, delta)
-            if body is not None:
-                yield sse.event(run.chunk([body], None, include_usage))
+            event = run.delta_event(choice, delta, include_usage)
+            if event is not None:
+                yield event
         else:
             if include_usage:
                 yield sse.event(run.chunk([], run.usage(), True))

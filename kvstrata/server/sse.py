@@ -10,6 +10,11 @@ MEDIA_TYPE = "text/event-stream"
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+def encode(value: Any) -> bytes:
+    """Compact JSON, UTF-8, no ASCII escaping (as OpenAI sends)."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+
+
 def event(payload: dict[str, Any]) -> bytes:
-    """One SSE event; compact JSON, UTF-8, no ASCII escaping (as OpenAI sends)."""
-    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    """One SSE event."""
+    return b"data: " + encode(payload) + b"\n\n"

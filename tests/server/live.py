@@ -14,17 +14,22 @@ import uvicorn
 
 from kvstrata.server.app import create_app
 from kvstrata.server.config import ServerConfig
+from kvstrata.server.transport import uvicorn_options
 
 
 class LiveServer:
-    def __init__(self, app: Any, api_key: str | None) -> None:
+    def __init__(self, app: Any, api_key: str | None, transport: dict[str, str] | None = None) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
-        config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+        # what `kvstrata serve` runs on (uvloop + httptools where installed) unless a test picks one
+        transport = uvicorn_options() if transport is None else transport
+        config = uvicorn.Config(
+            app, log_level="warning", access_log=False, timeout_graceful_shutdown=5, **transport
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
@@ -79,9 +84,9 @@ class LiveServer:
 
 
 @contextmanager
-def live_server(engine: Any, **config: Any) -> Iterator[LiveServer]:
+def live_server(engine: Any, transport: dict[str, str] | None = None, **config: Any) -> Iterator[LiveServer]:
     cfg = ServerConfig(**config)
-    server = LiveServer(create_app(engine, cfg), cfg.api_key).start()
+    server = LiveServer(create_app(engine, cfg), cfg.api_key, transport).start()
     try:
         yield server
     finally:
