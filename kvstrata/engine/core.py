@@ -365,10 +365,10 @@ class EngineCore:
             self._flush_outbox()
             self.stats.step(0, len(self.scheduler.running), len(self.scheduler.waiting))
             return
-        if self.overlap and self._may_defer(step):
-            for req in step.sampled:
-                if req.status is not Status.FINISHED:
-                    req.await_token()
+        live = [r for r in step.sampled if r.status is not Status.FINISHED]
+        if self.overlap and live and self._may_defer(step):
+            for req in live:
+                req.await_token()
             self._inflight = step
             self.deferred_steps += 1
         else:
@@ -409,9 +409,11 @@ class EngineCore:
         """Append the sampled tokens, stream them and end the requests they finish. A request in
         the open step (overlap scheduling) is not ended here: it goes to ``ended`` for the caller."""
         now = time.perf_counter()
+        taken = 0
         for i, req in enumerate(sampled):
             if req.status is Status.FINISHED:  # aborted meanwhile, or this token's step was dropped
                 continue
+            taken += 1
             reason: dict[str, Any] | None = None
             if out.invalid[i]:
                 self.stats.nonfinite_logits()
@@ -438,7 +440,7 @@ class EngineCore:
                 ended.append((req, reason))
             else:
                 self._finish(req, reason)
-        self.stats.step(len(sampled), len(self.scheduler.running), len(self.scheduler.waiting))
+        self.stats.step(taken, len(self.scheduler.running), len(self.scheduler.waiting))
 
     def _finish(self, req: Request, reason: dict[str, Any]) -> None:
         """End a request (any state): release its cache sequence, deliver, record stats."""
