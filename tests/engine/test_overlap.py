@@ -199,3 +199,21 @@ def test_finish_where_the_dropped_step_would_complete_a_page(default_model, prom
     off, on, deferred = both(default_model, lambda e: outputs(e, cut, params))
     assert on == off
     assert deferred > 0
+
+
+def test_graph_buffers_read_the_ids_on_the_device(default_model, prompts, reference):
+    # The CUDA-graph path without graphs (pieces on the static buffers, buckets 1, 2, 4): the ids of
+    # pending requests are copied into the graphs' id buffer on the device.
+    from kvstrata.engine.cuda_graph import DecodeGraphs
+
+    params = mixed_params(reference, default_model.tokenizer)
+
+    def on_buffers(engine: Engine) -> tuple:
+        engine.runner.graphs = DecodeGraphs(default_model.net, 4)
+        engine.runner.graphs.use_pieces()
+        return outputs(engine, prompts[:4], params[:4]), engine.runner.graphs.replayed_steps
+
+    off, on, deferred = both(default_model, on_buffers)
+    assert on[0] == off[0]
+    assert off[1] > 0 and on[1] > 0
+    assert deferred > 0
