@@ -311,8 +311,7 @@ class EngineCore:
             plan = self.scheduler.schedule()
         except Exception as exc:  # planning failed (the cache rolled the step back): end what it picked
             log.exception("planning a step failed")
-            self._inflight = None
-            self._fail(list(self.scheduler.running), exc)
+            self._fail(list(self.scheduler.running), exc)  # a token in flight is taken first
             return False
         self.stats.queue_sizes(len(self.scheduler.running), len(self.scheduler.waiting))
         if plan is None:
@@ -333,8 +332,10 @@ class EngineCore:
             log.exception("engine step failed")
             if not plan.batch.closed:
                 self.cache.cancel_step(plan.batch)
-            self._inflight = None
-            self._fail([*plan.reqs, *(before.sampled if before is not None else ())], exc)
+            # The step before is still in flight when this one failed to launch: `_finish` takes its
+            # tokens; when reading it back failed, its requests fail too.
+            lost = before.sampled if before is not None and self._inflight is None else []
+            self._fail([*plan.reqs, *lost], exc)
             return False
         return True
 
@@ -445,7 +446,11 @@ class EngineCore:
     def _finish(self, req: Request, reason: dict[str, Any]) -> None:
         """End a request (any state): release its cache sequence, deliver, record stats."""
         if req.pending:  # its last token is still on the device: take it first (it may end it)
-            self._settle()
+            try:
+                self._settle()
+            except Exception:  # the read-back failed: the request ends without that token
+                log.exception("reading back the step in flight failed")
+                req.pending = False
         if req.status is Status.FINISHED:
             return
         aborted = reason.get("type") == "abort"
