@@ -13,6 +13,7 @@ import asyncio
 from typing import Any
 
 import pytest
+import torch
 
 from kvstrata.engine.engine import Engine
 
@@ -217,3 +218,29 @@ def test_graph_buffers_read_the_ids_on_the_device(default_model, prompts, refere
     assert on[0] == off[0]
     assert off[1] > 0 and on[1] > 0
     assert deferred > 0
+
+
+def test_a_failed_plan_takes_the_token_in_flight_first(default_model, monkeypatch):
+    from kvstrata.radix import cache as cache_module
+
+    real = cache_module.build_step
+    calls = {"n": 0}
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 2:  # the decode step planned while the prefill's token is in flight
+            raise torch.OutOfMemoryError("injected: out of memory while planning")
+        return real(*args, **kwargs)
+
+    engine = make(default_model, True)
+    try:
+        monkeypatch.setattr(cache_module, "build_step", failing)
+        params = {"max_new_tokens": 8, "ignore_eos": True}
+        out = engine.generate(input_ids=list(range(300, 350)), sampling_params=params)
+        monkeypatch.setattr(cache_module, "build_step", real)
+        assert "out of memory while planning" in out["meta_info"]["finish_reason"]["message"]
+        assert out["meta_info"]["completion_tokens"] == 1  # the prefill's token, then the failed step
+        assert engine.core.deferred_steps == 1
+        assert_clean(engine)
+    finally:
+        engine.shutdown()
