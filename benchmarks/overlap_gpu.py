@@ -1,7 +1,7 @@
 """Decode steps/s of the engine with overlap scheduling off and on, in one process on one GPU.
 
     python benchmarks/overlap_gpu.py [--batch 256] [--context 1536] [--new 128] [--kv auto,fp8_e4m3]
-                                     [--repeats 2] [--geometry llama3-8b] [--device cuda]
+                                     [--repeats 1] [--geometry llama3-8b] [--device cuda]
 
 Llama-3-8B geometry with random BF16 weights (`dummy_model`, as `--load-format dummy`; nothing is read
 or downloaded). One `Engine` per history codec (CUDA graphs up to ``--batch``); ``--batch`` requests of
@@ -9,7 +9,8 @@ or downloaded). One `Engine` per history codec (CUDA graphs up to ``--batch``); 
 once, so after the prefill steps every step is a decode step at B = ``--batch``. The engine's
 ``core.overlap`` is switched between runs while it is idle (off, on, off, on, ... ``--repeats`` times
 each; the two modes of a repeat run the same random prompts, and the prefix cache is emptied before
-every run, so no run reads another's pages).
+every run, so no run reads another's pages). A warm-up run at B with 64-token prompts comes first.
+Each run prefills B x ``--context`` tokens (about 393K by default): keep ``--repeats`` small.
 
 Printed per codec and mode: the decode step interval (median over all requests of the median gap
 between a request's consecutive tokens), steps/s, output tokens/s of the whole run (prefill included),
@@ -37,13 +38,16 @@ from kvstrata.engine.loader import load_model
 from kvstrata.engine.stats import RequestFinished
 
 
-def run_once(engine: Engine, overlap: bool, args: argparse.Namespace, seed: int) -> dict[str, float | str]:
+def run_once(
+    engine: Engine, overlap: bool, args: argparse.Namespace, seed: int, context: int | None = None
+) -> dict[str, float | str]:
     """One batch of requests; returns the step interval, the output rate and a checksum of the tokens."""
     engine.core.overlap = overlap  # the engine is idle: read at its next step
-    assert engine.flush_cache()  # the other mode's run of the same prompts leaves no prefix to hit
+    while not engine.flush_cache():  # the other mode's run of the same prompts leaves no prefix to hit
+        time.sleep(0.01)
     gen = torch.Generator().manual_seed(seed)
     vocab = engine.config.vocab_size
-    prompts = torch.randint(0, vocab, (args.batch, args.context), generator=gen).tolist()
+    prompts = torch.randint(0, vocab, (args.batch, context or args.context), generator=gen).tolist()
     params = {"temperature": 0, "max_new_tokens": args.new, "ignore_eos": True}
     gaps: list[float] = []
 
@@ -74,7 +78,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1536, help="prompt tokens per request")
     ap.add_argument("--new", type=int, default=128, help="tokens generated per request")
     ap.add_argument("--kv", default="auto,fp8_e4m3", help="history codecs, comma separated")
-    ap.add_argument("--repeats", type=int, default=2, help="runs per mode, alternating")
+    ap.add_argument("--repeats", type=int, default=1, help="runs per mode, alternating")
     ap.add_argument("--geometry", default="llama3-8b", choices=list(GEOMETRIES))
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
@@ -99,7 +103,7 @@ def main() -> None:
         )
         try:
             runs: dict[bool, list[dict[str, float | str]]] = {False: [], True: []}
-            run_once(engine, True, args, seed=-1)  # warm-up: Triton variants, allocator
+            run_once(engine, True, args, seed=-1, context=64)  # warm-up at B: graphs, Triton variants
             for seed in range(args.repeats):
                 for overlap in (False, True):
                     runs[overlap].append(run_once(engine, overlap, args, seed))
