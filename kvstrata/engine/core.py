@@ -30,7 +30,8 @@ from kvstrata.engine.loader import LoadedModel
 from kvstrata.engine.memory import image_pool_need, plan_memory, weight_bytes, with_raised_pool
 from kvstrata.engine.options import EngineArgs, pin_budget_bytes, resolve_vision_codec
 from kvstrata.engine.request import Request, Status
-from kvstrata.engine.runner import StepRunner
+from kvstrata.engine.runner import Launched, StepRunner
+from kvstrata.engine.sampler import SampleOutput
 from kvstrata.engine.scheduler import Scheduler, StepPlan
 from kvstrata.engine.stats import RequestFinished, StatsCollector
 from kvstrata.radix.pool import cold_page_bytes
@@ -168,6 +169,9 @@ class EngineCore:
         self._post_lock = threading.Lock()
         self._outbox: dict[int, Any] = {}  # mailboxes given chunks since the last flush, by id
         self.set_flush_at_sync(self.device.type == "cuda")
+        self._inflight: Launched | None = None  # a launched step whose sampled ids are not read yet
+        self.overlap = not args.disable_overlap_schedule and self.device.type == "cuda"
+        self.deferred_steps = 0  # steps whose ids stayed on the device while the next one launched
         self._thread = threading.Thread(target=self._loop, name="kvstrata-engine", daemon=True)
         self._thread.start()
 
@@ -234,7 +238,7 @@ class EngineCore:
             if raised != self.cache.raised:
                 self.cache.set_raised(raised)
         self.cache.pins.expire()  # also while idle: the loop wakes at least once a second
-        if self.scheduler.has_work():
+        if self.scheduler.has_work() or self._inflight is not None:
             return self._step()
         self._flush_outbox()  # what the inbox's commands delivered goes out before the wait
         self._wake.wait(timeout=1.0)
@@ -307,56 +311,146 @@ class EngineCore:
             plan = self.scheduler.schedule()
         except Exception as exc:  # planning failed (the cache rolled the step back): end what it picked
             log.exception("planning a step failed")
-            self._fail(list(self.scheduler.running), exc)
+            self._fail(list(self.scheduler.running), exc)  # a token in flight is taken first
             return False
         self.stats.queue_sizes(len(self.scheduler.running), len(self.scheduler.waiting))
         if plan is None:
+            self._settle()
             return False
+        if not self.overlap and self._inflight is None:
+            try:
+                self._run(plan)
+            except Exception as exc:  # the forward pass or sampling failed: end the requests of this step
+                log.exception("engine step failed")
+                self._fail(plan.reqs, exc)
+                return False
+            return True
+        before = self._inflight
         try:
-            self._run(plan)
-        except Exception as exc:  # the forward pass or sampling failed: end the requests of this step
+            self._run_overlapped(plan)
+        except Exception as exc:
             log.exception("engine step failed")
-            self._fail(plan.reqs, exc)
+            if not plan.batch.closed:
+                self.cache.cancel_step(plan.batch)
+            # The step before is still in flight when this one failed to launch: `_finish` takes its
+            # tokens; when reading it back failed, its requests fail too.
+            lost = before.sampled if before is not None and self._inflight is None else []
+            self._fail([*plan.reqs, *lost], exc)
             return False
         return True
 
     def _run(self, plan: StepPlan) -> None:
         sampled, out, logits = self.runner.run(plan)
-        now = time.perf_counter()
+        self._after_forward(plan)
+        if out is None:  # no sampler ran, so nothing was flushed before the device
+            self._flush_outbox()
+            self.stats.step(0, len(self.scheduler.running), len(self.scheduler.waiting))
+            return
+        self._absorb(sampled, out, logits)
+
+    def _run_overlapped(self, plan: StepPlan) -> None:
+        """Overlap scheduling: launch ``plan`` (its pending requests read their last token on the
+        device), then read back and apply the step launched before it while the device runs this
+        one. A request that step finished is dropped from this one: its pages go back and its
+        length stays, as if it had not run. This step's ids stay on the device when the next step
+        may read them there (`_may_defer`), else they are read back now."""
+        step = self.runner.launch(plan, self._inflight)
+        ended: list[tuple[Request, dict[str, Any]]] = []
+        self._settle(ended)
+        ending = {id(req) for req, _ in ended}
+        self.cache.end_step(plan.batch, [i for i, r in enumerate(plan.reqs) if id(r) in ending])
+        for req, reason in ended:
+            self._finish(req, reason)
+        self._after_forward(plan)
+        if step.sample is None:
+            self._flush_outbox()
+            self.stats.step(0, len(self.scheduler.running), len(self.scheduler.waiting))
+            return
+        live = [r for r in step.sampled if r.status is not Status.FINISHED]
+        if self.overlap and live and self._may_defer(step):
+            for req in live:
+                req.await_token()
+            self._inflight = step
+            self.deferred_steps += 1
+        else:
+            self._absorb(step.sampled, self.runner.sampler.collect(step.sample), step.logits)
+
+    @staticmethod
+    def _may_defer(step: Launched) -> bool:
+        """Whether the step's ids may stay on the device: no request needs them on the host before
+        its next step (penalties count them, logprobs and drift re-scoring read the step's rows)."""
+        return all(
+            r.penalties is None and not r.params.return_logprob and r.drift_logprobs is None and r.mm is None
+            for r in step.sampled
+        )
+
+    def _settle(self, ended: list[tuple[Request, dict[str, Any]]] | None = None) -> None:
+        """Read back and apply the step in flight, if any (``ended``: see `_absorb`)."""
+        step, self._inflight = self._inflight, None
+        if step is not None and step.sample is not None:
+            self._absorb(step.sampled, self.runner.sampler.collect(step.sample), step.logits, ended)
+
+    def _after_forward(self, plan: StepPlan) -> None:
         for req in plan.reqs:
+            if req.status is Status.FINISHED:
+                continue
             if req.leader is None and not req.prompt_cached and req.computed >= len(req.prompt_ids):
                 self.cache.cache_prefix(req.seq)  # n > 1: siblings now match the prompt's pages
                 req.prompt_cached = True
             if req.mm is not None and not req.mm.pinned and req.computed >= len(req.prompt_ids):
                 self._pin_images(req)
-        if out is None:  # no sampler ran, so nothing was flushed before the device
-            self._flush_outbox()
-            self.stats.step(0, len(self.scheduler.running), len(self.scheduler.waiting))
-            return
+
+    def _absorb(
+        self,
+        sampled: list[Request],
+        out: SampleOutput,
+        logits: torch.Tensor | None,
+        ended: list[tuple[Request, dict[str, Any]]] | None = None,
+    ) -> None:
+        """Append the sampled tokens, stream them and end the requests they finish. A request in
+        the open step (overlap scheduling) is not ended here: it goes to ``ended`` for the caller."""
+        now = time.perf_counter()
+        taken = 0
         for i, req in enumerate(sampled):
+            if req.status is Status.FINISHED:  # aborted meanwhile, or this token's step was dropped
+                continue
+            taken += 1
+            reason: dict[str, Any] | None = None
             if out.invalid[i]:
                 self.stats.nonfinite_logits()
-                self._finish(req, {"type": "abort", "message": NONFINITE_LOGITS, "error": True})
-                continue
-            tok = out.tokens[i]
-            if req.params.return_logprob:
-                req.token_logprobs.append((out.token_logprobs[i], tok))
-                req.top_logprobs.append([(lp, t) for t, lp in out.top_logprobs[i] or []])
-            if req.drift_logprobs is not None and len(req.drift_logprobs) < self.args.drift_max_tokens:
-                req.drift_logprobs.append(torch.log_softmax(logits[i].float(), dim=-1).cpu())
-            req.append(tok, now)
-            if req.finish_reason is None and req.tokens_len >= self.max_context:
-                req.finish_reason = {"type": "length", "length": len(req.output_ids)}
-            if req.finish_reason is not None:
-                self._finish(req, req.finish_reason)
-            elif req.stream and req.sink is not None:
-                chunk = req.delta()
-                if chunk is not None:
-                    self._deliver(req.sink, chunk)
-        self.stats.step(len(sampled), len(self.scheduler.running), len(self.scheduler.waiting))
+                req.pending = False
+                reason = {"type": "abort", "message": NONFINITE_LOGITS, "error": True}
+            else:
+                tok = out.tokens[i]
+                if req.params.return_logprob:
+                    req.token_logprobs.append((out.token_logprobs[i], tok))
+                    req.top_logprobs.append([(lp, t) for t, lp in out.top_logprobs[i] or []])
+                if req.drift_logprobs is not None and len(req.drift_logprobs) < self.args.drift_max_tokens:
+                    assert logits is not None
+                    req.drift_logprobs.append(torch.log_softmax(logits[i].float(), dim=-1).cpu())
+                req.append(tok, now)
+                if req.finish_reason is None and req.tokens_len >= self.max_context:
+                    req.finish_reason = {"type": "length", "length": len(req.output_ids)}
+                reason = req.finish_reason
+            if reason is None:
+                if req.stream and req.sink is not None:
+                    chunk = req.delta()
+                    if chunk is not None:
+                        self._deliver(req.sink, chunk)
+            elif ended is not None and req.seq is not None and req.seq.in_step:
+                ended.append((req, reason))
+            else:
+                self._finish(req, reason)
+        self.stats.step(taken, len(self.scheduler.running), len(self.scheduler.waiting))
 
     def _finish(self, req: Request, reason: dict[str, Any]) -> None:
         """End a request (any state): release its cache sequence, deliver, record stats."""
+        if req.pending:  # its last token is still on the device: take it first (it may end it)
+            try:
+                self._settle()
+            except Exception:  # the read-back failed: the request ends without that token
+                log.exception("reading back the step in flight failed")
+                req.pending = False
         if req.status is Status.FINISHED:
             return
         aborted = reason.get("type") == "abort"

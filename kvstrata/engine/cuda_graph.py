@@ -130,7 +130,9 @@ class DecodeGraphs:
         B, D = self.sizes[-1], cfg.head_dim
         with torch.inference_mode():
             self.inputs = torch.zeros((2, B), dtype=torch.long, device=dev)  # token ids, positions
-            self.host = torch.zeros((2, B), dtype=torch.long, pin_memory=dev.type == "cuda")
+            # two pinned staging buffers, used in turn: under overlap scheduling the host writes
+            # step N+1's ids before it waits for step N, whose copy may still be reading the other
+            self.host = torch.zeros((2, 2, B), dtype=torch.long, pin_memory=dev.type == "cuda")
             self.x = torch.zeros((B, cfg.hidden_size), dtype=dt, device=dev)
             self.cos = torch.zeros((B, 1, D), dtype=dt, device=dev)
             self.sin = torch.zeros((B, 1, D), dtype=dt, device=dev)
@@ -140,6 +142,7 @@ class DecodeGraphs:
             self.attn_out = torch.zeros((B, cfg.q_heads, D), dtype=dt, device=dev)
             self.logits = torch.zeros((B, cfg.vocab_size), dtype=torch.float32, device=dev)
         self._host_np = self.host.numpy()
+        self._turn = 0
         # Per bucket: what runs each piece (a captured graph's replay, or the piece itself).
         self.graphs: dict[int, list[Callable[[], None]]] = {}
         self.replayed_steps = 0
@@ -207,19 +210,30 @@ class DecodeGraphs:
             self.graphs[bs] = replays
         torch.cuda.synchronize()
 
-    def run(self, ids: Sequence[int], positions: Sequence[int], attn: AttnFn) -> Tensor:
+    def run(
+        self,
+        ids: Sequence[int],
+        positions: Sequence[int],
+        attn: AttnFn,
+        fill: Callable[[Tensor], None] | None = None,
+    ) -> Tensor:
         """One decode step of ``len(ids)`` <= max_bs sequences (one new token each): float32 logits
-        ``[n, V]``, a view of the static buffer valid until the next step."""
+        ``[n, V]``, a view of the static buffer valid until the next step. ``fill`` writes the ids
+        that are still on the device into the step's id buffer (overlap scheduling)."""
         n = len(ids)
         bs = self.bucket(n)
         if bs is None:
             raise ValueError(f"decode batch {n} exceeds the largest captured size {self.max_bs}")
-        # Pinned staging, copied without a host sync; the sampler's read-back at the end of each
-        # step orders this copy before the next step overwrites the staging buffer.
-        self._host_np[0, :n] = ids
-        self._host_np[1, :n] = positions
+        # Pinned staging, copied without a host sync; the sampler's read-back of step N (at the end
+        # of step N, or after step N+1 is launched) orders this copy before step N+2 reuses the buffer.
+        turn = self._turn
+        self._turn ^= 1
+        self._host_np[turn, 0, :n] = ids
+        self._host_np[turn, 1, :n] = positions
         for row in range(2):
-            self.inputs[row, :n].copy_(self.host[row, :n], non_blocking=True)
+            self.inputs[row, :n].copy_(self.host[turn, row, :n], non_blocking=True)
+        if fill is not None:
+            fill(self.inputs[0, :n])
         pieces = self.graphs[bs]
         q, k, v, attn_out = self.q[:n], self.k[:n], self.v[:n], self.attn_out[:n]
         pieces[0]()

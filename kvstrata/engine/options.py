@@ -83,6 +83,9 @@ class EngineArgs:
     # do on CPU); batches above cuda_graph_max_bs (None: max_running_requests) run eager.
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
+    # Overlap scheduling (SGLang's flag name): on CUDA the next step is planned and launched before
+    # the sampled ids of the step running on the device are read back (off on CPU: nothing to hide).
+    disable_overlap_schedule: bool = False
 
     def __post_init__(self) -> None:
         """Fill the window, rotation and sinks left unset from the shipped defaults (or the plan file)."""

@@ -43,6 +43,9 @@ class Request:
         self.prompt_ids = prompt_ids
         self.params = params
         self.output_ids: list[int] = []
+        # Overlap scheduling: the last sampled token is still on the device only (it is the input of
+        # the step in flight); ``seq.token_ids`` holds a placeholder at its position until it lands.
+        self.pending = False
         self.status = Status.WAITING
         self.seq: Any = None  # the cache's sequence while admitted
         self.mm: Any = None  # images: a kvstrata.multimodal MultimodalInput (feature rows, pins)
@@ -72,7 +75,7 @@ class Request:
     # --- tokens -----------------------------------------------------------------------------
     @property
     def tokens_len(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.prompt_ids) + len(self.output_ids) + self.pending
 
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
@@ -86,11 +89,21 @@ class Request:
         return self.tokens_len - self.computed > 1
 
     # --- appending a sampled token --------------------------------------------------------------
+    def await_token(self) -> None:
+        """Its sampled token stays on the device for now: the cache sees a placeholder (0) in its
+        place, so the next step can be planned; `append` puts the token there."""
+        self.pending = True
+        if self.seq is not None:
+            self.seq.token_ids.append(0)
+
     def append(self, token: int, now: float) -> None:
         """Record a sampled token; sets finish_reason when it ends the request."""
         self.output_ids.append(token)
-        if self.seq is not None:
+        if self.seq is not None and self.pending:
+            self.seq.token_ids[len(self.prompt_ids) + len(self.output_ids) - 1] = token
+        elif self.seq is not None:
             self.seq.token_ids.append(token)
+        self.pending = False
         if self.penalties is not None:
             self.penalties.add(token)
         if self.first_token_at is None:

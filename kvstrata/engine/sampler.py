@@ -90,6 +90,17 @@ def filter_probs(
     return probs.masked_fill(~keep, 0.0)
 
 
+@dataclass
+class DeviceSample:
+    """A launched sample: ids still on the device, and their host copy once ``ready`` has fired."""
+
+    tokens: torch.Tensor  # [B] on the device: the next step's input ids under overlap scheduling
+    host: torch.Tensor  # [2, B] ids and invalid flags (pinned, filled asynchronously, on CUDA)
+    ready: torch.cuda.Event | None  # CUDA: recorded after the copy to ``host``
+    logprobs: torch.Tensor | None
+    rows: Sequence[SampleRow]
+
+
 class Sampler:
     """Samples one token per row of logits [B, V]."""
 
@@ -99,6 +110,10 @@ class Sampler:
         self.before_sync: Callable[[], None] | None = None
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleOutput:
+        return self.collect(self.launch(logits, rows))
+
+    def launch(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> DeviceSample:
+        """Sample on the device and start the copy of the ids to the host; nothing waits for it."""
         logits = logits.float()
         invalid = (
             torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1) | torch.isneginf(logits).all(-1)
@@ -115,14 +130,31 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         if not all(greedy):
             tokens = self._sample(logits, rows, greedy, tokens)
+        # The step's one device-to-host copy: sampled ids and invalid flags travel together.
+        packed = torch.stack((tokens, invalid.to(tokens.dtype)))
+        ready = None
+        if packed.device.type == "cuda":  # into pinned memory, ordered before later steps' kernels
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            packed = host
+        return DeviceSample(tokens, packed, ready, logprobs, rows)
+
+    def collect(self, sample: DeviceSample) -> SampleOutput:
+        """Wait for a launched sample's ids (only for the work launched before it) and read them."""
         if self.before_sync is not None:
             self.before_sync()
-        # The step's one device-to-host copy: sampled ids and invalid flags travel together.
-        token_list, invalid_list = torch.stack((tokens, invalid.to(tokens.dtype))).tolist()
-
-        out = SampleOutput(tokens=token_list, invalid=[bool(b) for b in invalid_list], logprobs=logprobs)
-        if logprobs is not None:
-            out.token_logprobs, out.top_logprobs = _gather_logprobs(logprobs, tokens, rows)
+        if sample.ready is not None:
+            sample.ready.synchronize()
+        token_list, invalid_list = sample.host.tolist()
+        out = SampleOutput(
+            tokens=token_list, invalid=[bool(b) for b in invalid_list], logprobs=sample.logprobs
+        )
+        if sample.logprobs is not None:
+            out.token_logprobs, out.top_logprobs = _gather_logprobs(
+                sample.logprobs, sample.tokens, sample.rows
+            )
         return out
 
     def _sample(
@@ -131,10 +163,10 @@ class Sampler:
         idx = [i for i, g in enumerate(greedy) if not g]
         dev = logits.device
         every_row = len(idx) == len(rows)
-        sub = logits if every_row else logits.index_select(0, _to_device(idx, torch.long, dev))
+        sub = logits if every_row else logits.index_select(0, host_to_device(idx, torch.long, dev))
         # The rows' parameters reach the device in one asynchronous copy (no host sync).
         params = [rows[i].params for i in idx]
-        knobs = _to_device(
+        knobs = host_to_device(
             [
                 [p.temperature for p in params],
                 [p.top_p for p in params],
@@ -153,7 +185,7 @@ class Sampler:
         else:
             picked = torch.empty(len(idx), dtype=torch.long, device=dev)
             if len(seeded) < len(idx):
-                free = _to_device(
+                free = host_to_device(
                     [j for j in range(len(idx)) if rows[idx[j]].generator is None], torch.long, dev
                 )
                 picked.index_copy_(0, free, torch.multinomial(probs.index_select(0, free), 1).squeeze(1))
@@ -161,10 +193,10 @@ class Sampler:
                 picked[j] = torch.multinomial(probs[j], 1, generator=rows[idx[j]].generator)[0]
         if every_row:
             return picked
-        return tokens.index_copy(0, _to_device(idx, torch.long, dev), picked)
+        return tokens.index_copy(0, host_to_device(idx, torch.long, dev), picked)
 
 
-def _to_device(values: list[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def host_to_device(values: list[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A small host list as a device tensor, copied without waiting for the device: from pinned
     memory on CUDA (a plain ``torch.tensor(..., device=cuda)`` synchronizes the stream)."""
     host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")

@@ -91,7 +91,8 @@ class Scheduler:
         unread prompt, and computed tokens still waiting in the ring for their page to complete)
         and ``new_token_ratio`` of its remaining output (capped by the pool)."""
         P = self.cache.page_size
-        left = min(req.params.max_new_tokens - len(req.output_ids), self.cache.num_pages * P)
+        written = len(req.output_ids) + req.pending
+        left = min(req.params.max_new_tokens - written, self.cache.num_pages * P)
         return req.tokens_len - req.computed // P * P + left * self.new_token_ratio
 
     def available_tokens(self) -> int:
@@ -120,6 +121,8 @@ class Scheduler:
 
     # --- one step ---------------------------------------------------------------------------
     def _ready(self, req: Request) -> bool:
+        if req.pending:  # preempted with its last token still on the device: admitted once it lands
+            return False
         leader = req.leader
         return leader is None or leader.prompt_cached or leader.status is Status.FINISHED
 
@@ -139,6 +142,8 @@ class Scheduler:
             elif self.running:  # alone and still no room: the pool cannot hold this sequence
                 victim = self.running[0]
                 self.end_request(victim, {"type": "length", "length": len(victim.output_ids), "pool": "full"})
+            elif self.waiting[0].pending:  # preempted while its token was in flight: wait for it
+                return None
             else:  # nothing runs and the head of the queue does not fit an empty pool
                 self.end_request(
                     self.waiting[0], {"type": "abort", "message": "prompt does not fit the KV pool"}

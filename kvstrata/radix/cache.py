@@ -22,7 +22,7 @@ respect: the tree counts it with the text pages, and the two pools are one capac
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Collection, Hashable
 from collections.abc import Sequence as Seq
 
 import torch
@@ -531,16 +531,25 @@ class StratifiedKVCache:
             out = self._rotate(out)  # V was rotated; the normalised transform is its own inverse
         return out.to(q.dtype)
 
-    def end_step(self, batch: StepBatch) -> None:
-        """Commit the step: lengths += n_new; the ring keeps [ring_start, length)."""
+    def end_step(self, batch: StepBatch, drop: Collection[int] = ()) -> None:
+        """Commit the step: lengths += n_new; the ring keeps [ring_start, length).
+
+        ``drop``: indices of sequences whose part of the step is abandoned instead, as `cancel_step`
+        abandons a whole step (overlap scheduling: they finished on a token sampled by the step
+        before, so this step's token of theirs is discarded and they end as if it had not run)."""
         if batch.closed:
             raise ValueError("end_step: the step has already ended")
         missing = set(range(self.cfg.num_layers)) - batch.layers_done
         if missing:
             raise ValueError(f"end_step: attention was not run for layers {sorted(missing)}")
-        for seq, n, start, pages in zip(
-            batch.seqs, batch.n_new, batch.new_ring_start, batch.new_pages, strict=True
+        dropped = set(drop)
+        if dropped:
+            self._abandon(batch, sorted(dropped))
+        for i, (seq, n, start, pages) in enumerate(
+            zip(batch.seqs, batch.n_new, batch.new_ring_start, batch.new_pages, strict=True)
         ):
+            if i in dropped:
+                continue
             if seq.length == seq.cached_tokens:  # its first step: the admission really used its match
                 self.matched_tokens += seq.cached_tokens
                 self.missed_tokens += len(seq.token_ids) - seq.cached_tokens
@@ -561,15 +570,20 @@ class StratifiedKVCache:
         recomputes). A decode step never overwrites a live row."""
         if batch.closed:
             raise ValueError("cancel_step: the step has already ended")
+        self._abandon(batch, range(len(batch.seqs)))
+        batch.closed = True
+
+    def _abandon(self, batch: StepBatch, which: Seq[int]) -> None:
+        """Give back the step's pages of the sequences at ``which``; their lengths stay."""
         R = self.ring.capacity
-        for seq, n, new_start in zip(batch.seqs, batch.n_new, batch.new_ring_start, strict=True):
+        for i in which:
+            seq, n, new_start = batch.seqs[i], batch.n_new[i], batch.new_ring_start[i]
             # Rows of positions [first, last] were written; they alias [first - R, last - R].
             first, last = max(seq.length, new_start), seq.length + n - 1
             live = range(seq.ring_start, seq.length)
             if batch.layers_done and first <= last and first - R < live.stop and last - R >= live.start:
                 seq.ring_clobbered = True
-        self._detach(batch.seqs, batch.new_pages)
-        batch.closed = True
+        self._detach([batch.seqs[i] for i in which], [batch.new_pages[i] for i in which])
 
     def cache_prefix(self, seq: Sequence) -> None:
         """Insert the sequence's full pages into the tree now (it keeps running)."""

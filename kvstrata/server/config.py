@@ -214,6 +214,13 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag("disable_cuda_graph", _bool, None, "CUDA: run decode steps eagerly (no CUDA graphs)", True),
     Flag(
+        "disable_overlap_schedule",
+        _bool,
+        None,
+        "CUDA: plan each step only after the previous step's ids are read back (no overlap scheduling)",
+        True,
+    ),
+    Flag(
         "cuda_graph_max_bs",
         _positive_int,
         None,
@@ -279,6 +286,7 @@ class ServerConfig:
     image_fetch_timeout: float | None = None
     vision_kv_dtype: str | None = None
     disable_cuda_graph: bool | None = None
+    disable_overlap_schedule: bool | None = None
     cuda_graph_max_bs: int | None = None
     chunked_prefill_size: int | None = None
     enable_mixed_chunk: bool | None = None

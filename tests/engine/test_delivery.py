@@ -1,6 +1,7 @@
 """Streamed chunks reach asyncio callers through one loop wake-up per engine iteration (`LoopMailbox`),
 in order and completely, whether the engine flushes after each step (CPU default) or when the next
-step's sampler is about to wait for the device (CUDA default, forced here on the CPU)."""
+step's sampler is about to wait for the device (CUDA default, forced here on the CPU), with overlap
+scheduling (CUDA default, forced here too) or without."""
 
 from __future__ import annotations
 
@@ -120,16 +121,18 @@ def _stream_all(engine: Engine, prompts: list[list[int]], max_new: int) -> tuple
     return asyncio.run(main())
 
 
-@pytest.mark.parametrize("at_sync", [False, True])
-def test_streams_complete_and_equal_generate(engine, default_model, at_sync):
+@pytest.mark.parametrize("at_sync,overlap", [(False, False), (True, False), (True, True)])
+def test_streams_complete_and_equal_generate(engine, default_model, at_sync, overlap):
     prompts = [default_model.tokenizer.encode(p) for p in PROMPTS]
     want = [r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params={
         "temperature": 0, "max_new_tokens": 12, "ignore_eos": True})]  # fmt: skip
     engine.core.set_flush_at_sync(at_sync)
+    engine.core.overlap = overlap  # the CUDA defaults are both on
     try:
         outs, wakeups, chunks = _stream_all(engine, prompts, 12)
     finally:
         engine.core.set_flush_at_sync(False)
+        engine.core.overlap = False
     assert outs == want
     assert all(len(o) == 12 for o in outs)
     # 4 streams x 12 tokens: one wake-up per step for all of them, not one per chunk

@@ -69,6 +69,7 @@ def serve(path: Path, backend: str, text: str, image: str, page: int) -> tuple[d
         chunked_prefill_size=3 * page,
         max_total_tokens=2048,
         disable_cuda_graph=True,
+        disable_overlap_schedule=True,  # the spy reads every step's logit rows from runner.run
     )
     spy = StepLogits(engine)
     a, b, c = make_image(21), make_image(22, (20, 50)), make_image(23)
