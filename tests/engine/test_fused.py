@@ -24,7 +24,17 @@ from kvstrata.engine.loader import dummy_model  # noqa: E402
 from kvstrata.engine.model import RMSNorm, Transformer, apply_rope  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-DTYPES = [torch.bfloat16, torch.float16]
+# Float16 kernels: bit-equal to the torch code under the interpreter; on CUDA they are not (up to 2
+# float16 steps, see `fused`), so "auto" does not run them there and their exact checks run on CPU only.
+DTYPES = [
+    torch.bfloat16,
+    pytest.param(
+        torch.float16,
+        marks=pytest.mark.skipif(
+            torch.cuda.is_available(), reason="float16 kernels are not used on CUDA (not bit-equal there)"
+        ),
+    ),
+]
 
 
 @pytest.fixture
@@ -139,6 +149,7 @@ def test_default_mode_keeps_the_cpu_float32_path() -> None:
     if torch.cuda.is_available():
         assert fused.applies(torch.zeros(2, 4, dtype=torch.bfloat16, device="cuda"))
         assert not fused.applies(torch.zeros(2, 4, device="cuda"))
+        assert not fused.applies(torch.zeros(2, 4, dtype=torch.float16, device="cuda"))
 
 
 TINY = dict(
