@@ -8,7 +8,8 @@
 #
 # MODEL: a directory with config.json (+ tokenizer files), e.g. ../shared/sglang-gpu's model/. SITE:
 # a directory put first on PYTHONPATH holding what the GPU image lacks (fastapi, starlette, uvicorn,
-# pydantic). Knobs: NPROMPTS (256), CONC (256), ILEN (1536), OLEN (512), DEADLINE (s, 280),
+# pydantic, opentelemetry-api: the SGLang payload's site; httptools and a recent uvloop from their cp312 wheels,
+# several directories joined with ':'; the server logs `uvloop + httptools` when it runs on them). Knobs: NPROMPTS (256), CONC (256), ILEN (1536), OLEN (512), DEADLINE (s, 280),
 # MIN_LEFT (s needed to start a config, 60). Every server runs with --max-running-requests $CONC
 # --cuda-graph-max-bs $CONC --chunked-prefill-size ${CHUNK:-8192} --kv-plan off.
 # Writes to $OUT: summary.txt (the table last), bench.jsonl (`kvstrata bench`'s JSON lines),
