@@ -28,7 +28,6 @@ from torch import Tensor
 
 MODE = "auto"
 MODES = ("auto", "off", "force")
-HALF_DTYPES = (torch.bfloat16, torch.float16)  # what the kernels take
 AUTO_DTYPES = (torch.bfloat16,)  # where "auto" runs them on CUDA (see the module docstring)
 
 
