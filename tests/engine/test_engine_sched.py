@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+from prompt_texts import PROMPT_TEXTS
 
 from kvstrata.engine.engine import Engine
 from kvstrata.engine.stats import RequestFinished
@@ -18,16 +19,7 @@ N_NEW = 40
 
 @pytest.fixture(scope="module")
 def prompts(default_model):
-    tok = default_model.tokenizer
-    texts = [
-        "The French Revolution began in 1789 when",
-        "In mathematics, a prime number is a natural number greater than one that",
-        "Once upon a time in a small village by the sea, there lived an old fisherman who",
-        "The mitochondria is known as the powerhouse of the cell because",
-        "To bake a simple loaf of bread you need flour, water, salt and yeast. First,",
-        "Python is a programming language that",
-    ]
-    return [tok.encode(t) for t in texts]
+    return [default_model.tokenizer.encode(t) for t in PROMPT_TEXTS]
 
 
 def make(model, total_tokens: int, running: int) -> Engine:

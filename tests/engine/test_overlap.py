@@ -14,23 +14,16 @@ from typing import Any
 
 import pytest
 import torch
+from prompt_texts import PROMPT_TEXTS
 
 from kvstrata.engine.engine import Engine
 
-TEXTS = [
-    "The French Revolution began in 1789 when",
-    "In mathematics, a prime number is a natural number greater than one that",
-    "Once upon a time in a small village by the sea, there lived an old fisherman who",
-    "The mitochondria is known as the powerhouse of the cell because",
-    "To bake a simple loaf of bread you need flour, water, salt and yeast. First,",
-    "Python is a programming language that",
-]
 LENGTHS = [3, 40, 17, 1, 29, 24]
 
 
 @pytest.fixture(scope="module")
 def prompts(default_model):
-    return [default_model.tokenizer.encode(t) for t in TEXTS]
+    return [default_model.tokenizer.encode(t) for t in PROMPT_TEXTS]
 
 
 def make(model: Any, overlap: bool, **kwargs: Any) -> Engine:

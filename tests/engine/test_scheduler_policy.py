@@ -4,6 +4,7 @@ outputs either way."""
 
 from __future__ import annotations
 
+from prompt_texts import PROMPT_TEXTS
 from test_scheduler_cache import make, request, run
 
 from kvstrata.engine.engine import Engine
@@ -73,13 +74,7 @@ def test_greedy_outputs_do_not_depend_on_the_policy(default_model) -> None:
     """Four prompts in 16-token chunks, four running: the same greedy tokens with prefill-only
     steps and with mixed steps."""
     tok = default_model.tokenizer
-    texts = [
-        "The French Revolution began in 1789 when",
-        "In mathematics, a prime number is a natural number greater than one that",
-        "Once upon a time in a small village by the sea, there lived an old fisherman who",
-        "Python is a programming language that",
-    ]
-    prompts = [tok.encode(t) for t in texts]
+    prompts = [tok.encode(PROMPT_TEXTS[i]) for i in (0, 1, 2, 5)]
     params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
     outs = []
     for mixed in (False, True):
