@@ -108,7 +108,7 @@ def test_graph_plan_equals_eager_plan(stale_padding: bool):
         assert (ring_dst[n:] < R).all()  # slot 0 belongs to row 0, which no request gets
         assert plan.rows[n:].tolist() == [0] * (BUCKET - n)
         for row in rows[:n]:
-            assert book.rows[row] == pool.rings.rows[row]
+            assert book.ring(row) == pool.rings.ring(row)
         checked.append(int(done.sum()))
 
     run_schedule(w, check)
