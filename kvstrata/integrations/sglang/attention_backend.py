@@ -76,7 +76,10 @@ class KvstrataAttnBackend(AttentionBackend):
         pool = self.pool
         assert pool.ring is not None
         max_context = pool.req_to_token_pool.req_to_token.shape[1]
-        self.graph = DecodeGraphState(max_bs, max_context, pool.page_size, pool.ring.capacity, pool.device)
+        ring = pool.ring
+        self.graph = DecodeGraphState(
+            max_bs, max_context, pool.page_size, ring.capacity, ring.null_row, pool.device
+        )
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1

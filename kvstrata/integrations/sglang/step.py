@@ -49,19 +49,20 @@ def page_tables(
 
 @dataclass
 class DecodePlan:
-    """Host int64 tensors of one decode step of ``bs`` entries, for a captured graph (`graph`):
-    what the Triton kernels read, with the page ids left to a gather on the device (``page_col``,
-    ``complete``). Padding entries (row `PADDING_ROW`) read no history, complete no page (page 0,
-    SGLang's padding page, sourced from the null ring row) and write their token to a row of ring
-    slot 0, which belongs to no request."""
+    """Host int64 tensors of one decode step of ``bs`` entries, for a captured graph (`graph`), each
+    ``[bs]`` (``lengths``: ``[3, bs]``): what the device turns into what the kernels read (page
+    tables, completed page ids, every entry's ring rows and the rows of the page it completes), so
+    a step copies a few integers per entry to the device. Padding entries (row `PADDING_ROW`) read no
+    history, complete no page (page 0, SGLang's padding page, sourced from the null ring row) and
+    write their token to a row of ring slot 0, which belongs to no request."""
 
-    rows: torch.Tensor  # [bs] request rows
-    page_col: torch.Tensor  # [bs] page index of the new token's position (L // P)
-    complete: torch.Tensor  # [bs] 1 when the new token completes that page
+    rows: torch.Tensor  # request rows
+    page_col: torch.Tensor  # page index of the new token's position (L // P)
+    complete: torch.Tensor  # 1 when the new token completes that page
     lengths: torch.Tensor  # [3, bs] cold pages, ring rows, sink flag (0)
-    ring_rows: torch.Tensor  # [bs, R] ring rows of positions [ring_start, L), padded with the null row
-    sources: torch.Tensor  # [bs * P] rows of the completed pages (`WritePlan.kernel_sources`)
-    ring_dst: torch.Tensor  # [bs] ring row of each new token
+    ring_start: torch.Tensor  # first position held in the ring (the rows are positions [ring_start, L))
+    ring_base: torch.Tensor  # first ring row of the entry's slot (row * ring capacity; 0 for padding)
+    ring_dst: torch.Tensor  # ring row of each new token
     pages_completed: int
 
 
@@ -146,7 +147,7 @@ class RingBook:
         """Plan a decode step (one new token per entry; request rows, their generations and cached
         prefix lengths as int sequences or CPU tensors) as `DecodePlan` and record the rings as
         they will be after it, exactly as `plan` does for the same batch."""
-        P, R, W, null = self.page_size, self.ring_capacity, self.window, self.nulls.ring_row
+        P, R, W = self.page_size, self.ring_capacity, self.window
         rows_in = _int64(rows)
         gen, L = _int64(generations), _int64(prefix_lens)
         bs = rows_in.size
@@ -171,17 +172,10 @@ class RingBook:
         self.generation[kept], self.origin[kept] = gen[live], origin[live]
         self.start[kept] = np.maximum(np.maximum(start, origin), (L + 1 - W) // P * P)[live]
         self.length[kept] = L[live] + 1
-        col = np.arange(R)[None, :]
-        ring_rows = np.where(col < lens[:, None], base[:, None] + (start[:, None] + col) % R, null)
-        # Page of position L = page_col * P + P - 1: its first P - 1 rows from the ring, the last the new row.
-        tok = np.arange(P)[None, :]
-        own = -1 - np.arange(bs)[:, None]
-        sources = np.where(tok < P - 1, base[:, None] + (cols[:, None] * P + tok) % R, own)
-        sources = np.where(done[:, None], sources, null).reshape(-1)
         complete = done.astype(np.int64)
         lengths = np.stack([start // P, lens, np.zeros_like(lens)])
         return DecodePlan(
-            *(torch.from_numpy(a) for a in (rows_t, cols, complete, lengths, ring_rows, sources, ring_dst)),
+            *(torch.from_numpy(a) for a in (rows_t, cols, complete, lengths, start, base, ring_dst)),
             pages_completed=int(complete.sum()),
         )
 
