@@ -7,17 +7,15 @@
 # The model is not on the GPU machine and a device call carries at most 64 MiB, so it travels in
 # parts, one call each, made here by `python benchmarks/sglang_greedy.py stage STAGE`
 # (STAGE/p1/part1, ..., STAGE/meta), and joined in /tmp (a warm machine keeps it between calls):
-#   bash benchmarks/sglang_greedy_gpu.sh part STAGE/pN [CONFIG...]      (every part but the last)
+#   bash benchmarks/sglang_greedy_gpu.sh part STAGE/pN                  (every part but the last)
 #   bash benchmarks/sglang_greedy_gpu.sh run STAGE/pN STAGE/meta CONFIG...   (the last part, then the run)
 # Both unpack SGLang's payload into /tmp/sglsite when it is not there (PAYLOAD_DIR/payload.tar.xz).
 #   CONFIG = name:attention_backend:kv_cache_dtype[:extra,server,flags[:ENV=VALUE,ENV=VALUE]]
-# `part` with CONFIGs and MODEL_CONFIG (the model's config.json) also starts those servers on random
-# weights (--load-format dummy, same geometry and dtype), left running after the call, so that
-# Triton compiles their kernels (decode-graph capture, SGLang's and kvstrata's warm-ups) while the
-# next parts travel; `run` stops them before it starts its own servers.
 # Knobs: DEADLINE (s, 300: on a fresh machine the servers needed over 145 s to answer, Triton
-# compiling), NEW_TOKENS (64), DTYPE (bfloat16: SGLang's --dtype for every server; float32 gives
-# float32 logits, where greedy identity does not hinge on BF16 ties).
+# compiling), NEW_TOKENS (64), DTYPE (bfloat16: SGLang's --dtype for every server; float32 would
+# give float32 logits, where greedy identity does not hinge on BF16 ties, but SGLang 0.5.17 cannot
+# serve a float32 model on CUDA: sgl_kernel's rmsnorm has no float32, and every server, SGLang's own
+# triton baseline included, dies in its decode-graph capture; see docs/sglang.md).
 # Writes to $OUT: summary.txt (the table last), build.log, results.json, server_<name>.log.
 set -u
 T0=$(date +%s)
@@ -36,48 +34,14 @@ log "$(cat /tmp/sgl_env.txt)"
 mode=$1; parts=$2; shift 2
 mkdir -p $WORK/parts && cp "$parts"/part* $WORK/parts/
 log "parts in $WORK/parts: $(ls -l $WORK/parts | awk 'NR>1{print $NF":"$5}' | tr '\n' ' ')"
-COMMON="--dtype $DTYPE --skip-tokenizer-init --host 127.0.0.1 --page-size 16
-  --max-running-requests 16 --max-total-tokens 32768 --mem-fraction-static 0.85 --cuda-graph-max-bs 8
-  --disable-prefill-cuda-graph"
-# launch CONFIG PORT MODEL_DIR LOG [flags...]: one server in its own process group; its pid in LAUNCHED
-launch() {
-  local name backend kvd extra envs
-  IFS=: read -r name backend kvd extra envs <<< "$1"
-  extra=${extra:-}; envs=${envs:-}
-  # shellcheck disable=SC2086
-  env ${envs//,/ } setsid python3 -m sglang.launch_server --model-path "$3" $COMMON --port "$2" \
-    --attention-backend "$backend" --kv-cache-dtype "$kvd" ${extra//,/ } "${@:5}" > "$4" 2>&1 < /dev/null &
-  LAUNCHED=$!
-  log "$name: launched on port $2: backend=$backend kv=$kvd extra='${extra//,/ }' env='${envs//,/ }' ${*:5}"
-}
 if [ "$mode" = part ]; then
-  [ $rc = 0 ] || exit $rc
-  if [ $# -gt 0 ] && [ -n "${MODEL_CONFIG:-}" ] && [ ! -f $WORK/precompile.pids ]; then
-    mkdir -p $WORK/dummy && cp "$MODEL_CONFIG" $WORK/dummy/config.json
-    port=31001
-    for c in "$@"; do
-      launch "$c" $port $WORK/dummy "$WORK/precompile_${c%%:*}.log" --load-format dummy
-      echo $LAUNCHED >> $WORK/precompile.pids
-      port=$((port + 1))
-    done
-  elif [ ! -f $WORK/precompile.pids ]; then
-    # compile SGLang's modules to .pyc in /tmp/sglsite while the next part travels (runs on after this call)
-    setsid nohup python3 -c "import sglang.launch_server, sglang.srt.managers.scheduler" \
-      > $WORK/warm_imports.log 2>&1 < /dev/null &
-  fi
-  exit 0
+  # compile SGLang's modules to .pyc in /tmp/sglsite while the next part travels (runs on after this call)
+  [ $rc = 0 ] && setsid nohup python3 -c "import sglang.launch_server, sglang.srt.managers.scheduler" \
+    > /tmp/kvs_greedy/warm_imports.log 2>&1 < /dev/null &
+  exit $rc
 fi
 [ $rc = 0 ] || exit 1
 meta=$1; shift
-if [ -f $WORK/precompile.pids ]; then
-  for f in $WORK/precompile_*.log; do
-    log "precompile $(basename "$f" .log): $(grep -c 'cuda graph: True' "$f") graph batches; $(grep -o 'kvstrata: extend.*' "$f" | head -1); ready: $(grep -c 'The server is fired up' "$f")"
-    cp "$f" "$OUT/"
-  done
-  while read -r pid; do stop_server "$pid" & done < $WORK/precompile.pids
-  wait
-  mv $WORK/precompile.pids $WORK/precompile.pids.done
-fi
 
 # 1. the model: joined, checked against kvstrata's converted model, written as an HF directory
 PYTHONPATH=$PYTHONPATH:$meta timeout 120 python3 benchmarks/sglang_greedy.py build $WORK/parts "$meta" $MODEL \
@@ -85,12 +49,19 @@ PYTHONPATH=$PYTHONPATH:$meta timeout 120 python3 benchmarks/sglang_greedy.py bui
 log "$(tail -1 "$OUT/build.log")"
 
 # 2. every config at once, each on its own port with a capped pool
+COMMON="--model-path $MODEL --dtype $DTYPE --skip-tokenizer-init --host 127.0.0.1 --page-size 16
+  --max-running-requests 16 --max-total-tokens 32768 --mem-fraction-static 0.85 --cuda-graph-max-bs 8
+  --disable-prefill-cuda-graph"
 declare -a NAMES PIDS PORTS
 port=30001
 for c in "$@"; do
-  name=${c%%:*}
-  launch "$c" $port $MODEL "$OUT/server_$name.log"
-  NAMES+=("$name"); PIDS+=($LAUNCHED); PORTS+=($port)
+  IFS=: read -r name backend kvd extra envs <<< "$c"
+  extra=${extra:-}; envs=${envs:-}
+  # shellcheck disable=SC2086
+  env ${envs//,/ } setsid python3 -m sglang.launch_server $COMMON --port $port --attention-backend "$backend" \
+    --kv-cache-dtype "$kvd" ${extra//,/ } > "$OUT/server_$name.log" 2>&1 &
+  NAMES+=("$name"); PIDS+=($!); PORTS+=($port)
+  log "$name: launched on port $port: backend=$backend kv=$kvd extra='${extra//,/ }' env='${envs//,/ }'"
   port=$((port + 1))
 done
 declare -A READY=()
@@ -124,8 +95,7 @@ else
 fi
 log "compare rc=$?"
 for i in "${!NAMES[@]}"; do
-  slog=$OUT/server_${NAMES[$i]}.log
-  log "${NAMES[$i]}: decode batches in CUDA graphs: $(grep -c 'cuda graph: True' "$slog"), eager: $(grep -c 'cuda graph: False' "$slog"); $(grep -o 'kvstrata: extend and eager.*' "$slog" | head -1)"
+  log "${NAMES[$i]}: decode batches in CUDA graphs: $(grep -c 'cuda graph: True' "$OUT/server_${NAMES[$i]}.log"), eager: $(grep -c 'cuda graph: False' "$OUT/server_${NAMES[$i]}.log")"
   stop_server "${PIDS[$i]}" &
 done
 wait
