@@ -91,7 +91,7 @@ DECODE_LAUNCH = {
     True: dict(
         block_m=64,
         block_n=32,
-        blocks=8,
+        blocks=4,
         num_warps=4,
         num_stages=2,
         by_blocks=True,
@@ -101,8 +101,9 @@ DECODE_LAUNCH = {
         swap_ab=False,
         halves=False,
         maxnreg=None,
-        module="decode",
+        module="decode4",
         min_pages=16,
+        asm=True,
     ),
 }
 # Extend, by the layer's codes (`extend_kind`): 128 query rows a tile. BF16/FP32 history ("raw"): 64
@@ -753,6 +754,14 @@ def _attend_pass(
         CODE_DTYPE=tl.float16 if f16 and not interpreted else dot_dtype,
         NORM_W=f16,
     )
+    if T == 1 and launch.get("module") == "decode4":
+        from kvstrata.radix.kernels import decode4
+
+        if decode4.applies(k_fmt, v_fmt, d, page):
+            grid = (B, h, splits)
+            args = (*tensors, scale * LOG2E, h, *strides)
+            decode4.launch_decode4(grid, args, group, launch, interpreted, **meta)
+            return Partials(po, pl) if partial else None
     if T == 1 and not fold and launch.get("module", "decode") == "decode":
         from kvstrata.radix.kernels import decode  # it imports this module's tile functions
 
