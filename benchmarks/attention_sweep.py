@@ -94,7 +94,18 @@ DECODE = [
     shape(64, 64, 2, 2, False, programs=2048, **_H),
     shape(64, 128, 4, 2, False, programs=1024, min_pages=32, **_F16),
 ]
-DECODE_4BIT: list[dict] = []  # the defaults (16-token blocks, 4 warps, 8 blocks) won the first sweep
+# 4-bit decode: the `decode4` kernel (whole-byte tiles of ``blocks`` 16-token blocks, FP16 operands,
+# ``asm``: packed PTX nibble decoding) against the previous by-blocks path of `attend._attend_kernel`.
+_D4 = dict(programs=1024, module="decode4")
+DECODE_4BIT: list[dict] = [
+    dict(shape(64, 32, 4, 2, True, 4, **_D4), asm=True),
+    dict(shape(64, 32, 4, 2, True, 8, **_D4), asm=True),
+    dict(shape(64, 32, 4, 2, True, 2, **_D4), asm=True),
+    dict(shape(64, 32, 4, 3, True, 4, **_D4), asm=True),
+    dict(shape(64, 32, 2, 2, True, 4, **_D4), asm=True),
+    dict(shape(64, 32, 4, 2, True, 4, **_D4), asm=False),
+    dict(shape(64, 32, 4, 2, True, 8, programs=1024), asm=False),
+]
 # SWEEP_KINDS (environment): the kinds swept, "decode,extend" by default.
 KINDS = os.environ.get("SWEEP_KINDS", "decode,extend").split(",")
 
@@ -108,6 +119,10 @@ WARM = VARIANTS + [("decode", c, b, None) for c in bench.CODECS for b in (64, 1)
 WARM += [("extend", c, 1, None) for c in ("bf16", "fp8_e4m3", "int4")]
 VARIANTS = [v for v in VARIANTS if v[0] in KINDS]
 WARM = [v for v in WARM if v[0] in KINDS]
+if os.environ.get("SWEEP_CODECS"):  # e.g. "int4,fp4_e2m1": only these codecs' variants
+    CODECS = os.environ["SWEEP_CODECS"].split(",")
+    VARIANTS = [v for v in VARIANTS if v[1] in CODECS]
+    WARM = [v for v in WARM if v[1] in CODECS]
 
 
 def case(kind: str, codec: str, batch: int):
@@ -160,11 +175,11 @@ _REPORTED: set[int] = set()
 def compiled_report() -> str:
     """Registers, spills and shared memory of the attention kernels compiled since the last call
     (Triton's per-device kernel caches; empty where this Triton keeps them elsewhere)."""
-    from kvstrata.radix.kernels import decode
+    from kvstrata.radix.kernels import decode, decode4
 
     got = []
     try:
-        for fn in (decode._decode_kernel, kernels._attend_kernel):
+        for fn in (decode._decode_kernel, decode4._decode4_kernel, kernels._attend_kernel):
             for cache in getattr(fn, "device_caches", {}).values():
                 compiled = cache[0] if isinstance(cache, tuple) else cache
                 for k in list(compiled.values()):
@@ -226,6 +241,7 @@ def sweep() -> dict[tuple[str, bool | str], dict]:
         blocks += f", maxnreg {s['maxnreg']}" if s.get("maxnreg") else ""
         blocks += ", halves" if s.get("halves") else ""
         blocks += ", attend kernel" if kind == "decode" and s.get("module") == "attend" else ""
+        blocks += ", decode4" + (" asm" if s.get("asm") else "") if s.get("module") == "decode4" else ""
         print(
             f"| {kind} | {batch} | {codec} | {s['block_m']} x {s['block_n']} | {s['num_warps']} | "
             f"{s['num_stages']} | {blocks} | {ms:.3f} | {moved / ms / 1e9:.2f} | {ratio:.2f}x |"

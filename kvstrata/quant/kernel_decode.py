@@ -296,7 +296,9 @@ FP4_SCALED_ASM = tl.constexpr(_nibbles_asm(_FP4_NIBBLE, "scale"))
 
 
 @triton.jit
-def nibble_pairs(byte, s0, o0, s1, o1, FMT: tl.constexpr, AFFINE: tl.constexpr, ASM: tl.constexpr, OUT: tl.constexpr):
+def nibble_pairs(
+    byte, s0, o0, s1, o1, FMT: tl.constexpr, AFFINE: tl.constexpr, ASM: tl.constexpr, OUT: tl.constexpr
+):
     """Both nibbles of uint8 ``byte`` as ``OUT`` ``(x0, x1)``: low nibbles (even channels), high ones
     (odd). int4: the code, or with ``AFFINE`` ``code * s + o``; fp4 (FMT 6): the E2M1 value times
     2**-14 times ``s`` (a block scale; exact in FP16: E2M1 and E4M3 products are multiples of 2**-10
