@@ -305,19 +305,16 @@ def nibble_pairs(
     below 2688 with at most 6 significant bits). ``s0``/``o0`` go with the low nibbles, ``s1``/``o1``
     with the high ones (broadcastable to ``byte``; unused ones may be anything). ``ASM``: packed PTX
     (`_nibbles_asm`; FP16 ``OUT`` on a GPU only), else float32 arithmetic cast to ``OUT``."""
-    if ASM:
-        shape = byte.shape
+    if ASM:  # the asm's operands broadcast to ``byte`` (`tl.inline_asm_elementwise` broadcasts them)
         if FMT == 6:
             x0, x1 = tl.inline_asm_elementwise(
-                FP4_SCALED_ASM, "=r,=r,=r,=r,r,r,r,r,r",
-                [byte, tl.broadcast_to(s0.to(tl.float16), shape), tl.broadcast_to(s1.to(tl.float16), shape)],
+                FP4_SCALED_ASM, "=r,=r,=r,=r,r,r,r,r,r", [byte, s0.to(tl.float16), s1.to(tl.float16)],
                 (tl.float16, tl.float16), True, 4,
             )  # fmt: skip
         elif AFFINE:
             x0, x1 = tl.inline_asm_elementwise(
                 INT4_AFFINE_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
-                [byte, tl.broadcast_to(s0.to(tl.float16), shape), tl.broadcast_to(o0.to(tl.float16), shape),
-                 tl.broadcast_to(s1.to(tl.float16), shape), tl.broadcast_to(o1.to(tl.float16), shape)],
+                [byte, s0.to(tl.float16), o0.to(tl.float16), s1.to(tl.float16), o1.to(tl.float16)],
                 (tl.float16, tl.float16), True, 4,
             )  # fmt: skip
         else:

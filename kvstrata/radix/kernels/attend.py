@@ -91,7 +91,7 @@ DECODE_LAUNCH = {
     True: dict(
         block_m=64,
         block_n=32,
-        blocks=4,
+        blocks=2,
         num_warps=4,
         num_stages=2,
         by_blocks=True,

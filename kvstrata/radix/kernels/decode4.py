@@ -18,7 +18,9 @@ PTX, eight codes an instance, no float32 round trip):
   largest so the FP16 weights stay normal, and int4's per-token offset adds ``sum(p * o)``.
 
 A float32 model (and the interpreter) keeps float32 operands (``CODE_DTYPE``). The sink page, ring
-rows and the new key (BF16/float32) are read by `attend._raw_tile` in the same channel halves.
+rows and the new key (BF16/float32) are read by `attend._raw_tile` in the same channel halves, in
+tiles of ``TAIL_N`` keys; the cold blocks a split has past its last whole tile one block at a time
+(a split's cold keys are whole pages of whole blocks: no tile is ever masked).
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ from kvstrata.quant.kernel_decode import (
 from kvstrata.radix.kernels.attend import HALF_FORMATS, _online, _raw_tile
 from kvstrata.radix.kernels.jit import jit_unspecialized
 
-FP4_UNIT = 16384.0  # `nibble_pairs` gives fp4 values times 2**-14: their global scales carry 2**14
+# Keys a tile of the sink page, ring rows and new key: small, as these BF16 tiles (channel halves
+# loaded element by element) would otherwise set the whole kernel's register count.
+TAIL_N = tl.constexpr(32)
 
 
 def applies(k_fmt: int, v_fmt: int, head_dim: int, page_size: int) -> bool:
@@ -62,7 +66,6 @@ def _cold_tile4(
     V1,
     V2,
     j0,
-    end,
     h,
     H,
     P: tl.constexpr,
@@ -70,28 +73,25 @@ def _cold_tile4(
     BLOCKS: tl.constexpr,
     K_FMT: tl.constexpr,
     V_FMT: tl.constexpr,
-    MASKED: tl.constexpr,
     ASM: tl.constexpr,
     CODE_DTYPE: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """Keys ``j0`` to ``j0 + 16 * BLOCKS`` of the sequence's cold pages (page table row ``PT``);
-    ``MASKED``: those at or past ``end`` are padding (scores -inf, value scales 0)."""
+    """Keys ``j0`` to ``j0 + 16 * BLOCKS`` of the sequence's cold pages (page table row ``PT``), all
+    of them keys: no masks (a split's cold keys are whole pages, pages whole 16-token blocks)."""
     HD: tl.constexpr = D // 2
     N: tl.constexpr = BLOCKS * 16
     c = tl.arange(0, HD)
     n = tl.arange(0, N)
     jb = j0 + tl.arange(0, BLOCKS) * 16  # first key of each block
-    pb = tl.load(PT + jb // P, mask=jb < end, other=0).to(tl.int64)[:, None, None]
+    pb = tl.load(PT + jb // P).to(tl.int64)[:, None, None]
     tb = (jb % P).to(tl.int64)[:, None, None]
     rk = (pb * P + tb + tl.arange(0, 16)[None, :, None]) * H + h  # [BLOCKS, 16, 1] rows of the part
     ck = c[None, None, :]
     c_ok = ck < HD
-    # Blocks past the end (whole blocks: pages hold whole blocks) read page 0; their scores go -inf.
     kb = tl.load(K0 + rk * HD + ck)
     j = j0 + n
-    ok = j < end
-    pv = tl.load(PT + j // P, mask=ok, other=0).to(tl.int64)  # each key's page
+    pv = tl.load(PT + j // P).to(tl.int64)  # each key's page
     if K_FMT == 6:
         b0, b1 = fp4_key_block_scales(K1, pb, tb, h, 2 * ck, 2 * ck + 1, c_ok, H, P, D)
         k0, k1 = nibble_pairs(kb, b0, b0, b1, b1, 6, False, ASM, CODE_DTYPE)
@@ -104,36 +104,23 @@ def _cold_tile4(
     s += tl.dot(qc1, tl.trans(k1), input_precision=DOT_PREC)
     if K_FMT == 6:  # the page's global scale (times 2**14) on each key's column
         s = s * (tl.load(K2 + pv * H + h).to(tl.float32) * 16384.0)[None, :]
-    if MASKED:
-        s = tl.where(ok[None, :], s, float("-inf"))
     p, alpha, m_i, l_i = _online(s, m_i, l_i)
 
     rv = (pv * P + j % P) * H + h  # [N] rows of the value part
     if V_FMT == 6:  # [N, 32-channel blocks, 16 bytes]: a block's scale loads once per row
         g = tl.arange(0, HD // 16)[None, :, None]
         i = tl.arange(0, 16)[None, None, :]
-        if MASKED:
-            vb = tl.load(V0 + rv[:, None, None] * HD + g * 16 + i, mask=ok[:, None, None], other=0)
-            bs = tl.load(V1 + rv[:, None, None] * (D // 32) + g, mask=ok[:, None, None], other=0)
-        else:
-            vb = tl.load(V0 + rv[:, None, None] * HD + g * 16 + i)
-            bs = tl.load(V1 + rv[:, None, None] * (D // 32) + g)
-        bs = fp8_value(bs, False)
+        vb = tl.load(V0 + rv[:, None, None] * HD + g * 16 + i)
+        bs = fp8_value(tl.load(V1 + rv[:, None, None] * (D // 32) + g), False)
         v0, v1 = nibble_pairs(vb, bs, bs, bs, bs, 6, False, ASM, CODE_DTYPE)
         v0 = tl.reshape(v0, [N, HD])
         v1 = tl.reshape(v1, [N, HD])
     else:
-        if MASKED:
-            vb = tl.load(V0 + rv[:, None] * HD + c[None, :], mask=ok[:, None], other=0)
-        else:
-            vb = tl.load(V0 + rv[:, None] * HD + c[None, :])
+        vb = tl.load(V0 + rv[:, None] * HD + c[None, :])
         v0, v1 = nibble_pairs(vb, 1.0, 0.0, 1.0, 0.0, 5, False, ASM, CODE_DTYPE)
     vs, vo = value_tile_scales(V1, V2, rv, V_FMT)
     if V_FMT == 6:
         vs = vs * 16384.0
-    if MASKED:  # padding rows read page 0: its scales may be anything
-        vs = tl.where(ok, vs, 0.0)
-        vo = tl.where(ok, vo, 0.0)
     top = tl.max(vs, 0) + 1.1754943508222875e-38
     w = (p * (vs * (1.0 / top))[None, :]).to(CODE_DTYPE)
     acc0 = acc0 * alpha[:, None] + tl.dot(w, v0, input_precision=DOT_PREC) * top
@@ -211,7 +198,8 @@ def _decode4_kernel(
     acc0 = tl.zeros([BLOCK_H, D // 2], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_H, D // 2], dtype=tl.float32)
 
-    # Cold keys of this split: full tiles unmasked, then the partial last one masked.
+    # Cold keys of this split: tiles of BLOCKS blocks, then the blocks left one at a time (a split's
+    # keys are whole pages of whole blocks, so no tile is masked and no key is padding).
     n_cold = tl.load(COLD_LEN + b)
     lo = split * pages_per_split
     hi = tl.minimum(lo + pages_per_split, n_cold)
@@ -222,30 +210,35 @@ def _decode4_kernel(
     qc1 = q1.to(CODE_DTYPE)
     for j0 in range(lo * P, full, BLOCKS * 16):
         acc0, acc1, m_i, l_i = _cold_tile4(
-            qc0, qc1, acc0, acc1, m_i, l_i, pt, K0, K1, K2, V0, V1, V2, j0, end, h, H,
-            P, D, BLOCKS, K_FMT, V_FMT, False, ASM, CODE_DTYPE, DOT_PREC,
+            qc0, qc1, acc0, acc1, m_i, l_i, pt, K0, K1, K2, V0, V1, V2, j0, h, H,
+            P, D, BLOCKS, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC,
         )  # fmt: skip
-    if full < end:
+    for j0 in range(full, end, 16):
         acc0, acc1, m_i, l_i = _cold_tile4(
-            qc0, qc1, acc0, acc1, m_i, l_i, pt, K0, K1, K2, V0, V1, V2, full, end, h, H,
-            P, D, BLOCKS, K_FMT, V_FMT, True, ASM, CODE_DTYPE, DOT_PREC,
+            qc0, qc1, acc0, acc1, m_i, l_i, pt, K0, K1, K2, V0, V1, V2, j0, h, H,
+            P, D, 1, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC,
         )  # fmt: skip
 
     if split == tail_split:  # sinks, ring and the new key: the last split of the text pool's pass
-        qd0 = q0.to(DOT_DTYPE)
-        qd1 = q1.to(DOT_DTYPE)
-        n = tl.arange(0, BLOCKS * 16)
+        # q loaded again rather than kept live through the cold loop (registers).
+        qd0 = (tl.load(q_at + c0[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * qk_scale).to(
+            DOT_DTYPE
+        )
+        qd1 = (tl.load(q_at + c1[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * qk_scale).to(
+            DOT_DTYPE
+        )
+        n = tl.arange(0, TAIL_N)
         if HAS_SINKS:
             sink_len = tl.load(SINK_OK + b) * P  # P keys when the sequence has a sink page, else 0
             slot = tl.load(ST + b).to(tl.int64)
-            for j0 in range(0, sink_len, BLOCKS * 16):
+            for j0 in range(0, sink_len, TAIL_N):
                 ok = j0 + n < sink_len
                 acc0, acc1, m_i, l_i = _raw_tile(
                     qd0, qd1, acc0, acc1, m_i, l_i, SK, SV, (slot * P + j0 + n) * H + h, ok, ok[None, :],
                     c0, c1, c0, c1, D, True, True, DOT_PREC,
                 )  # fmt: skip
         ring_len = tl.load(RING_LEN + b)
-        for j0 in range(0, ring_len, BLOCKS * 16):
+        for j0 in range(0, ring_len, TAIL_N):
             ok = j0 + n < ring_len
             ring_row = tl.load(RR + b * rr_stride + j0 + n, mask=ok, other=0).to(tl.int64)
             acc0, acc1, m_i, l_i = _raw_tile(
@@ -276,10 +269,13 @@ def launch_decode4(
 ) -> None:
     """Launch `_decode4_kernel` over ``grid`` (sequences, KV heads, splits) with `decode.launch_decode`'s
     ``args`` and ``meta``; ``launch`` the `DECODE_LAUNCH` entry (``blocks``: 16-token blocks a tile,
-    ``num_warps``, ``num_stages``, ``asm``: packed PTX decoding where the operands are FP16).
+    ``num_warps``, ``num_stages``, ``asm``: packed PTX decoding where the operands are FP16,
+    ``maxnreg``: a register cap per thread, or None).
     Operands are FP16 for 16-bit models on a GPU, else float32 (``interpreted``, float32 models)."""
     f16 = not interpreted and meta["DOT_DTYPE"] in (tl.bfloat16, tl.float16)
     meta["CODE_DTYPE"] = tl.float16 if f16 else tl.float32
+    if launch.get("maxnreg"):
+        meta["maxnreg"] = launch["maxnreg"]
     _decode4_kernel[grid](
         *args,
         GROUP=group,
