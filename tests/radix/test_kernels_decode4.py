@@ -69,9 +69,9 @@ def test_fp4_pairs_times_block_scales_exact(asm):
 
 
 LAUNCHES = {
-    "2 blocks": dict(blocks=2),
-    "4 blocks": dict(blocks=4),
-    "8 blocks, 2 warps": dict(blocks=8, num_warps=2),
+    "2 blocks": dict(blocks=2, prefetch=False),
+    "4 blocks, prefetch": dict(blocks=4, prefetch=True),
+    "8 blocks, 2 warps, prefetch": dict(blocks=8, num_warps=2, prefetch=True),
 }
 
 
@@ -102,7 +102,7 @@ def test_decode4_bfloat16(codec, asm, monkeypatch):
     (the kernel writes the output directly) and with the split heuristic: BF16-level error."""
     from test_kernels_attend import check_steps, make_cache
 
-    _use(monkeypatch, LAUNCHES["4 blocks"], asm)
+    _use(monkeypatch, LAUNCHES["4 blocks, prefetch"], asm)
     cache = make_cache(codec, DEVICE, dtype=torch.bfloat16)
     check_steps(cache, [12, 50, 299], steps=2, n_new=1, tol=1.5e-2, dtype=torch.bfloat16)
 

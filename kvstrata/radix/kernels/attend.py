@@ -91,7 +91,7 @@ DECODE_LAUNCH = {
     True: dict(
         block_m=64,
         block_n=32,
-        blocks=2,
+        blocks=4,
         num_warps=4,
         num_stages=2,
         by_blocks=True,
@@ -100,7 +100,7 @@ DECODE_LAUNCH = {
         f16_codes=False,
         swap_ab=False,
         halves=False,
-        maxnreg=None,
+        maxnreg=128,
         module="decode4",
         min_pages=16,
         asm=True,

@@ -51,6 +51,42 @@ def applies(k_fmt: int, v_fmt: int, head_dim: int, page_size: int) -> bool:
 
 
 @triton.jit
+def _rows(j0, pb, pv, h, H, P: tl.constexpr, BLOCKS: tl.constexpr):
+    """Rows of a tile's keys in the parts: ``[BLOCKS, 1, 1]`` pages and first tokens of its blocks
+    (keys' per-channel scales), and ``[16 * BLOCKS]`` (page, token, head) rows of its keys."""
+    jb = j0 + tl.arange(0, BLOCKS) * 16  # first key of each block
+    j = j0 + tl.arange(0, BLOCKS * 16)
+    rv = (pv.to(tl.int64) * P + j % P) * H + h
+    return pb.to(tl.int64)[:, None, None], (jb % P).to(tl.int64)[:, None, None], rv
+
+
+@triton.jit
+def _side_scales(
+    K1, K2, V1, V2, j0, pb, pv, h, H,
+    P: tl.constexpr, D: tl.constexpr, BLOCKS: tl.constexpr, K_FMT: tl.constexpr, V_FMT: tl.constexpr,
+):  # fmt: skip
+    """The scales of a tile that Triton's pipeliner does not copy ahead (narrower than 32 bits, or
+    not feeding a dot), loaded here so that the kernel can load them a tile ahead (``PREFETCH``):
+    fp4 keys' block scales ``(b0, b1)`` ``[BLOCKS, 1, D/2]`` and global scales times 2**14 ``[16 *
+    BLOCKS]`` (int4 keys: zeros, their scales are the pipeliner's); fp4 values' block scales ``[16 *
+    BLOCKS, D/32, 1]`` and global scales times 2**14, or int4 values' scales and offsets."""
+    pb3, tb3, rv = _rows(j0, pb, pv, h, H, P, BLOCKS)
+    ck = tl.arange(0, D // 2)[None, None, :]
+    if K_FMT == 6:
+        b0, b1 = fp4_key_block_scales(K1, pb3, tb3, h, 2 * ck, 2 * ck + 1, ck < D // 2, H, P, D)
+        kg = tl.load(K2 + pv.to(tl.int64) * H + h).to(tl.float32) * 16384.0
+    else:
+        b0, b1, kg = 0.0, 0.0, 0.0
+    if V_FMT == 6:
+        g = tl.arange(0, D // 32)[None, :, None]
+        vx = fp8_value(tl.load(V1 + rv[:, None, None] * (D // 32) + g), False)
+        vy = value_tile_scales(V1, V2, rv, 6)[0] * 16384.0
+    else:
+        vx, vy = value_tile_scales(V1, V2, rv, 5)
+    return b0, b1, kg, vx, vy
+
+
+@triton.jit
 def _cold_tile4(
     qc0,
     qc1,
@@ -58,14 +94,14 @@ def _cold_tile4(
     acc1,
     m_i,
     l_i,
-    PT,
     K0,
     K1,
     K2,
     V0,
-    V1,
-    V2,
     j0,
+    pb,
+    pv,
+    side,
     h,
     H,
     P: tl.constexpr,
@@ -77,56 +113,44 @@ def _cold_tile4(
     CODE_DTYPE: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """Keys ``j0`` to ``j0 + 16 * BLOCKS`` of the sequence's cold pages (page table row ``PT``), all
-    of them keys: no masks (a split's cold keys are whole pages, pages whole 16-token blocks)."""
+    """Keys ``j0`` to ``j0 + 16 * BLOCKS`` of the sequence's cold pages, in pages ``pb`` (``[BLOCKS]``,
+    each block's) and ``pv`` (``[16 * BLOCKS]``, each key's), with the tile's `_side_scales`
+    ``side``. All of them keys: no masks (a split's cold keys are whole pages of whole blocks)."""
     HD: tl.constexpr = D // 2
     N: tl.constexpr = BLOCKS * 16
+    b0, b1, kg, vx, vy = side
+    pb, tb, rv = _rows(j0, pb, pv, h, H, P, BLOCKS)
     c = tl.arange(0, HD)
-    n = tl.arange(0, N)
-    jb = j0 + tl.arange(0, BLOCKS) * 16  # first key of each block
-    pb = tl.load(PT + jb // P).to(tl.int64)[:, None, None]
-    tb = (jb % P).to(tl.int64)[:, None, None]
-    rk = (pb * P + tb + tl.arange(0, 16)[None, :, None]) * H + h  # [BLOCKS, 16, 1] rows of the part
     ck = c[None, None, :]
-    c_ok = ck < HD
-    kb = tl.load(K0 + rk * HD + ck)
-    j = j0 + n
-    pv = tl.load(PT + j // P).to(tl.int64)  # each key's page
+    kb = tl.load(K0 + ((pb * P + tb + tl.arange(0, 16)[None, :, None]) * H + h) * HD + ck)
     if K_FMT == 6:
-        b0, b1 = fp4_key_block_scales(K1, pb, tb, h, 2 * ck, 2 * ck + 1, c_ok, H, P, D)
         k0, k1 = nibble_pairs(kb, b0, b0, b1, b1, 6, False, ASM, CODE_DTYPE)
     else:
-        s0, s1, o0, o1 = key_block_scales(K1, K2, pb, tb, h, 2 * ck, 2 * ck + 1, c_ok, H, P, D, K_FMT)
+        s0, s1, o0, o1 = key_block_scales(K1, K2, pb, tb, h, 2 * ck, 2 * ck + 1, ck < HD, H, P, D, K_FMT)
         k0, k1 = nibble_pairs(kb, s0, o0, s1, o1, 5, True, ASM, CODE_DTYPE)
-    k0 = tl.reshape(k0, [N, HD])
-    k1 = tl.reshape(k1, [N, HD])
-    s = tl.dot(qc0, tl.trans(k0), input_precision=DOT_PREC)
-    s += tl.dot(qc1, tl.trans(k1), input_precision=DOT_PREC)
+    s = tl.dot(qc0, tl.trans(tl.reshape(k0, [N, HD])), input_precision=DOT_PREC)
+    s += tl.dot(qc1, tl.trans(tl.reshape(k1, [N, HD])), input_precision=DOT_PREC)
     if K_FMT == 6:  # the page's global scale (times 2**14) on each key's column
-        s = s * (tl.load(K2 + pv * H + h).to(tl.float32) * 16384.0)[None, :]
+        s = s * kg[None, :]
     p, alpha, m_i, l_i = _online(s, m_i, l_i)
 
-    rv = (pv * P + j % P) * H + h  # [N] rows of the value part
     if V_FMT == 6:  # [N, 32-channel blocks, 16 bytes]: a block's scale loads once per row
         g = tl.arange(0, HD // 16)[None, :, None]
-        i = tl.arange(0, 16)[None, None, :]
-        vb = tl.load(V0 + rv[:, None, None] * HD + g * 16 + i)
-        bs = fp8_value(tl.load(V1 + rv[:, None, None] * (D // 32) + g), False)
-        v0, v1 = nibble_pairs(vb, bs, bs, bs, bs, 6, False, ASM, CODE_DTYPE)
+        vb = tl.load(V0 + rv[:, None, None] * HD + g * 16 + tl.arange(0, 16)[None, None, :])
+        v0, v1 = nibble_pairs(vb, vx, vx, vx, vx, 6, False, ASM, CODE_DTYPE)
         v0 = tl.reshape(v0, [N, HD])
         v1 = tl.reshape(v1, [N, HD])
+        vs = vy
     else:
         vb = tl.load(V0 + rv[:, None] * HD + c[None, :])
         v0, v1 = nibble_pairs(vb, 1.0, 0.0, 1.0, 0.0, 5, False, ASM, CODE_DTYPE)
-    vs, vo = value_tile_scales(V1, V2, rv, V_FMT)
-    if V_FMT == 6:
-        vs = vs * 16384.0
+        vs = vx
     top = tl.max(vs, 0) + 1.1754943508222875e-38
     w = (p * (vs * (1.0 / top))[None, :]).to(CODE_DTYPE)
     acc0 = acc0 * alpha[:, None] + tl.dot(w, v0, input_precision=DOT_PREC) * top
     acc1 = acc1 * alpha[:, None] + tl.dot(w, v1, input_precision=DOT_PREC) * top
     if V_FMT == 5:
-        off = tl.sum(p * vo[None, :], 1)[:, None]
+        off = tl.sum(p * vy[None, :], 1)[:, None]
         acc0 += off
         acc1 += off
     return acc0, acc1, m_i, l_i
@@ -176,6 +200,7 @@ def _decode4_kernel(
     SPLIT: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCKS: tl.constexpr,
+    PREFETCH: tl.constexpr,
     ASM: tl.constexpr,
     DOT_PREC: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
@@ -208,14 +233,38 @@ def _decode4_kernel(
     pt = PT + b * pt_stride
     qc0 = q0.to(CODE_DTYPE)
     qc1 = q1.to(CODE_DTYPE)
+    jb = tl.arange(0, BLOCKS) * 16
+    jn = tl.arange(0, BLOCKS * 16)
+    if PREFETCH:  # page-table entries and `_side_scales` a tile ahead: no load waits in the tile
+        pb = tl.load(pt + (lo * P + jb) // P, mask=lo * P + jb < end, other=0)
+        pv = tl.load(pt + (lo * P + jn) // P, mask=lo * P + jn < end, other=0)
+        side = _side_scales(K1, K2, V1, V2, lo * P, pb, pv, h, H, P, D, BLOCKS, K_FMT, V_FMT)
     for j0 in range(lo * P, full, BLOCKS * 16):
+        if PREFETCH:
+            ahead = j0 + BLOCKS * 16
+            pb_ahead = tl.load(pt + (ahead + jb) // P, mask=ahead + jb < end, other=0)
+            pv_ahead = tl.load(pt + (ahead + jn) // P, mask=ahead + jn < end, other=0)
+            side_ahead = _side_scales(
+                K1, K2, V1, V2, ahead, pb_ahead, pv_ahead, h, H, P, D, BLOCKS, K_FMT, V_FMT
+            )
+        else:
+            pb = tl.load(pt + (j0 + jb) // P)
+            pv = tl.load(pt + (j0 + jn) // P)
+            side = _side_scales(K1, K2, V1, V2, j0, pb, pv, h, H, P, D, BLOCKS, K_FMT, V_FMT)
         acc0, acc1, m_i, l_i = _cold_tile4(
-            qc0, qc1, acc0, acc1, m_i, l_i, pt, K0, K1, K2, V0, V1, V2, j0, h, H,
+            qc0, qc1, acc0, acc1, m_i, l_i, K0, K1, K2, V0, j0, pb, pv, side, h, H,
             P, D, BLOCKS, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC,
         )  # fmt: skip
+        if PREFETCH:
+            pb = pb_ahead
+            pv = pv_ahead
+            side = side_ahead
     for j0 in range(full, end, 16):
+        pb1 = tl.load(pt + j0 // P + tl.arange(0, 1))
+        pv1 = tl.load(pt + (j0 + tl.arange(0, 16)) // P)
+        side1 = _side_scales(K1, K2, V1, V2, j0, pb1, pv1, h, H, P, D, 1, K_FMT, V_FMT)
         acc0, acc1, m_i, l_i = _cold_tile4(
-            qc0, qc1, acc0, acc1, m_i, l_i, pt, K0, K1, K2, V0, V1, V2, j0, h, H,
+            qc0, qc1, acc0, acc1, m_i, l_i, K0, K1, K2, V0, j0, pb1, pv1, side1, h, H,
             P, D, 1, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC,
         )  # fmt: skip
 
@@ -281,6 +330,7 @@ def launch_decode4(
         GROUP=group,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCKS=launch["blocks"],
+        PREFETCH=bool(launch.get("prefetch")),
         ASM=bool(launch.get("asm")) and f16,
         num_warps=launch["num_warps"],
         num_stages=launch["num_stages"],
