@@ -103,10 +103,8 @@ DECODE = [
 _D4 = dict(programs=1024, module="decode4")
 DECODE_4BIT: list[dict] = [
     dict(shape(64, 32, 4, 3, True, 8, prefetch=True, **_D4), asm=True),
-    dict(shape(64, 32, 4, 2, True, 8, prefetch=True, **_D4), asm=True),
     dict(shape(64, 32, 4, 3, True, 4, prefetch=True, maxnreg=128, **_D4), asm=True),
     dict(shape(64, 32, 4, 2, True, 4, prefetch=True, maxnreg=128, **_D4), asm=True),
-    dict(shape(64, 32, 4, 3, True, 8, prefetch=True, maxnreg=168, **_D4), asm=True),
     dict(shape(64, 32, 8, 3, True, 16, prefetch=True, **_D4), asm=True),
     dict(shape(64, 32, 4, 2, True, 4, maxnreg=128, **_D4), asm=True),
 ]
