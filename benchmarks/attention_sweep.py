@@ -99,7 +99,9 @@ DECODE = [
 # pipeline loaded a tile ahead) against the previous by-blocks path of `attend._attend_kernel` (last).
 # First call (H200, B=64, 32K; no prefetch, 2 stages): 2 / 4 / 8 blocks int4 5.21 / 3.79 / 2.69 ms
 # (255 registers), 4 blocks capped at 128 registers (90 spills) 2.66, fp4 3.17; previous path 5.27
-# and 4.59.
+# and 4.59. Second call (these shapes): 8 blocks, 3 stages, prefetch int4 2.52 (best for int4 at
+# B=64) but fp4 3.90 and B=1 0.11; 4 blocks at 128 registers 2.74-2.82 / fp4 3.13-3.19 / B=1 0.086-0.092
+# with or without prefetch or a third stage; 16 blocks with 8 warps 3.44 / 5.73. Docs: kernels-h200.md.
 _D4 = dict(programs=1024, module="decode4")
 DECODE_4BIT: list[dict] = [
     dict(shape(64, 32, 4, 3, True, 8, prefetch=True, **_D4), asm=True),

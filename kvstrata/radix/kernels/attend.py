@@ -88,6 +88,11 @@ DECODE_LAUNCH = {
         module="decode",
         min_pages=32,
     ),
+    # 4-bit layers (int4/fp4 keys and values) decode by `kvstrata.radix.kernels.decode4` (``module``
+    # "decode4"; `decode4.applies`; other 4-bit layers by blocks in this module's kernel): ``blocks``
+    # 16-token blocks a tile, packed PTX nibble decoding (``asm``), 128 registers (4 programs an SM,
+    # spills and all: H200, B=64, 32K, int4 2.78 ms and fp4 3.11 against 5.27 / 4.54 by blocks here;
+    # docs/kernels-h200.md pass 5).
     True: dict(
         block_m=64,
         block_n=32,

@@ -20,7 +20,9 @@ PTX, eight codes an instance, no float32 round trip):
 A float32 model (and the interpreter) keeps float32 operands (``CODE_DTYPE``). The sink page, ring
 rows and the new key (BF16/float32) are read by `attend._raw_tile` in the same channel halves, in
 tiles of ``TAIL_N`` keys; the cold blocks a split has past its last whole tile one block at a time
-(a split's cold keys are whole pages of whole blocks: no tile is ever masked).
+(a split's cold keys are whole pages of whole blocks: no tile is ever masked). ``PREFETCH`` loads
+the page-table entries and the scales Triton's pipeliner leaves in the loop (`_side_scales`) a tile
+ahead. Measured on the H200: docs/kernels-h200.md, pass 5.
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ from kvstrata.quant.kernel_decode import (
 from kvstrata.radix.kernels.attend import HALF_FORMATS, _online, _raw_tile
 from kvstrata.radix.kernels.jit import jit_unspecialized
 
-# Keys a tile of the sink page, ring rows and new key: small, as these BF16 tiles (channel halves
-# loaded element by element) would otherwise set the whole kernel's register count.
+# Keys a tile of the sink page, ring rows and the new key (BF16 channel halves loaded element by
+# element; a few tiles in one split a step).
 TAIL_N = tl.constexpr(32)
 
 
@@ -269,13 +271,8 @@ def _decode4_kernel(
         )  # fmt: skip
 
     if split == tail_split:  # sinks, ring and the new key: the last split of the text pool's pass
-        # q loaded again rather than kept live through the cold loop (registers).
-        qd0 = (tl.load(q_at + c0[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * qk_scale).to(
-            DOT_DTYPE
-        )
-        qd1 = (tl.load(q_at + c1[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * qk_scale).to(
-            DOT_DTYPE
-        )
+        qd0 = q0.to(DOT_DTYPE)
+        qd1 = q1.to(DOT_DTYPE)
         n = tl.arange(0, TAIL_N)
         if HAS_SINKS:
             sink_len = tl.load(SINK_OK + b) * P  # P keys when the sequence has a sink page, else 0
