@@ -19,7 +19,7 @@ PTX, eight codes an instance, no float32 round trip):
 
 FP16 rather than BF16 operands: 11-bit significands (E2M1 and E4M3 products are exact in it), at the
 cost of range: an int4 key or a scaled query beyond 65504 would overflow (model activations are far
-below that; a scale under 2**-14 loses relative precision but stays within 2**-25 of the code).
+below that; a scale under 2**-14 is an FP16 subnormal, off by under 2**-25: under 5e-7 on a key).
 A float32 model (and the interpreter) keeps float32 operands (``CODE_DTYPE``). The sink page, ring
 rows and the new key (BF16/float32) are read by `attend._raw_tile` in the same channel halves, in
 tiles of ``TAIL_N`` keys; the cold blocks a split has past its last whole tile one block at a time
