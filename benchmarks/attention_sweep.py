@@ -94,7 +94,22 @@ DECODE = [
     shape(64, 64, 2, 2, False, programs=2048, **_H),
     shape(64, 128, 4, 2, False, programs=1024, min_pages=32, **_F16),
 ]
-DECODE_4BIT: list[dict] = []  # the defaults (16-token blocks, 4 warps, 8 blocks) won the first sweep
+# 4-bit decode: the `decode4` kernel (whole-byte tiles of ``blocks`` 16-token blocks, FP16 operands,
+# ``asm``: packed PTX nibble decoding, ``prefetch``: page-table entries and the scales Triton does not
+# pipeline loaded a tile ahead) against the previous by-blocks path of `attend._attend_kernel` (last).
+# First call (H200, B=64, 32K; no prefetch, 2 stages): 2 / 4 / 8 blocks int4 5.21 / 3.79 / 2.69 ms
+# (255 registers), 4 blocks capped at 128 registers (90 spills) 2.66, fp4 3.17; previous path 5.27
+# and 4.59. Second call (these shapes): 8 blocks, 3 stages, prefetch int4 2.52 (best for int4 at
+# B=64) but fp4 3.90 and B=1 0.11; 4 blocks at 128 registers 2.74-2.82 / fp4 3.13-3.19 / B=1 0.086-0.092
+# with or without prefetch or a third stage; 16 blocks with 8 warps 3.44 / 5.73. Docs: kernels-h200.md.
+_D4 = dict(programs=1024, module="decode4")
+DECODE_4BIT: list[dict] = [
+    dict(shape(64, 32, 4, 3, True, 8, prefetch=True, **_D4), asm=True),
+    dict(shape(64, 32, 4, 3, True, 4, prefetch=True, maxnreg=128, **_D4), asm=True),
+    dict(shape(64, 32, 4, 2, True, 4, prefetch=True, maxnreg=128, **_D4), asm=True),
+    dict(shape(64, 32, 8, 3, True, 16, prefetch=True, **_D4), asm=True),
+    dict(shape(64, 32, 4, 2, True, 4, maxnreg=128, **_D4), asm=True),
+]
 # SWEEP_KINDS (environment): the kinds swept, "decode,extend" by default.
 KINDS = os.environ.get("SWEEP_KINDS", "decode,extend").split(",")
 
@@ -108,6 +123,10 @@ WARM = VARIANTS + [("decode", c, b, None) for c in bench.CODECS for b in (64, 1)
 WARM += [("extend", c, 1, None) for c in ("bf16", "fp8_e4m3", "int4")]
 VARIANTS = [v for v in VARIANTS if v[0] in KINDS]
 WARM = [v for v in WARM if v[0] in KINDS]
+if os.environ.get("SWEEP_CODECS"):  # e.g. "int4,fp4_e2m1": only these codecs' variants
+    CODECS = os.environ["SWEEP_CODECS"].split(",")
+    VARIANTS = [v for v in VARIANTS if v[1] in CODECS]
+    WARM = [v for v in WARM if v[1] in CODECS]
 
 
 def case(kind: str, codec: str, batch: int):
@@ -160,11 +179,11 @@ _REPORTED: set[int] = set()
 def compiled_report() -> str:
     """Registers, spills and shared memory of the attention kernels compiled since the last call
     (Triton's per-device kernel caches; empty where this Triton keeps them elsewhere)."""
-    from kvstrata.radix.kernels import decode
+    from kvstrata.radix.kernels import decode, decode4
 
     got = []
     try:
-        for fn in (decode._decode_kernel, kernels._attend_kernel):
+        for fn in (decode._decode_kernel, decode4._decode4_kernel, kernels._attend_kernel):
             for cache in getattr(fn, "device_caches", {}).values():
                 compiled = cache[0] if isinstance(cache, tuple) else cache
                 for k in list(compiled.values()):
@@ -226,6 +245,7 @@ def sweep() -> dict[tuple[str, bool | str], dict]:
         blocks += f", maxnreg {s['maxnreg']}" if s.get("maxnreg") else ""
         blocks += ", halves" if s.get("halves") else ""
         blocks += ", attend kernel" if kind == "decode" and s.get("module") == "attend" else ""
+        blocks += ", decode4" + (" asm" if s.get("asm") else "") if s.get("module") == "decode4" else ""
         print(
             f"| {kind} | {batch} | {codec} | {s['block_m']} x {s['block_n']} | {s['num_warps']} | "
             f"{s['num_stages']} | {blocks} | {ms:.3f} | {moved / ms / 1e9:.2f} | {ratio:.2f}x |"

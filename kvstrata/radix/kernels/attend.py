@@ -88,10 +88,15 @@ DECODE_LAUNCH = {
         module="decode",
         min_pages=32,
     ),
+    # 4-bit layers (int4/fp4 keys and values) decode by `kvstrata.radix.kernels.decode4` (``module``
+    # "decode4"; `decode4.applies`; other 4-bit layers by blocks in this module's kernel): ``blocks``
+    # 16-token blocks a tile, packed PTX nibble decoding (``asm``), 128 registers (4 programs an SM,
+    # spills and all: H200, B=64, 32K, int4 2.78 ms and fp4 3.11 against 5.27 / 4.54 by blocks here;
+    # docs/kernels-h200.md pass 5).
     True: dict(
         block_m=64,
         block_n=32,
-        blocks=8,
+        blocks=4,
         num_warps=4,
         num_stages=2,
         by_blocks=True,
@@ -100,9 +105,10 @@ DECODE_LAUNCH = {
         f16_codes=False,
         swap_ab=False,
         halves=False,
-        maxnreg=None,
-        module="decode",
+        maxnreg=128,
+        module="decode4",
         min_pages=16,
+        asm=True,
     ),
 }
 # Extend, by the layer's codes (`extend_kind`): 128 query rows a tile. BF16/FP32 history ("raw"): 64
@@ -753,6 +759,14 @@ def _attend_pass(
         CODE_DTYPE=tl.float16 if f16 and not interpreted else dot_dtype,
         NORM_W=f16,
     )
+    if T == 1 and launch.get("module") == "decode4":
+        from kvstrata.radix.kernels import decode4
+
+        if decode4.applies(k_fmt, v_fmt, d, page):
+            grid = (B, h, splits)
+            args = (*tensors, scale * LOG2E, h, *strides)
+            decode4.launch_decode4(grid, args, group, launch, interpreted, **meta)
+            return Partials(po, pl) if partial else None
     if T == 1 and not fold and launch.get("module", "decode") == "decode":
         from kvstrata.radix.kernels import decode  # it imports this module's tile functions
 
