@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -29,10 +31,16 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         unsubscribe = client.subscribe(metrics.on_event)
+        trace = client.step_trace()
+        watch = asyncio.create_task(watch_loop_lag(trace)) if trace is not None else None
         try:
             yield
         finally:
             unsubscribe()
+            if watch is not None:
+                watch.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watch
 
     app = FastAPI(title="kvstrata", version=__version__, lifespan=lifespan)
     app.state.kvstrata = ServerState(client=client, metrics=metrics, config=config, started=time.time())
@@ -43,6 +51,16 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
     app.add_middleware(AuthMiddleware, api_key=config.api_key, protect_metrics=config.protect_metrics)
     _install_openapi(app)
     return app
+
+
+async def watch_loop_lag(trace: Any, interval: float = 0.005) -> None:
+    """Record how late a ``interval`` timer fires on this event loop, for the engine's step timeline
+    (``KVSTRATA_STEP_TRACE``): the time streamed chunks and new requests wait for the loop."""
+    loop = asyncio.get_running_loop()
+    while True:
+        start = loop.time()
+        await asyncio.sleep(interval)
+        trace.loop_lag(loop.time() - start - interval)
 
 
 def _install_openapi(app: FastAPI) -> None:

@@ -1,0 +1,229 @@
+"""An opt-in timeline of the engine's steps: where served time goes, step by step.
+
+Set ``KVSTRATA_STEP_TRACE=/path/trace.jsonl`` before the engine starts (``kvstrata serve`` passes the
+environment on) and every step writes one JSON line:
+
+- ``kind`` (``prefill``, ``decode`` or ``mixed``), ``batch`` (requests), ``tokens`` (new tokens);
+- host milliseconds of the engine thread: ``plan`` (the iteration's start to the planned step: inbox,
+  drift window, scheduling, page reservation), ``launch`` (building the inputs and queueing the forward
+  pass and sampling: the time the device may wait on), ``flush`` (handing streamed chunks to the event
+  loop), ``wait`` (blocked on the device for sampled ids), ``post`` (the rest: reading ids back,
+  appending tokens, stop checks, deltas, finishing), ``wall`` (all of it);
+- on CUDA, from events around the queued work: ``gpu`` (the step's first queued kernel to its last,
+  bubbles inside included) and ``idle`` (the previous step's last kernel to this one's first: the
+  device waiting for the host). They are read once the device has passed them, never by waiting.
+
+``loop`` lines carry the event loop's lag (``lag``: how late a 5 ms timer fired), written by the server
+(`kvstrata.server.app`) through `loop_lag`. `summarize` turns a file into totals per step kind, medians
+of the decode steps and the idle gaps; ``benchmarks/step_timeline.py`` prints it. The cost when on: a
+dict and two CUDA events per step; off (the default) nothing runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+TRACE_ENV = "KVSTRATA_STEP_TRACE"
+HOST_PARTS = ("plan", "launch", "flush", "wait", "post")
+
+
+def step_kind(decoding: list[bool]) -> str:
+    """``decode``: every request past its prompt; ``prefill``: none; else ``mixed``."""
+    if all(decoding):
+        return "decode"
+    return "mixed" if any(decoding) else "prefill"
+
+
+class StepTrace:
+    """Collects one record per step on the engine thread and writes them as JSON lines."""
+
+    def __init__(self, path: str, device: torch.device) -> None:
+        self.path = path
+        self.cuda = device.type == "cuda"
+        self._file = open(path, "w", encoding="utf-8")  # noqa: SIM115 (closed in `close`)
+        self._lock = threading.Lock()  # the event loop's lag lines come from another thread
+        self._origin = time.perf_counter()
+        self._open: dict[str, Any] | None = None
+        self._events: tuple[Any, Any] | None = None
+        self._pending: deque[tuple[dict[str, Any], Any, Any]] = deque()  # waiting for their events
+        self._last_end: Any = None  # the previous step's end event
+        self._marks: dict[str, float] = {}
+
+    @classmethod
+    def from_env(cls, device: torch.device) -> StepTrace | None:
+        path = os.environ.get(TRACE_ENV)
+        return cls(path, device) if path else None
+
+    # --- the engine thread --------------------------------------------------------------------------
+    def begin(self, started: float, n_new: list[int], decoding: list[bool]) -> None:
+        """A step was planned (``decoding``: per request, whether its prompt is done); ``started`` is
+        its iteration's start (perf_counter)."""
+        now = time.perf_counter()
+        self._open = {
+            "t": round(started - self._origin, 6),
+            "kind": step_kind(decoding),
+            "batch": len(n_new),
+            "tokens": sum(n_new),
+            "plan": (now - started) * 1e3,
+        }
+        self._marks = {"started": started, "launch": now}
+        if self.cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            self._events = (start, None)
+
+    def launched(self) -> None:
+        now = time.perf_counter()
+        if self._open is None:
+            return
+        self._open["launch"] = (now - self._marks["launch"]) * 1e3
+        if self.cuda and self._events is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events = (self._events[0], end)
+
+    def end(self, flush_s: float, wait_s: float, deferred: bool) -> None:
+        """The step's host work is done; ``flush_s`` and ``wait_s`` were spent inside it."""
+        rec, self._open = self._open, None
+        if rec is None:
+            return
+        wall = (time.perf_counter() - self._marks["started"]) * 1e3
+        rec["flush"], rec["wait"] = flush_s * 1e3, wait_s * 1e3
+        rec["post"] = max(0.0, wall - rec["plan"] - rec.get("launch", 0.0) - rec["flush"] - rec["wait"])
+        rec["wall"], rec["deferred"] = wall, deferred
+        if self.cuda and self._events is not None and self._events[1] is not None:
+            self._pending.append((rec, *self._events))
+            self._events = None
+            self._resolve(block=False)
+        else:
+            self._write(rec)
+
+    def _resolve(self, block: bool) -> None:
+        while self._pending:
+            rec, start, end = self._pending[0]
+            if not block and not end.query():
+                return
+            end.synchronize()
+            self._pending.popleft()
+            rec["gpu"] = start.elapsed_time(end)
+            if self._last_end is not None:
+                rec["idle"] = max(0.0, self._last_end.elapsed_time(start))
+            self._last_end = end
+            self._write(rec)
+
+    # --- any thread -----------------------------------------------------------------------------------
+    def loop_lag(self, lag_s: float) -> None:
+        self._write({"t": round(time.perf_counter() - self._origin, 6), "kind": "loop", "lag": lag_s * 1e3})
+
+    def _write(self, rec: dict[str, Any]) -> None:
+        line = json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rec.items()})
+        with self._lock:
+            if not self._file.closed:
+                self._file.write(line + "\n")
+
+    def close(self) -> None:
+        if self.cuda:
+            self._resolve(block=True)
+        with self._lock:
+            self._file.close()
+
+
+# --- summary -----------------------------------------------------------------------------------------
+@dataclass
+class KindTotals:
+    steps: int = 0
+    tokens: int = 0
+    wall_s: float = 0.0
+    gpu_s: float = 0.0
+    idle_s: float = 0.0
+    host_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(HOST_PARTS, 0.0))
+
+
+@dataclass
+class Timeline:
+    span_s: float
+    kinds: dict[str, KindTotals]
+    decode_median: dict[str, float]  # per decode step: wall, gpu, idle and the host parts (ms)
+    decode_batch_median: float
+    engine_idle_s: float  # the span less every step's wall time: the engine thread waiting for work
+    loop_lag_ms: dict[str, float]  # median, p90, max of the event loop's lag
+    loop_samples: int
+
+
+def read_trace(lines: Iterable[str]) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
+def summarize(records: list[dict[str, Any]]) -> Timeline:
+    """Totals per step kind, medians of the decode steps, engine idle time and the loop's lag."""
+    steps = [r for r in records if r["kind"] != "loop"]
+    lags = [r["lag"] for r in records if r["kind"] == "loop"]
+    kinds: dict[str, KindTotals] = {}
+    for r in steps:
+        k = kinds.setdefault(r["kind"], KindTotals())
+        k.steps += 1
+        k.tokens += r["tokens"]
+        k.wall_s += r["wall"] / 1e3
+        k.gpu_s += r.get("gpu", 0.0) / 1e3
+        k.idle_s += r.get("idle", 0.0) / 1e3
+        for part in HOST_PARTS:
+            k.host_s[part] += r.get(part, 0.0) / 1e3
+    span = (steps[-1]["t"] + steps[-1]["wall"] / 1e3 - steps[0]["t"]) if steps else 0.0
+    decodes = [r for r in steps if r["kind"] == "decode"]
+    median = {
+        key: statistics.median(r.get(key, 0.0) for r in decodes) if decodes else 0.0
+        for key in ("wall", "gpu", "idle", *HOST_PARTS)
+    }
+    return Timeline(
+        span_s=span,
+        kinds=kinds,
+        decode_median=median,
+        decode_batch_median=statistics.median(r["batch"] for r in decodes) if decodes else 0.0,
+        engine_idle_s=max(0.0, span - sum(k.wall_s for k in kinds.values())),
+        loop_lag_ms={
+            "median": statistics.median(lags) if lags else 0.0,
+            "p90": _quantile(lags, 0.9),
+            "max": max(lags, default=0.0),
+        },
+        loop_samples=len(lags),
+    )
+
+
+def format_timeline(t: Timeline) -> str:
+    rows = [
+        f"span {t.span_s:.2f} s; engine thread waiting for work {t.engine_idle_s:.2f} s",
+        "",
+        "| steps | count | tokens | wall s | GPU s | GPU idle s | plan | launch | flush | wait | post (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, k in sorted(t.kinds.items()):
+        host = " | ".join(f"{k.host_s[p]:.2f}" for p in HOST_PARTS)
+        rows.append(
+            f"| {name} | {k.steps} | {k.tokens:,} | {k.wall_s:.2f} | {k.gpu_s:.2f} | {k.idle_s:.2f} | {host} |"
+        )
+    m = t.decode_median
+    rows += [
+        "",
+        f"decode step medians (batch {t.decode_batch_median:.0f}): wall {m['wall']:.2f} ms, "
+        f"GPU {m['gpu']:.2f} ms, GPU idle before it {m['idle']:.2f} ms; host: "
+        + ", ".join(f"{p} {m[p]:.2f}" for p in HOST_PARTS)
+        + " ms",
+        f"event loop lag over {t.loop_samples} samples: median {t.loop_lag_ms['median']:.2f} ms, "
+        f"p90 {t.loop_lag_ms['p90']:.2f} ms, max {t.loop_lag_ms['max']:.2f} ms",
+    ]
+    return "\n".join(rows)
