@@ -153,10 +153,12 @@ class KindTotals:
 class Timeline:
     span_s: float
     kinds: dict[str, KindTotals]
-    decode_median: dict[str, float]  # per decode step: wall, gpu, idle and the host parts (ms)
-    decode_batch_median: float
+    # per decode step: wall, gpu, idle and the host parts (ms); by whether the step's ids stayed on
+    # the device (overlap scheduling: True) or were read back before the next step was planned
+    decode_median: dict[bool, dict[str, float]]
+    decode_batch_median: dict[bool, float]
     engine_idle_s: float  # the span less every step's wall time: the engine thread waiting for work
-    loop_lag_ms: dict[str, float]  # median, p90, max of the event loop's lag
+    loop_lag_ms: dict[str, float]  # median, p90, max of the event loop's lag while steps ran
     loop_samples: int
 
 
@@ -172,7 +174,9 @@ def _quantile(values: list[float], q: float) -> float:
 def summarize(records: list[dict[str, Any]]) -> Timeline:
     """Totals per step kind, medians of the decode steps, engine idle time and the loop's lag."""
     steps = [r for r in records if r["kind"] != "loop"]
-    lags = [r["lag"] for r in records if r["kind"] == "loop"]
+    first, last = (steps[0]["t"], steps[-1]["t"] + steps[-1]["wall"] / 1e3) if steps else (0.0, 0.0)
+    # the loop's lag while steps ran (all of it when the file has no step)
+    lags = [r["lag"] for r in records if r["kind"] == "loop" and (not steps or first <= r["t"] <= last)]
     kinds: dict[str, KindTotals] = {}
     for r in steps:
         k = kinds.setdefault(r["kind"], KindTotals())
@@ -183,17 +187,20 @@ def summarize(records: list[dict[str, Any]]) -> Timeline:
         k.idle_s += r.get("idle", 0.0) / 1e3
         for part in HOST_PARTS:
             k.host_s[part] += r.get(part, 0.0) / 1e3
-    span = (steps[-1]["t"] + steps[-1]["wall"] / 1e3 - steps[0]["t"]) if steps else 0.0
-    decodes = [r for r in steps if r["kind"] == "decode"]
-    median = {
-        key: statistics.median(r.get(key, 0.0) for r in decodes) if decodes else 0.0
-        for key in ("wall", "gpu", "idle", *HOST_PARTS)
-    }
+    span = last - first
+    median: dict[bool, dict[str, float]] = {}
+    batch: dict[bool, float] = {}
+    for deferred in (False, True):
+        decodes = [r for r in steps if r["kind"] == "decode" and r["deferred"] is deferred]
+        if decodes:
+            keys = ("wall", "gpu", "idle", *HOST_PARTS)
+            median[deferred] = {key: statistics.median(r.get(key, 0.0) for r in decodes) for key in keys}
+            batch[deferred] = statistics.median(r["batch"] for r in decodes)
     return Timeline(
         span_s=span,
         kinds=kinds,
         decode_median=median,
-        decode_batch_median=statistics.median(r["batch"] for r in decodes) if decodes else 0.0,
+        decode_batch_median=batch,
         engine_idle_s=max(0.0, span - sum(k.wall_s for k in kinds.values())),
         loop_lag_ms={
             "median": statistics.median(lags) if lags else 0.0,
@@ -212,17 +219,18 @@ def format_timeline(t: Timeline) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, k in sorted(t.kinds.items()):
-        host = " | ".join(f"{k.host_s[p]:.2f}" for p in HOST_PARTS)
+        cells = [f"{x:.2f}" for x in (k.wall_s, k.gpu_s, k.idle_s, *(k.host_s[p] for p in HOST_PARTS))]
+        rows.append(f"| {name} | {k.steps} | {k.tokens:,} | " + " | ".join(cells) + " |")
+    rows.append("")
+    for deferred, m in t.decode_median.items():
         rows.append(
-            f"| {name} | {k.steps} | {k.tokens:,} | {k.wall_s:.2f} | {k.gpu_s:.2f} | {k.idle_s:.2f} | {host} |"
+            f"decode step medians ({'ids left on the device' if deferred else 'ids read back'}, batch "
+            f"{t.decode_batch_median[deferred]:.0f}): wall {m['wall']:.2f} ms, GPU {m['gpu']:.2f} ms, "
+            f"GPU idle before it {m['idle']:.2f} ms; host: "
+            + ", ".join(f"{p} {m[p]:.2f}" for p in HOST_PARTS)
+            + " ms"
         )
-    m = t.decode_median
     rows += [
-        "",
-        f"decode step medians (batch {t.decode_batch_median:.0f}): wall {m['wall']:.2f} ms, "
-        f"GPU {m['gpu']:.2f} ms, GPU idle before it {m['idle']:.2f} ms; host: "
-        + ", ".join(f"{p} {m[p]:.2f}" for p in HOST_PARTS)
-        + " ms",
         f"event loop lag over {t.loop_samples} samples: median {t.loop_lag_ms['median']:.2f} ms, "
         f"p90 {t.loop_lag_ms['p90']:.2f} ms, max {t.loop_lag_ms['max']:.2f} ms",
     ]

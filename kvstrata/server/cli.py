@@ -21,6 +21,9 @@ def run(args: argparse.Namespace) -> int:
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     log = logging.getLogger("kvstrata.server")
+    if config.switch_interval is not None:
+        sys.setswitchinterval(config.switch_interval)
+        log.info("GIL switch interval %.6f s", sys.getswitchinterval())
     import uvicorn
 
     from kvstrata import Engine

@@ -250,6 +250,13 @@ FLAGS: tuple[Flag, ...] = (
         True,
     ),
     Flag("drift_raise_share", _fraction, None, "share of the cold pool's bytes for the raised pool", True),
+    Flag(
+        "switch_interval",
+        _positive_float,
+        None,
+        "seconds a thread may hold the GIL while another waits (sys.setswitchinterval; Python's 0.005): "
+        "the engine thread and the HTTP event loop share it",
+    ),
 )
 
 
@@ -292,6 +299,7 @@ class ServerConfig:
     enable_mixed_chunk: bool | None = None
     drift_raise_dtype: str | None = None
     drift_raise_share: float | None = None
+    switch_interval: float | None = None
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``kvstrata.Engine``: only the options that were set."""
