@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     from kvstrata.server.transport import uvicorn_options
 
     try:
-        engine = Engine(**config.engine_kwargs())
+        engine = Engine(**config.engine_kwargs(), warmup=config.warmup_mode())
     except (ValueError, KeyError, FileNotFoundError) as exc:
         print(f"kvstrata serve: cannot start the engine: {exc}", file=sys.stderr)
         return 2
