@@ -84,7 +84,6 @@ class Engine:
         rounds = warmup_rounds(
             self.args.max_running_requests,
             self.args.page_size,
-            self.args.chunked_prefill_size,
             self.capacity_tokens,
             self.max_context,
             self.config.vocab_size,

@@ -13,22 +13,24 @@ from kvstrata.engine.warmup import EXTEND_TOKENS, warmup_rounds
 from kvstrata.server.config import ServerConfig
 
 
-def test_rounds_cover_batch_extends_and_chunk() -> None:
-    rounds = warmup_rounds(batch=64, page_size=16, chunk=512, capacity=100_000, context=8192, vocab=1000)
-    first, extend, long = rounds
+def test_rounds_cover_batch_extends_and_long_histories() -> None:
+    rounds = warmup_rounds(batch=64, page_size=16, capacity=100_000, context=8192, vocab=1000)
+    first, extend, *alone = rounds
     assert len(first.prompts) == 64 and sorted(set(first.max_new)) == list(range(1, 9))
     assert {len(p) for p in first.prompts} >= {32, 32 + 16 * 23 + 15}  # 2 to 25 pages, partial ones too
     base = first.prompts[-1]
     assert [len(p) - len(base) for p in extend.prompts] == list(EXTEND_TOKENS)
     assert all(p[: len(base)] == base for p in extend.prompts)  # they extend a cached prompt
-    assert len(long.prompts[0]) == 512 + 48 and long.max_new == [2]
+    # one request at a time over 32, 64, ... 256 pages, then the longest context (8192 - 16 - 4)
+    assert [len(r.prompts[0]) for r in alone] == [512, 1024, 2048, 4096, 8172]
+    assert all(len(r.prompts) == 1 and r.max_new == [2] for r in alone)
     assert all(0 <= t < 1000 for r in rounds for p in r.prompts for t in p)
 
 
 def test_rounds_fit_a_small_pool_and_context() -> None:
     capacity, context = 1000, 300
-    rounds = warmup_rounds(batch=32, page_size=16, chunk=512, capacity=capacity, context=context, vocab=50)
-    assert len(rounds) == 2  # no chunk-long prompt: it would not fit the context
+    rounds = warmup_rounds(batch=32, page_size=16, capacity=capacity, context=context, vocab=50)
+    assert [len(r.prompts[0]) for r in rounds[2:]] == [280]  # 32 pages would not fit the context
     first = rounds[0]
     assert sum(len(p) for p in first.prompts) + 8 * len(first.prompts) <= capacity
     for r in rounds:
@@ -41,7 +43,7 @@ def test_warm_engine_serves_like_a_cold_one(default_model, kv: str) -> None:
     prompts = [default_model.tokenizer.encode(t) for t in PROMPT_TEXTS[:3]]
     params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
     opts = dict(
-        kv_cache_dtype=kv, recent_window=16 if kv != "auto" else None, page_size=16, max_total_tokens=6144,
+        kv_cache_dtype=kv, recent_window=16 if kv != "auto" else None, page_size=16, max_total_tokens=1536,
         max_running_requests=4, chunked_prefill_size=64,
     )  # fmt: skip
     outs = {}
