@@ -160,6 +160,12 @@ class Timeline:
     engine_idle_s: float  # the span less every step's wall time: the engine thread waiting for work
     loop_lag_ms: dict[str, float]  # median, p90, max of the event loop's lag while steps ran
     loop_samples: int
+    # Steps slower than STALL_FACTOR x the median wall time of their kind and than STALL_MS:
+    # (t, kind, batch, tokens, wall ms). On CUDA mostly Triton compiling a kernel variant on first use.
+    stalls: list[tuple[float, str, int, int, float]] = field(default_factory=list)
+
+
+STALL_FACTOR, STALL_MS = 5.0, 100.0
 
 
 def read_trace(lines: Iterable[str]) -> list[dict[str, Any]]:
@@ -196,7 +202,17 @@ def summarize(records: list[dict[str, Any]]) -> Timeline:
             keys = ("wall", "gpu", "idle", *HOST_PARTS)
             median[deferred] = {key: statistics.median(r.get(key, 0.0) for r in decodes) for key in keys}
             batch[deferred] = statistics.median(r["batch"] for r in decodes)
+    walls: dict[str, list[float]] = {}
+    for r in steps:
+        walls.setdefault(r["kind"], []).append(r["wall"])
+    typical = {kind: statistics.median(w) for kind, w in walls.items()}
+    stalls = [
+        (r["t"], r["kind"], r["batch"], r["tokens"], r["wall"])
+        for r in steps
+        if r["wall"] > max(STALL_MS, STALL_FACTOR * typical[r["kind"]])
+    ]
     return Timeline(
+        stalls=stalls,
         span_s=span,
         kinds=kinds,
         decode_median=median,
@@ -230,6 +246,15 @@ def format_timeline(t: Timeline) -> str:
             + ", ".join(f"{p} {m[p]:.2f}" for p in HOST_PARTS)
             + " ms"
         )
+    stall_s = sum(wall for *_, wall in t.stalls) / 1e3
+    rows.append(
+        f"stalled steps (> {STALL_FACTOR:g}x their kind's median wall, > {STALL_MS:g} ms): "
+        f"{len(t.stalls)}, {stall_s:.2f} s"
+        + "".join(
+            f"\n  t={at:.2f} s {kind} batch {b} tokens {n}: {wall:.0f} ms"
+            for at, kind, b, n, wall in t.stalls
+        )
+    )
     rows += [
         f"event loop lag over {t.loop_samples} samples: median {t.loop_lag_ms['median']:.2f} ms, "
         f"p90 {t.loop_lag_ms['p90']:.2f} ms, max {t.loop_lag_ms['max']:.2f} ms",

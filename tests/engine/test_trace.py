@@ -12,7 +12,7 @@ import torch
 from prompt_texts import PROMPT_TEXTS
 
 from kvstrata.engine.engine import Engine
-from kvstrata.engine.trace import TRACE_ENV, StepTrace, read_trace, step_kind, summarize
+from kvstrata.engine.trace import TRACE_ENV, StepTrace, format_timeline, read_trace, step_kind, summarize
 from kvstrata.server.app import watch_loop_lag
 
 NEW = [5, 9, 1, 12]
@@ -87,3 +87,24 @@ def test_loop_lag_lines(tmp_path) -> None:
     assert len(records) >= 5 and all(r["kind"] == "loop" and r["lag"] >= -0.01 for r in records)
     timeline = summarize(records)
     assert timeline.loop_samples == len(records) and timeline.kinds == {}
+
+
+def test_stalls_are_steps_far_above_their_kinds_median() -> None:
+    def step(t: float, kind: str, wall: float) -> dict[str, Any]:
+        parts = dict.fromkeys(("plan", "launch", "flush", "wait"), 0.0)
+        return {
+            "t": t,
+            "kind": kind,
+            "batch": 4,
+            "tokens": 4,
+            **parts,
+            "post": wall,
+            "wall": wall,
+            "deferred": True,
+        }
+
+    records = [step(i * 0.1, "decode", 20.0) for i in range(9)]
+    records += [step(1.0, "decode", 1900.0), step(1.1, "prefill", 200.0), step(1.2, "prefill", 90.0)]
+    timeline = summarize(records)
+    assert [(s[0], s[1], s[4]) for s in timeline.stalls] == [(1.0, "decode", 1900.0)]
+    assert "stalled steps" in format_timeline(timeline)
