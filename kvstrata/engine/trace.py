@@ -14,13 +14,16 @@ environment on) and every step writes one JSON line:
   device waiting for the host). They are read once the device has passed them, never by waiting.
 
 ``loop`` lines carry the event loop's lag (``lag``: how late a 5 ms timer fired), written by the server
-(`kvstrata.server.app`) through `loop_lag`. `summarize` turns a file into totals per step kind, medians
-of the decode steps and the idle gaps; ``benchmarks/step_timeline.py`` prints it. The cost when on: a
-dict and two CUDA events per step; off (the default) nothing runs.
+(`kvstrata.server.app`) through `loop_lag`; ``gc`` lines each collection of the older generations
+(``gen`` 1 or 2, ``ms``; `gc.callbacks`, any thread: every thread waits for it). `summarize` turns a
+file into totals per step kind, medians of the decode steps, stalled steps, collections and the idle
+gaps; ``benchmarks/step_timeline.py`` prints it. The cost when on: a dict and two CUDA events per step;
+off (the default) nothing runs.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import statistics
@@ -58,6 +61,11 @@ class StepTrace:
         self._pending: deque[tuple[dict[str, Any], Any, Any]] = deque()  # waiting for their events
         self._last_end: Any = None  # the previous step's end event
         self._marks: dict[str, float] = {}
+        self._gc_start = 0.0
+        # Written later by the engine thread: a callback that wrote could re-enter a write of this file
+        # (or its lock) when an allocation inside it starts a collection.
+        self._collections: list[dict[str, Any]] = []
+        gc.callbacks.append(self._on_gc)
 
     @classmethod
     def from_env(cls, device: torch.device) -> StepTrace | None:
@@ -101,6 +109,7 @@ class StepTrace:
         rec["flush"], rec["wait"] = flush_s * 1e3, wait_s * 1e3
         rec["post"] = max(0.0, wall - rec["plan"] - rec.get("launch", 0.0) - rec["flush"] - rec["wait"])
         rec["wall"], rec["deferred"] = wall, deferred
+        self._write_collections()
         if self.cuda and self._events is not None and self._events[1] is not None:
             self._pending.append((rec, *self._events))
             self._events = None
@@ -122,6 +131,21 @@ class StepTrace:
             self._write(rec)
 
     # --- any thread -----------------------------------------------------------------------------------
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if info.get("generation", 0) < 1:
+            return
+        now = time.perf_counter()
+        if phase == "start":
+            self._gc_start = now
+        elif self._gc_start:
+            at = round(self._gc_start - self._origin, 6)
+            ms = (now - self._gc_start) * 1e3
+            self._collections.append({"t": at, "kind": "gc", "gen": info["generation"], "ms": ms})
+
+    def _write_collections(self) -> None:
+        while self._collections:
+            self._write(self._collections.pop(0))
+
     def loop_lag(self, lag_s: float) -> None:
         self._write({"t": round(time.perf_counter() - self._origin, 6), "kind": "loop", "lag": lag_s * 1e3})
 
@@ -132,6 +156,9 @@ class StepTrace:
                 self._file.write(line + "\n")
 
     def close(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+        self._write_collections()
         if self.cuda:
             self._resolve(block=True)
         with self._lock:
@@ -163,6 +190,7 @@ class Timeline:
     # Steps slower than STALL_FACTOR x the median wall time of their kind and than STALL_MS:
     # (t, kind, batch, tokens, wall ms). On CUDA mostly Triton compiling a kernel variant on first use.
     stalls: list[tuple[float, str, int, int, float]] = field(default_factory=list)
+    gc_ms: dict[int, tuple[int, float, float]] = field(default_factory=dict)  # gen -> count, total, max
 
 
 STALL_FACTOR, STALL_MS = 5.0, 100.0
@@ -179,10 +207,11 @@ def _quantile(values: list[float], q: float) -> float:
 
 def summarize(records: list[dict[str, Any]]) -> Timeline:
     """Totals per step kind, medians of the decode steps, engine idle time and the loop's lag."""
-    steps = [r for r in records if r["kind"] != "loop"]
+    steps = [r for r in records if r["kind"] not in ("loop", "gc")]
     first, last = (steps[0]["t"], steps[-1]["t"] + steps[-1]["wall"] / 1e3) if steps else (0.0, 0.0)
     # the loop's lag while steps ran (all of it when the file has no step)
     lags = [r["lag"] for r in records if r["kind"] == "loop" and (not steps or first <= r["t"] <= last)]
+    gcs = [r for r in records if r["kind"] == "gc" and (not steps or first <= r["t"] <= last)]
     kinds: dict[str, KindTotals] = {}
     for r in steps:
         k = kinds.setdefault(r["kind"], KindTotals())
@@ -211,7 +240,13 @@ def summarize(records: list[dict[str, Any]]) -> Timeline:
         for r in steps
         if r["wall"] > max(STALL_MS, STALL_FACTOR * typical[r["kind"]])
     ]
+    gc_ms = {
+        gen: (len(ms), sum(ms), max(ms))
+        for gen in (1, 2)
+        if (ms := [r["ms"] for r in gcs if r["gen"] == gen])
+    }
     return Timeline(
+        gc_ms=gc_ms,
         stalls=stalls,
         span_s=span,
         kinds=kinds,
@@ -253,6 +288,16 @@ def format_timeline(t: Timeline) -> str:
         + "".join(
             f"\n  t={at:.2f} s {kind} batch {b} tokens {n}: {wall:.0f} ms"
             for at, kind, b, n, wall in t.stalls
+        )
+    )
+    rows.append(
+        "garbage collections while steps ran: "
+        + (
+            "; ".join(
+                f"gen {g}: {n}, {tot:.1f} ms in all, longest {top:.1f} ms"
+                for g, (n, tot, top) in t.gc_ms.items()
+            )
+            or "none of generation 1 or 2"
         )
     )
     rows += [

@@ -4,6 +4,7 @@ to the work the requests did, whichever scheduling mode ran; and its summary's t
 from __future__ import annotations
 
 import asyncio
+import gc
 import statistics
 from typing import Any
 
@@ -35,7 +36,7 @@ def test_trace_counts_every_step(default_model, tmp_path, monkeypatch, overlap: 
         engine.shutdown()
     assert [len(o["output_ids"]) for o in outs] == NEW
     records = read_trace(path.read_text().splitlines())
-    steps = [r for r in records if r["kind"] != "loop"]
+    steps = [r for r in records if r["kind"] not in ("loop", "gc")]
     # every prompt token once, every generated token but the last fed back once (a step that an
     # overlapped request's finish dropped from its batch still ran its token: counted, at most one each)
     fed = sum(len(p) for p in prompts) + sum(n - 1 for n in NEW)
@@ -108,3 +109,16 @@ def test_stalls_are_steps_far_above_their_kinds_median() -> None:
     timeline = summarize(records)
     assert [(s[0], s[1], s[4]) for s in timeline.stalls] == [(1.0, "decode", 1900.0)]
     assert "stalled steps" in format_timeline(timeline)
+
+
+def test_collections_are_recorded(tmp_path) -> None:
+    trace = StepTrace(str(tmp_path / "t.jsonl"), torch.device("cpu"))
+    gc.collect(1)
+    gc.collect(2)
+    trace.close()
+    assert trace._on_gc not in gc.callbacks
+    gc.collect(2)  # after close: not recorded
+    records = read_trace((tmp_path / "t.jsonl").read_text().splitlines())
+    assert [(r["kind"], r["gen"]) for r in records] == [("gc", 1), ("gc", 2)]
+    assert all(r["ms"] >= 0 for r in records)
+    assert summarize(records).gc_ms.keys() == {1, 2}
