@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvstrata import Engine
-    from kvstrata.server.app import create_app
+    from kvstrata.server.app import create_app, freeze_startup_objects
     from kvstrata.server.transport import uvicorn_options
 
     try:
@@ -39,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
         app = create_app(engine, config)
         info = engine.get_server_info()
         transport = uvicorn_options()
+        freeze_startup_objects()
         log.info(
             "serving %s on http://%s:%d (kv %s, window %s, %s tokens of KV, auth %s, %s + %s)",
             app.state.kvstrata.client.model_name,
