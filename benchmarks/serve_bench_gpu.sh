@@ -12,6 +12,8 @@
 # several directories joined with ':'; the server logs `uvloop + httptools` when it runs on them). Knobs: NPROMPTS (256), CONC (256), ILEN (1536), OLEN (512), DEADLINE (s, 280),
 # MIN_LEFT (s needed to start a config, 60). Every server runs with --max-running-requests $CONC
 # --cuda-graph-max-bs $CONC --chunked-prefill-size ${CHUNK:-8192} --kv-plan off.
+# TRACE=1: each server writes its step timeline (KVSTRATA_STEP_TRACE, kvstrata/engine/trace.py) to
+# trace_<name>.jsonl, summarized by benchmarks/step_timeline.py into timeline_<name>.txt and summary.txt.
 # Writes to $OUT: summary.txt (the table last), bench.jsonl (`kvstrata bench`'s JSON lines),
 # bench_<name>.log, server_<name>.log.
 set -u
@@ -35,8 +37,10 @@ run_cfg() {
   if [ "$(left)" -lt "$MIN_LEFT" ]; then log "$name: SKIPPED, only $(left)s left"; return; fi
   local slog="$OUT/server_$name.log"
   log "$name: kvstrata serve --kv-cache-dtype $kvd $extra"
+  local trace=""
+  [ "${TRACE:-0}" = 1 ] && trace="$OUT/trace_$name.jsonl"
   # shellcheck disable=SC2086
-  setsid python3 -m kvstrata serve --model "$MODEL" --load-format dummy --host 127.0.0.1 --port $PORT \
+  KVSTRATA_STEP_TRACE=$trace setsid python3 -m kvstrata serve --model "$MODEL" --load-format dummy --host 127.0.0.1 --port $PORT \
       --kv-cache-dtype "$kvd" --max-running-requests "$CONC" --cuda-graph-max-bs "$CONC" \
       --chunked-prefill-size "$CHUNK" --kv-plan off $extra > "$slog" 2>&1 &
   local pid=$! ts=$(date +%s) ok=0
@@ -72,6 +76,10 @@ run_cfg() {
   for _ in $(seq 1 15); do kill -0 $pid 2>/dev/null || break; sleep 1; done
   kill -KILL -- -$pid 2>/dev/null
   sleep 1
+  if [ -n "$trace" ] && [ -s "$trace" ]; then
+    python3 benchmarks/step_timeline.py "$trace" > "$OUT/timeline_$name.txt" 2>&1
+    cat "$OUT/timeline_$name.txt" >> "$OUT/summary.txt"
+  fi
 }
 
 echo "| config | completed | errors | duration s | output tok/s | total tok/s | median TTFT ms | median ITL ms | cold pool tokens |" > "$TABLE"

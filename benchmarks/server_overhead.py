@@ -29,6 +29,7 @@ package first on PYTHONPATH (one without `set_flush_at_sync` runs as it is).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -174,6 +175,10 @@ def serve(args: argparse.Namespace) -> None:
     step = FixedStep(engine.core.runner, args.step_ms / 1e3, model.config.vocab_size, n)
     engine.core.runner.run = step  # type: ignore[method-assign]
     app = create_app(engine, ServerConfig())
+    with contextlib.suppress(ImportError):  # a checkout before it: no freeze, as its server did
+        from kvstrata.server.app import freeze_startup_objects
+
+        freeze_startup_objects()  # as `kvstrata serve` does before it listens
     try:
         from kvstrata.server.transport import uvicorn_options
     except ImportError:  # a checkout before it: uvicorn's defaults

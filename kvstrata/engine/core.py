@@ -34,6 +34,7 @@ from kvstrata.engine.runner import Launched, StepRunner
 from kvstrata.engine.sampler import SampleOutput
 from kvstrata.engine.scheduler import Scheduler, StepPlan
 from kvstrata.engine.stats import RequestFinished, StatsCollector
+from kvstrata.engine.trace import StepTrace
 from kvstrata.radix.pool import cold_page_bytes
 
 log = logging.getLogger("kvstrata.engine")
@@ -172,6 +173,11 @@ class EngineCore:
         self._inflight: Launched | None = None  # a launched step whose sampled ids are not read yet
         self.overlap = not args.disable_overlap_schedule and self.device.type == "cuda"
         self.deferred_steps = 0  # steps whose ids stayed on the device while the next one launched
+        self.trace = StepTrace.from_env(self.device)  # KVSTRATA_STEP_TRACE: the per-step timeline
+        self._iteration_start = 0.0
+        if self.trace is not None:
+            self.runner.on_launched = self.trace.launched
+            log.info("step timeline to %s", self.trace.path)
         self._thread = threading.Thread(target=self._loop, name="kvstrata-engine", daemon=True)
         self._thread.start()
 
@@ -222,9 +228,12 @@ class EngineCore:
                     self._flush_outbox()  # else the next step's sampler flushes, before its read-back
             self._abort_all("engine shut down")
             self._flush_outbox()
+            if self.trace is not None:
+                self.trace.close()
 
     def _iterate(self) -> bool:
         """Drain the inbox, then run one step (True when its forward pass ran) or wait for work."""
+        self._iteration_start = time.perf_counter()
         self._drain_inbox()
         self.stats.queue_sizes(len(self.scheduler.running), len(self.scheduler.waiting))
         if self.stopping:
@@ -317,6 +326,10 @@ class EngineCore:
         if plan is None:
             self._settle()
             return False
+        if self.trace is not None:
+            self.runner.sampler.take_times()  # read-backs outside this step do not count
+            decoding = [req.computed >= len(req.prompt_ids) for req in plan.reqs]
+            self.trace.begin(self._iteration_start, plan.n_new, decoding)
         if not self.overlap and self._inflight is None:
             try:
                 self._run(plan)
@@ -324,6 +337,7 @@ class EngineCore:
                 log.exception("engine step failed")
                 self._fail(plan.reqs, exc)
                 return False
+            self._trace_end()
             return True
         before = self._inflight
         try:
@@ -337,7 +351,13 @@ class EngineCore:
             lost = before.sampled if before is not None and self._inflight is None else []
             self._fail([*plan.reqs, *lost], exc)
             return False
+        self._trace_end()
         return True
+
+    def _trace_end(self) -> None:
+        if self.trace is not None:
+            flush_s, wait_s = self.runner.sampler.take_times()
+            self.trace.end(flush_s, wait_s, deferred=self._inflight is not None)
 
     def _run(self, plan: StepPlan) -> None:
         sampled, out, logits = self.runner.run(plan)

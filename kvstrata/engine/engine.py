@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import queue
+import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -27,6 +28,7 @@ from kvstrata.engine.options import EngineArgs, image_hosts
 from kvstrata.engine.request import Request
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.engine.stats import EngineEvent, EngineStats
+from kvstrata.engine.warmup import warmup_rounds
 
 log = logging.getLogger("kvstrata.engine")
 
@@ -67,6 +69,41 @@ class Engine:
         self._closed = False
         self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopMailbox] = (
             weakref.WeakKeyDictionary()
+        )
+        if args.resolve_warmup(self.device):
+            try:
+                self._warm_up()
+            except BaseException:
+                self.shutdown()
+                raise
+
+    def _warm_up(self) -> None:
+        """Run the warm-up workload (`kvstrata/engine/warmup.py`), then forget it: the prefix cache is
+        emptied and the request statistics start from zero (the cache's own page counters keep it)."""
+        start = time.perf_counter()
+        rounds = warmup_rounds(
+            self.args.max_running_requests,
+            self.args.page_size,
+            self.capacity_tokens,
+            self.max_context,
+            self.config.vocab_size,
+        )
+        drift, self.drift = self.drift, None  # warm-up requests are never drift samples
+        try:
+            for r in rounds:
+                params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in r.max_new]
+                self.generate(input_ids=r.prompts, sampling_params=params)
+        finally:
+            self.drift = drift
+        for _ in range(1000):  # the last step's read-back may still be settling
+            if self.flush_cache():
+                break
+            time.sleep(0.01)
+        else:
+            raise RuntimeError("warm-up: the engine did not become idle")
+        self.stats.reset()
+        log.info(
+            "warm-up: %d requests in %.1f s", sum(len(r.prompts) for r in rounds), time.perf_counter() - start
         )
 
     # ============================================================== public API

@@ -86,6 +86,9 @@ class EngineArgs:
     # Overlap scheduling (SGLang's flag name): on CUDA the next step is planned and launched before
     # the sampled ids of the step running on the device are read back (off on CPU: nothing to hide).
     disable_overlap_schedule: bool = False
+    # Warm-up workload at start (kvstrata/engine/warmup.py): "off", "on", or "cuda" (only on CUDA, where
+    # Triton compiles kernel variants on first use: `kvstrata serve`'s default, SGLang's server warm-up).
+    warmup: str = "off"
 
     def __post_init__(self) -> None:
         """Fill the window, rotation and sinks left unset from the shipped defaults (or the plan file)."""
@@ -109,6 +112,8 @@ class EngineArgs:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.ring_dtype not in ("auto", *DTYPES):
             raise ValueError(f"ring_dtype must be auto or a dtype name, got {self.ring_dtype!r}")
+        if self.warmup not in ("off", "cuda", "on"):
+            raise ValueError(f"warmup must be off, cuda or on, got {self.warmup!r}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.recent_window < 0 or self.recent_window % self.page_size:
@@ -161,6 +166,10 @@ class EngineArgs:
     def resolve_cuda_graph_max_bs(self) -> int:
         """Largest decode batch captured: cuda_graph_max_bs, at most max_running_requests."""
         return min(self.cuda_graph_max_bs or self.max_running_requests, self.max_running_requests)
+
+    def resolve_warmup(self, device: torch.device) -> bool:
+        """Whether the engine runs the warm-up workload when it starts."""
+        return self.warmup == "on" or (self.warmup == "cuda" and device.type == "cuda")
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

@@ -50,6 +50,7 @@ class StepRunner:
         self.device = device
         self.sampler = Sampler()
         self.graphs = graphs  # decode steps of up to graphs.max_bs sequences replay CUDA graphs
+        self.on_launched: Callable[[], None] | None = None  # the step timeline's mark (`trace.py`)
 
     def run(self, plan: StepPlan) -> tuple[list[Request], SampleOutput | None, torch.Tensor | None]:
         """Forward the plan; returns the requests that got a new token, the samples, and the logits."""
@@ -69,6 +70,8 @@ class StepRunner:
             if not plan.batch.closed:
                 self.cache.cancel_step(plan.batch)  # pages back, lengths unchanged
             raise
+        if self.on_launched is not None:
+            self.on_launched()
         return Launched(plan, sampled, sample, logits if sampled else None)
 
     def _forward(self, plan: StepPlan, before: Launched | None) -> tuple[torch.Tensor, list[Request]]:

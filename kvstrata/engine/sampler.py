@@ -10,6 +10,7 @@ model distribution (log-softmax of the logits before penalties and temperature).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -108,6 +109,15 @@ class Sampler:
         # Called once the step is launched, just before the host waits for the device (the engine
         # hands the previous step's streamed chunks to the event loop there: `EngineCore`).
         self.before_sync: Callable[[], None] | None = None
+        # Host seconds `collect` spent in ``before_sync`` and blocked on the device, summed until the
+        # engine's step timeline takes them (`take_times`).
+        self.flush_s = 0.0
+        self.wait_s = 0.0
+
+    def take_times(self) -> tuple[float, float]:
+        times = (self.flush_s, self.wait_s)
+        self.flush_s = self.wait_s = 0.0
+        return times
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleOutput:
         return self.collect(self.launch(logits, rows))
@@ -143,10 +153,14 @@ class Sampler:
 
     def collect(self, sample: DeviceSample) -> SampleOutput:
         """Wait for a launched sample's ids (only for the work launched before it) and read them."""
+        t0 = time.perf_counter()
         if self.before_sync is not None:
             self.before_sync()
+        t1 = time.perf_counter()
         if sample.ready is not None:
             sample.ready.synchronize()
+        self.flush_s += t1 - t0
+        self.wait_s += time.perf_counter() - t1
         token_list, invalid_list = sample.host.tolist()
         out = SampleOutput(
             tokens=token_list, invalid=[bool(b) for b in invalid_list], logprobs=sample.logprobs

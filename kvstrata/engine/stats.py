@@ -73,6 +73,13 @@ class StatsCollector:
         self.recent: deque[tuple[float, int]] = deque()  # (time, tokens generated in a step)
         self.started_prompt_tokens = 0  # the hit rate's denominator
 
+    def reset(self) -> None:
+        """Counters back to zero (after the warm-up); listeners stay."""
+        with self.lock:
+            self.stats = EngineStats()
+            self.recent.clear()
+            self.started_prompt_tokens = 0
+
     def subscribe(self, fn: Callable[[EngineEvent], None]) -> Callable[[], None]:
         with self.lock:
             self.listeners.append(fn)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import gc
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -29,10 +32,16 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         unsubscribe = client.subscribe(metrics.on_event)
+        trace = client.step_trace()
+        watch = asyncio.create_task(watch_loop_lag(trace)) if trace is not None else None
         try:
             yield
         finally:
             unsubscribe()
+            if watch is not None:
+                watch.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watch
 
     app = FastAPI(title="kvstrata", version=__version__, lifespan=lifespan)
     app.state.kvstrata = ServerState(client=client, metrics=metrics, config=config, started=time.time())
@@ -43,6 +52,26 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
     app.add_middleware(AuthMiddleware, api_key=config.api_key, protect_metrics=config.protect_metrics)
     _install_openapi(app)
     return app
+
+
+def freeze_startup_objects() -> None:
+    """Move every object alive now (model, tokenizer tables, the app) out of the collector's reach, as
+    SGLang does after its warm-up: a full collection then walks only what serving allocated, instead
+    of stopping both threads for the whole heap. `kvstrata serve` calls it once, before it listens
+    (not `create_app`: a process that builds and drops many engines, as the tests do, would keep
+    frozen garbage). Measured on CPU (`benchmarks/server_overhead.py --streams 256`, docs/server.md):
+    the one full collection of a run took 269-452 ms before, 54-114 ms after."""
+    gc.collect()
+    gc.freeze()
+
+
+async def watch_loop_lag(trace: Any, interval: float = 0.005) -> None:
+    """Record how late a ``interval`` timer fires on this event loop, for the engine's step timeline
+    (``KVSTRATA_STEP_TRACE``): the time streamed chunks and new requests wait for the loop."""
+    while True:  # perf_counter: uvloop's loop.time() counts whole milliseconds
+        start = time.perf_counter()
+        await asyncio.sleep(interval)
+        trace.loop_lag(time.perf_counter() - start - interval)
 
 
 def _install_openapi(app: FastAPI) -> None:

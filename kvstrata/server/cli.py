@@ -21,14 +21,17 @@ def run(args: argparse.Namespace) -> int:
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     log = logging.getLogger("kvstrata.server")
+    if config.switch_interval is not None:
+        sys.setswitchinterval(config.switch_interval)
+        log.info("GIL switch interval %.6f s", sys.getswitchinterval())
     import uvicorn
 
     from kvstrata import Engine
-    from kvstrata.server.app import create_app
+    from kvstrata.server.app import create_app, freeze_startup_objects
     from kvstrata.server.transport import uvicorn_options
 
     try:
-        engine = Engine(**config.engine_kwargs())
+        engine = Engine(**config.engine_kwargs(), warmup=config.warmup_mode())
     except (ValueError, KeyError, FileNotFoundError) as exc:
         print(f"kvstrata serve: cannot start the engine: {exc}", file=sys.stderr)
         return 2
@@ -36,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
         app = create_app(engine, config)
         info = engine.get_server_info()
         transport = uvicorn_options()
+        freeze_startup_objects()
         log.info(
             "serving %s on http://%s:%d (kv %s, window %s, %s tokens of KV, auth %s, %s + %s)",
             app.state.kvstrata.client.model_name,

@@ -221,6 +221,13 @@ FLAGS: tuple[Flag, ...] = (
         True,
     ),
     Flag(
+        "skip_server_warmup",
+        _bool,
+        None,
+        "skip the warm-up workload at start (default: run it on CUDA, where it compiles the kernel "
+        "variants serving meets; kvstrata/engine/warmup.py)",
+    ),
+    Flag(
         "cuda_graph_max_bs",
         _positive_int,
         None,
@@ -250,6 +257,13 @@ FLAGS: tuple[Flag, ...] = (
         True,
     ),
     Flag("drift_raise_share", _fraction, None, "share of the cold pool's bytes for the raised pool", True),
+    Flag(
+        "switch_interval",
+        _positive_float,
+        None,
+        "seconds a thread may hold the GIL while another waits (sys.setswitchinterval; Python's 0.005): "
+        "the engine thread and the HTTP event loop share it",
+    ),
 )
 
 
@@ -287,16 +301,22 @@ class ServerConfig:
     vision_kv_dtype: str | None = None
     disable_cuda_graph: bool | None = None
     disable_overlap_schedule: bool | None = None
+    skip_server_warmup: bool | None = None
     cuda_graph_max_bs: int | None = None
     chunked_prefill_size: int | None = None
     enable_mixed_chunk: bool | None = None
     drift_raise_dtype: str | None = None
     drift_raise_share: float | None = None
+    switch_interval: float | None = None
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``kvstrata.Engine``: only the options that were set."""
         names = {flag.name for flag in FLAGS if flag.engine}
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+    def warmup_mode(self) -> str:
+        """The engine's ``warmup``: the server warms up on CUDA unless ``--skip-server-warmup``."""
+        return "off" if self.skip_server_warmup else "cuda"
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> ServerConfig:

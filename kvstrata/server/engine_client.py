@@ -261,6 +261,10 @@ class EngineClient:
     def subscribe(self, fn: Callable[[object], None]) -> Callable[[], None]:
         return self.engine.subscribe(fn)
 
+    def step_trace(self) -> Any:
+        """The engine's per-step timeline when ``KVSTRATA_STEP_TRACE`` turned it on, else None."""
+        return getattr(getattr(self.engine, "core", None), "trace", None)
+
     # --- stats ------------------------------------------------------------------------------------
     def snapshot(self) -> EngineSnapshot:
         stats = self.engine.get_stats()

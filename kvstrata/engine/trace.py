@@ -1,0 +1,307 @@
+"""An opt-in timeline of the engine's steps: where served time goes, step by step.
+
+Set ``KVSTRATA_STEP_TRACE=/path/trace.jsonl`` before the engine starts (``kvstrata serve`` passes the
+environment on) and every step writes one JSON line:
+
+- ``kind`` (``prefill``, ``decode`` or ``mixed``), ``batch`` (requests), ``tokens`` (new tokens);
+- host milliseconds of the engine thread: ``plan`` (the iteration's start to the planned step: inbox,
+  drift window, scheduling, page reservation), ``launch`` (building the inputs and queueing the forward
+  pass and sampling: the time the device may wait on), ``flush`` (handing streamed chunks to the event
+  loop), ``wait`` (blocked on the device for sampled ids), ``post`` (the rest: reading ids back,
+  appending tokens, stop checks, deltas, finishing), ``wall`` (all of it);
+- on CUDA, from events around the queued work: ``gpu`` (the step's first queued kernel to its last,
+  bubbles inside included) and ``idle`` (the previous step's last kernel to this one's first: the
+  device waiting for the host). They are read once the device has passed them, never by waiting.
+
+``loop`` lines carry the event loop's lag (``lag``: how late a 5 ms timer fired), written by the server
+(`kvstrata.server.app`) through `loop_lag`; ``gc`` lines each collection of the older generations
+(``gen`` 1 or 2, ``ms``; `gc.callbacks`, any thread: every thread waits for it). `summarize` turns a
+file into totals per step kind, medians of the decode steps, stalled steps, collections and the idle
+gaps; ``benchmarks/step_timeline.py`` prints it. The cost when on: a dict and two CUDA events per step;
+off (the default) nothing runs.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+TRACE_ENV = "KVSTRATA_STEP_TRACE"
+HOST_PARTS = ("plan", "launch", "flush", "wait", "post")
+
+
+def step_kind(decoding: list[bool]) -> str:
+    """``decode``: every request past its prompt; ``prefill``: none; else ``mixed``."""
+    if all(decoding):
+        return "decode"
+    return "mixed" if any(decoding) else "prefill"
+
+
+class StepTrace:
+    """Collects one record per step on the engine thread and writes them as JSON lines."""
+
+    def __init__(self, path: str, device: torch.device) -> None:
+        self.path = path
+        self.cuda = device.type == "cuda"
+        self._file = open(path, "w", encoding="utf-8")  # noqa: SIM115 (closed in `close`)
+        self._lock = threading.Lock()  # the event loop's lag lines come from another thread
+        self._origin = time.perf_counter()
+        self._open: dict[str, Any] | None = None
+        self._events: tuple[Any, Any] | None = None
+        self._pending: deque[tuple[dict[str, Any], Any, Any]] = deque()  # waiting for their events
+        self._last_end: Any = None  # the previous step's end event
+        self._marks: dict[str, float] = {}
+        self._gc_start = 0.0
+        # Written later by the engine thread: a callback that wrote could re-enter a write of this file
+        # (or its lock) when an allocation inside it starts a collection.
+        self._collections: list[dict[str, Any]] = []
+        gc.callbacks.append(self._on_gc)
+
+    @classmethod
+    def from_env(cls, device: torch.device) -> StepTrace | None:
+        path = os.environ.get(TRACE_ENV)
+        return cls(path, device) if path else None
+
+    # --- the engine thread --------------------------------------------------------------------------
+    def begin(self, started: float, n_new: list[int], decoding: list[bool]) -> None:
+        """A step was planned (``decoding``: per request, whether its prompt is done); ``started`` is
+        its iteration's start (perf_counter)."""
+        now = time.perf_counter()
+        self._open = {
+            "t": round(started - self._origin, 6),
+            "kind": step_kind(decoding),
+            "batch": len(n_new),
+            "tokens": sum(n_new),
+            "plan": (now - started) * 1e3,
+        }
+        self._marks = {"started": started, "launch": now}
+        if self.cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            self._events = (start, None)
+
+    def launched(self) -> None:
+        now = time.perf_counter()
+        if self._open is None:
+            return
+        self._open["launch"] = (now - self._marks["launch"]) * 1e3
+        if self.cuda and self._events is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events = (self._events[0], end)
+
+    def end(self, flush_s: float, wait_s: float, deferred: bool) -> None:
+        """The step's host work is done; ``flush_s`` and ``wait_s`` were spent inside it."""
+        rec, self._open = self._open, None
+        if rec is None:
+            return
+        wall = (time.perf_counter() - self._marks["started"]) * 1e3
+        rec["flush"], rec["wait"] = flush_s * 1e3, wait_s * 1e3
+        rec["post"] = max(0.0, wall - rec["plan"] - rec.get("launch", 0.0) - rec["flush"] - rec["wait"])
+        rec["wall"], rec["deferred"] = wall, deferred
+        self._write_collections()
+        if self.cuda and self._events is not None and self._events[1] is not None:
+            self._pending.append((rec, *self._events))
+            self._events = None
+            self._resolve(block=False)
+        else:
+            self._write(rec)
+
+    def _resolve(self, block: bool) -> None:
+        while self._pending:
+            rec, start, end = self._pending[0]
+            if not block and not end.query():
+                return
+            end.synchronize()
+            self._pending.popleft()
+            rec["gpu"] = start.elapsed_time(end)
+            if self._last_end is not None:
+                rec["idle"] = max(0.0, self._last_end.elapsed_time(start))
+            self._last_end = end
+            self._write(rec)
+
+    # --- any thread -----------------------------------------------------------------------------------
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if info.get("generation", 0) < 1:
+            return
+        now = time.perf_counter()
+        if phase == "start":
+            self._gc_start = now
+        elif self._gc_start:
+            at = round(self._gc_start - self._origin, 6)
+            ms = (now - self._gc_start) * 1e3
+            self._collections.append({"t": at, "kind": "gc", "gen": info["generation"], "ms": ms})
+
+    def _write_collections(self) -> None:
+        while self._collections:
+            self._write(self._collections.pop(0))
+
+    def loop_lag(self, lag_s: float) -> None:
+        self._write({"t": round(time.perf_counter() - self._origin, 6), "kind": "loop", "lag": lag_s * 1e3})
+
+    def _write(self, rec: dict[str, Any]) -> None:
+        line = json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rec.items()})
+        with self._lock:
+            if not self._file.closed:
+                self._file.write(line + "\n")
+
+    def close(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+        self._write_collections()
+        if self.cuda:
+            self._resolve(block=True)
+        with self._lock:
+            self._file.close()
+
+
+# --- summary -----------------------------------------------------------------------------------------
+@dataclass
+class KindTotals:
+    steps: int = 0
+    tokens: int = 0
+    wall_s: float = 0.0
+    gpu_s: float = 0.0
+    idle_s: float = 0.0
+    host_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(HOST_PARTS, 0.0))
+
+
+@dataclass
+class Timeline:
+    span_s: float
+    kinds: dict[str, KindTotals]
+    # per decode step: wall, gpu, idle and the host parts (ms); by whether the step's ids stayed on
+    # the device (overlap scheduling: True) or were read back before the next step was planned
+    decode_median: dict[bool, dict[str, float]]
+    decode_batch_median: dict[bool, float]
+    engine_idle_s: float  # the span less every step's wall time: the engine thread waiting for work
+    loop_lag_ms: dict[str, float]  # median, p90, max of the event loop's lag while steps ran
+    loop_samples: int
+    # Steps slower than STALL_FACTOR x the median wall time of their kind and than STALL_MS:
+    # (t, kind, batch, tokens, wall ms). On CUDA mostly Triton compiling a kernel variant on first use.
+    stalls: list[tuple[float, str, int, int, float]] = field(default_factory=list)
+    gc_ms: dict[int, tuple[int, float, float]] = field(default_factory=dict)  # gen -> count, total, max
+
+
+STALL_FACTOR, STALL_MS = 5.0, 100.0
+
+
+def read_trace(lines: Iterable[str]) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
+def summarize(records: list[dict[str, Any]]) -> Timeline:
+    """Totals per step kind, medians of the decode steps, engine idle time and the loop's lag."""
+    steps = [r for r in records if r["kind"] not in ("loop", "gc")]
+    first, last = (steps[0]["t"], steps[-1]["t"] + steps[-1]["wall"] / 1e3) if steps else (0.0, 0.0)
+    # the loop's lag while steps ran (all of it when the file has no step)
+    lags = [r["lag"] for r in records if r["kind"] == "loop" and (not steps or first <= r["t"] <= last)]
+    gcs = [r for r in records if r["kind"] == "gc" and (not steps or first <= r["t"] <= last)]
+    kinds: dict[str, KindTotals] = {}
+    for r in steps:
+        k = kinds.setdefault(r["kind"], KindTotals())
+        k.steps += 1
+        k.tokens += r["tokens"]
+        k.wall_s += r["wall"] / 1e3
+        k.gpu_s += r.get("gpu", 0.0) / 1e3
+        k.idle_s += r.get("idle", 0.0) / 1e3
+        for part in HOST_PARTS:
+            k.host_s[part] += r.get(part, 0.0) / 1e3
+    span = last - first
+    median: dict[bool, dict[str, float]] = {}
+    batch: dict[bool, float] = {}
+    for deferred in (False, True):
+        decodes = [r for r in steps if r["kind"] == "decode" and r["deferred"] is deferred]
+        if decodes:
+            keys = ("wall", "gpu", "idle", *HOST_PARTS)
+            median[deferred] = {key: statistics.median(r.get(key, 0.0) for r in decodes) for key in keys}
+            batch[deferred] = statistics.median(r["batch"] for r in decodes)
+    walls: dict[str, list[float]] = {}
+    for r in steps:
+        walls.setdefault(r["kind"], []).append(r["wall"])
+    typical = {kind: statistics.median(w) for kind, w in walls.items()}
+    stalls = [
+        (r["t"], r["kind"], r["batch"], r["tokens"], r["wall"])
+        for r in steps
+        if r["wall"] > max(STALL_MS, STALL_FACTOR * typical[r["kind"]])
+    ]
+    gc_ms = {
+        gen: (len(ms), sum(ms), max(ms))
+        for gen in (1, 2)
+        if (ms := [r["ms"] for r in gcs if r["gen"] == gen])
+    }
+    return Timeline(
+        gc_ms=gc_ms,
+        stalls=stalls,
+        span_s=span,
+        kinds=kinds,
+        decode_median=median,
+        decode_batch_median=batch,
+        engine_idle_s=max(0.0, span - sum(k.wall_s for k in kinds.values())),
+        loop_lag_ms={
+            "median": statistics.median(lags) if lags else 0.0,
+            "p90": _quantile(lags, 0.9),
+            "max": max(lags, default=0.0),
+        },
+        loop_samples=len(lags),
+    )
+
+
+def format_timeline(t: Timeline) -> str:
+    rows = [
+        f"span {t.span_s:.2f} s; engine thread waiting for work {t.engine_idle_s:.2f} s",
+        "",
+        "| steps | count | tokens | wall s | GPU s | GPU idle s | plan | launch | flush | wait | post (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, k in sorted(t.kinds.items()):
+        cells = [f"{x:.2f}" for x in (k.wall_s, k.gpu_s, k.idle_s, *(k.host_s[p] for p in HOST_PARTS))]
+        rows.append(f"| {name} | {k.steps} | {k.tokens:,} | " + " | ".join(cells) + " |")
+    rows.append("")
+    for deferred, m in t.decode_median.items():
+        rows.append(
+            f"decode step medians ({'ids left on the device' if deferred else 'ids read back'}, batch "
+            f"{t.decode_batch_median[deferred]:.0f}): wall {m['wall']:.2f} ms, GPU {m['gpu']:.2f} ms, "
+            f"GPU idle before it {m['idle']:.2f} ms; host: "
+            + ", ".join(f"{p} {m[p]:.2f}" for p in HOST_PARTS)
+            + " ms"
+        )
+    stall_s = sum(wall for *_, wall in t.stalls) / 1e3
+    rows.append(
+        f"stalled steps (> {STALL_FACTOR:g}x their kind's median wall, > {STALL_MS:g} ms): "
+        f"{len(t.stalls)}, {stall_s:.2f} s"
+        + "".join(
+            f"\n  t={at:.2f} s {kind} batch {b} tokens {n}: {wall:.0f} ms"
+            for at, kind, b, n, wall in t.stalls
+        )
+    )
+    rows.append(
+        "garbage collections while steps ran: "
+        + (
+            "; ".join(
+                f"gen {g}: {n}, {tot:.1f} ms in all, longest {top:.1f} ms"
+                for g, (n, tot, top) in t.gc_ms.items()
+            )
+            or "none of generation 1 or 2"
+        )
+    )
+    rows += [
+        f"event loop lag over {t.loop_samples} samples: median {t.loop_lag_ms['median']:.2f} ms, "
+        f"p90 {t.loop_lag_ms['p90']:.2f} ms, max {t.loop_lag_ms['max']:.2f} ms",
+    ]
+    return "\n".join(rows)

@@ -1,0 +1,124 @@
+"""The opt-in step timeline (``KVSTRATA_STEP_TRACE``): one record per step whose token counts add up
+to the work the requests did, whichever scheduling mode ran; and its summary's totals."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import statistics
+from typing import Any
+
+import pytest
+import torch
+from prompt_texts import PROMPT_TEXTS
+
+from kvstrata.engine.engine import Engine
+from kvstrata.engine.trace import TRACE_ENV, StepTrace, format_timeline, read_trace, step_kind, summarize
+from kvstrata.server.app import watch_loop_lag
+
+NEW = [5, 9, 1, 12]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_trace_counts_every_step(default_model, tmp_path, monkeypatch, overlap: bool) -> None:
+    path = tmp_path / "trace.jsonl"
+    monkeypatch.setenv(TRACE_ENV, str(path))
+    prompts = [default_model.tokenizer.encode(t) for t in PROMPT_TEXTS[: len(NEW)]]
+    engine = Engine(
+        model=default_model, kv_cache_dtype="auto", page_size=16, max_total_tokens=2048,
+        max_running_requests=8, chunked_prefill_size=32,
+    )  # fmt: skip
+    engine.core.overlap = overlap
+    try:
+        params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in NEW]
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+    finally:
+        engine.shutdown()
+    assert [len(o["output_ids"]) for o in outs] == NEW
+    records = read_trace(path.read_text().splitlines())
+    steps = [r for r in records if r["kind"] not in ("loop", "gc")]
+    # every prompt token once, every generated token but the last fed back once (a step that an
+    # overlapped request's finish dropped from its batch still ran its token: counted, at most one each)
+    fed = sum(len(p) for p in prompts) + sum(n - 1 for n in NEW)
+    total = sum(r["tokens"] for r in steps)
+    assert fed <= total <= fed + (len(NEW) if overlap else 0)
+    assert {r["kind"] for r in steps} <= {"prefill", "decode", "mixed"}
+    assert steps[0]["kind"] == "prefill" and steps[-1]["kind"] == "decode"
+    for r in steps:
+        parts = r["plan"] + r["launch"] + r["flush"] + r["wait"] + r["post"]
+        assert r["wall"] == pytest.approx(parts, abs=0.01) and min(r["plan"], r["launch"], r["post"]) >= 0
+        assert "gpu" not in r  # CPU: no device events
+    assert [r["t"] for r in steps] == sorted(r["t"] for r in steps)
+    timeline = summarize(records)
+    assert sum(k.steps for k in timeline.kinds.values()) == len(steps)
+    assert sum(k.tokens for k in timeline.kinds.values()) == total
+    decodes = [r for r in steps if r["kind"] == "decode"]
+    assert timeline.kinds["decode"].steps == len(decodes)
+    assert (True in timeline.decode_median) is overlap  # overlap leaves greedy ids on the device
+    walls = [r["wall"] for r in decodes if r["deferred"] is overlap]
+    assert timeline.decode_median[overlap]["wall"] == pytest.approx(statistics.median(walls))
+
+
+def test_step_kind() -> None:
+    assert step_kind([True, True]) == "decode"
+    assert step_kind([False, False]) == "prefill"
+    assert step_kind([True, False]) == "mixed"
+
+
+def test_trace_off_by_default(default_model, monkeypatch) -> None:
+    monkeypatch.delenv(TRACE_ENV, raising=False)
+    engine = Engine(model=default_model, kv_cache_dtype="auto", max_total_tokens=1024)
+    try:
+        assert engine.core.trace is None and engine.core.runner.on_launched is None
+    finally:
+        engine.shutdown()
+
+
+def test_loop_lag_lines(tmp_path) -> None:
+    trace = StepTrace(str(tmp_path / "t.jsonl"), torch.device("cpu"))
+
+    async def watch_briefly() -> None:
+        task = asyncio.create_task(watch_loop_lag(trace, interval=0.001))
+        await asyncio.sleep(0.05)
+        task.cancel()
+
+    asyncio.run(watch_briefly())
+    trace.close()
+    records: list[dict[str, Any]] = read_trace((tmp_path / "t.jsonl").read_text().splitlines())
+    assert len(records) >= 5 and all(r["kind"] == "loop" and r["lag"] >= -0.01 for r in records)
+    timeline = summarize(records)
+    assert timeline.loop_samples == len(records) and timeline.kinds == {}
+
+
+def test_stalls_are_steps_far_above_their_kinds_median() -> None:
+    def step(t: float, kind: str, wall: float) -> dict[str, Any]:
+        parts = dict.fromkeys(("plan", "launch", "flush", "wait"), 0.0)
+        return {
+            "t": t,
+            "kind": kind,
+            "batch": 4,
+            "tokens": 4,
+            **parts,
+            "post": wall,
+            "wall": wall,
+            "deferred": True,
+        }
+
+    records = [step(i * 0.1, "decode", 20.0) for i in range(9)]
+    records += [step(1.0, "decode", 1900.0), step(1.1, "prefill", 200.0), step(1.2, "prefill", 90.0)]
+    timeline = summarize(records)
+    assert [(s[0], s[1], s[4]) for s in timeline.stalls] == [(1.0, "decode", 1900.0)]
+    assert "stalled steps" in format_timeline(timeline)
+
+
+def test_collections_are_recorded(tmp_path) -> None:
+    trace = StepTrace(str(tmp_path / "t.jsonl"), torch.device("cpu"))
+    gc.collect(1)
+    gc.collect(2)
+    trace.close()
+    assert trace._on_gc not in gc.callbacks
+    gc.collect(2)  # after close: not recorded
+    records = read_trace((tmp_path / "t.jsonl").read_text().splitlines())
+    assert [(r["kind"], r["gen"]) for r in records] == [("gc", 1), ("gc", 2)]
+    assert all(r["ms"] >= 0 for r in records)
+    assert summarize(records).gc_ms.keys() == {1, 2}

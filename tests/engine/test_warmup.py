@@ -1,0 +1,71 @@
+"""The start-up warm-up (`kvstrata/engine/warmup.py`): its workload's shapes, and an engine that ran
+it is indistinguishable from one that did not (same greedy tokens, empty prefix cache, zero counters)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from prompt_texts import PROMPT_TEXTS
+
+from kvstrata.engine.engine import Engine
+from kvstrata.engine.options import EngineArgs
+from kvstrata.engine.warmup import EXTEND_TOKENS, warmup_rounds
+from kvstrata.server.config import ServerConfig
+
+
+def test_rounds_cover_batch_extends_and_long_histories() -> None:
+    rounds = warmup_rounds(batch=64, page_size=16, capacity=100_000, context=8192, vocab=1000)
+    first, extend, *alone = rounds
+    assert len(first.prompts) == 64 and sorted(set(first.max_new)) == list(range(1, 9))
+    assert {len(p) for p in first.prompts} >= {32, 32 + 16 * 23 + 15}  # 2 to 25 pages, partial ones too
+    base = first.prompts[-1]
+    assert [len(p) - len(base) for p in extend.prompts] == list(EXTEND_TOKENS)
+    assert all(p[: len(base)] == base for p in extend.prompts)  # they extend a cached prompt
+    # one request at a time over 32, 64, ... 256 pages, then the longest context (8192 - 16 - 4)
+    assert [len(r.prompts[0]) for r in alone] == [512, 1024, 2048, 4096, 8172]
+    assert all(len(r.prompts) == 1 and r.max_new == [2] for r in alone)
+    assert all(0 <= t < 1000 for r in rounds for p in r.prompts for t in p)
+
+
+def test_rounds_fit_a_small_pool_and_context() -> None:
+    capacity, context = 1000, 300
+    rounds = warmup_rounds(batch=32, page_size=16, capacity=capacity, context=context, vocab=50)
+    assert [len(r.prompts[0]) for r in rounds[2:]] == [280]  # 32 pages would not fit the context
+    first = rounds[0]
+    assert sum(len(p) for p in first.prompts) + 8 * len(first.prompts) <= capacity
+    for r in rounds:
+        limit = min(capacity, context) - 8
+        assert all(len(p) + n <= limit for p, n in zip(r.prompts, r.max_new, strict=True))
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
+def test_warm_engine_serves_like_a_cold_one(default_model, kv: str) -> None:
+    prompts = [default_model.tokenizer.encode(t) for t in PROMPT_TEXTS[:3]]
+    params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    opts = dict(
+        kv_cache_dtype=kv, recent_window=16 if kv != "auto" else None, page_size=16, max_total_tokens=1536,
+        max_running_requests=4, chunked_prefill_size=64,
+    )  # fmt: skip
+    outs = {}
+    for warm in (False, True):
+        engine = Engine(model=default_model, warmup="on" if warm else "off", **opts)
+        try:
+            stats = engine.check_invariants()
+            assert stats.tiers["cold"].used == stats.tiers["cold"].cached == 0  # warm-up prefixes: gone
+            snap = engine.get_stats()
+            assert snap.requests_received_total == snap.generation_tokens_total == snap.steps_total == 0
+            outs[warm] = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+            assert engine.get_stats().requests_received_total == len(prompts)
+        finally:
+            engine.shutdown()
+    assert outs[True] == outs[False]
+
+
+def test_warmup_modes() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert [EngineArgs(warmup=m).resolve_warmup(cpu) for m in ("off", "cuda", "on")] == [False, False, True]
+    assert [EngineArgs(warmup=m).resolve_warmup(cuda) for m in ("off", "cuda", "on")] == [False, True, True]
+    with pytest.raises(ValueError, match="warmup"):
+        EngineArgs(warmup="sometimes").validate()
+    assert ServerConfig().warmup_mode() == "cuda"  # `kvstrata serve` warms up on CUDA
+    assert ServerConfig(skip_server_warmup=True).warmup_mode() == "off"
