@@ -48,6 +48,7 @@ def shape(
     halves: bool = False,
     module: str = "decode",
     min_pages: int = 16,
+    v_t: bool = False,
 ) -> dict:
     return dict(
         block_m=m,
@@ -64,6 +65,7 @@ def shape(
         halves=halves,
         module=module,
         min_pages=min_pages,
+        v_t=v_t,
     )
 
 
@@ -84,36 +86,39 @@ EXTEND_4BIT = [shape(128, 64, 8, 2, True, 4, programs=0)]
 # 1.690 / decode module 1.684 ms at B=64 (0.061 / 0.061 at B=1); ``halves`` on values only 2.238
 # (0.071); 512 programs 1.854 at B=64 but 0.046 at B=1 (64 splits of 32 pages): hence ``min_pages``.
 _F16 = dict(f16=True)
-_H = dict(f16=True, halves=True)
+_BASE = dict(programs=1024, min_pages=32, **_F16)
+# ``v_t``: value codes read channel-major ([page][head][channel][token]); a timing probe of that layout
+# on the token-major pool (same bytes, values in another order: its outputs are not checked).
 DECODE = [
-    shape(64, 128, 4, 2, False, programs=1024, module="attend", **_F16),
-    shape(64, 128, 4, 2, False, programs=1024, **_F16),
-    shape(64, 128, 4, 2, False, programs=1024, **_H),
-    shape(64, 128, 4, 3, False, prefetch=True, programs=1024, **_H),
-    shape(64, 128, 4, 2, False, programs=512, **_F16),
-    shape(64, 64, 2, 2, False, programs=2048, **_H),
-    shape(64, 128, 4, 2, False, programs=1024, min_pages=32, **_F16),
+    shape(64, 128, 4, 2, False, **_BASE),
+    shape(64, 128, 4, 2, False, v_t=True, **_BASE),
+    shape(64, 64, 4, 2, False, v_t=True, **_BASE),
+    shape(64, 128, 4, 3, False, v_t=True, **_BASE),
+    shape(64, 64, 2, 2, False, v_t=True, programs=2048, min_pages=32, f16=True),
+    shape(64, 64, 4, 3, False, prefetch=True, **_BASE),
 ]
 DECODE_4BIT: list[dict] = []  # the defaults (16-token blocks, 4 warps, 8 blocks) won the first sweep
 # SWEEP_KINDS (environment): the kinds swept, "decode,extend" by default.
 KINDS = os.environ.get("SWEEP_KINDS", "decode,extend").split(",")
+# Decode cases (batch, context): the 32K long-context pair and the serving step (B=256, 2K).
+DECODE_CASES = [(64, CONTEXT), (1, CONTEXT), (256, 2048)]
 
-# (kind, codec, batch, launch shape)
-VARIANTS = [("extend", c, 1, s) for c in ("bf16", "fp8_e4m3") for s in EXTEND]
-VARIANTS += [("extend", "int4", 1, s) for s in EXTEND_4BIT]
-VARIANTS += [("decode", "fp8_e4m3", b, s) for b in (64, 1) for s in DECODE]
-VARIANTS += [("decode", c, b, s) for c in FOUR_BIT for b in (64, 1) for s in DECODE_4BIT]
+# (kind, codec, batch, context, launch shape)
+VARIANTS = [("extend", c, 1, CONTEXT, s) for c in ("bf16", "fp8_e4m3") for s in EXTEND]
+VARIANTS += [("extend", "int4", 1, CONTEXT, s) for s in EXTEND_4BIT]
+VARIANTS += [("decode", "fp8_e4m3", b, n, s) for b, n in DECODE_CASES for s in DECODE]
+VARIANTS += [("decode", c, b, n, s) for c in FOUR_BIT for b, n in DECODE_CASES for s in DECODE_4BIT]
 # Compiled by --warm too: the default shapes of every codec `attention_gpu.py` times.
-WARM = VARIANTS + [("decode", c, b, None) for c in bench.CODECS for b in (64, 1)]
-WARM += [("extend", c, 1, None) for c in ("bf16", "fp8_e4m3", "int4")]
+WARM = VARIANTS + [("decode", c, b, n, None) for c in bench.CODECS for b, n in DECODE_CASES]
+WARM += [("extend", c, 1, CONTEXT, None) for c in ("bf16", "fp8_e4m3", "int4")]
 VARIANTS = [v for v in VARIANTS if v[0] in KINDS]
 WARM = [v for v in WARM if v[0] in KINDS]
 
 
-def case(kind: str, codec: str, batch: int):
+def case(kind: str, codec: str, batch: int, context: int = CONTEXT):
     hq, hkv, d = bench.GEOMETRIES["8b"]
     tokens = CHUNK if kind == "extend" else 1
-    cache, plan, q, k, v, moved = bench.build(codec, batch, CONTEXT, hq, hkv, d, tokens=tokens)
+    cache, plan, q, k, v, moved = bench.build(codec, batch, context, hq, hkv, d, tokens=tokens)
     return (0, plan, q, k, v, 1 / math.sqrt(d), cache.pool, cache.ring, None), moved
 
 
@@ -140,16 +145,16 @@ def warm(index: int) -> None:
     """Compile one variant. A decode variant at B=64 runs on B=4 with the split count B=64 would get
     (same specializations: 16-byte aligned length rows, the same split arguments) at a fraction of
     the memory."""
-    kind, codec, batch, launch = WARM[index]
+    kind, codec, batch, context, launch = WARM[index]
     use(kind, codec, launch)
-    args, _ = case(kind, codec, 4 if batch == 64 else batch)
+    args, _ = case(kind, codec, 4 if batch >= 64 else batch, context)
     splits = None
-    if kind == "decode" and batch == 64:
+    if kind == "decode" and batch >= 64:
         plan = args[1]
         launch = kernels.DECODE_LAUNCH[codec in FOUR_BIT]
         hkv = bench.GEOMETRIES["8b"][1]
         least = launch.get("min_pages", kernels.MIN_PAGES_PER_SPLIT)
-        splits = kernels._num_splits(64 * hkv, plan.page_table.shape[1], launch["programs"], least)
+        splits = kernels._num_splits(batch * hkv, plan.page_table.shape[1], launch["programs"], least)
     kernels.attend_group(*args, splits=splits)
     torch.cuda.synchronize()
 
@@ -178,9 +183,9 @@ def compiled_report() -> str:
     return "; ".join(got)
 
 
-def sdpa(kind: str, batch: int) -> float:
+def sdpa(kind: str, batch: int, context: int) -> float:
     hq, hkv, d = bench.GEOMETRIES["8b"]
-    fn, _ = bench.sdpa_case(batch, CONTEXT, hq, hkv, d, tokens=CHUNK if kind == "extend" else 1)
+    fn, _ = bench.sdpa_case(batch, context, hq, hkv, d, tokens=CHUNK if kind == "extend" else 1)
     return bench.bench(fn)
 
 
@@ -188,18 +193,19 @@ def sweep() -> dict[tuple[str, bool | str], dict]:
     """Time every variant; returns the fastest shape of each launch table entry (`entry`), by the sum
     of its milliseconds over the swept batches."""
     rows = []
-    base: dict[tuple[str, int], float] = {}
+    base: dict[tuple[str, int, int], float] = {}
     built = first = None
-    for kind, codec, batch, launch in VARIANTS:
-        if (kind, batch) not in base:
-            base[kind, batch] = sdpa(kind, batch)
-            print(f"SDPA bf16 {kind} B={batch}: {base[kind, batch]:.3f} ms", flush=True)
-        if built is None or built[0] != (kind, codec, batch):
+    for kind, codec, batch, context, launch in VARIANTS:
+        if (kind, batch, context) not in base:
+            base[kind, batch, context] = sdpa(kind, batch, context)
+            print(f"SDPA bf16 {kind} B={batch} {context}: {base[kind, batch, context]:.3f} ms", flush=True)
+        if built is None or built[0] != (kind, codec, batch, context):
             built = first = None
             torch.cuda.empty_cache()
-            built = ((kind, codec, batch), *case(kind, codec, batch))
+            built = ((kind, codec, batch, context), *case(kind, codec, batch, context))
         _, args, moved = built
         use(kind, codec, launch)
+        ratio = base[kind, batch, context]
         # A variant that fails to run, or disagrees with the case's first variant beyond BF16 rounding,
         # is reported and left out.
         try:
@@ -209,16 +215,20 @@ def sweep() -> dict[tuple[str, bool | str], dict]:
             continue
         first = out if first is None else first
         err = ((out - first).norm() / first.norm()).item()
-        if not err < 2e-2:
+        probe = bool(launch and launch.get("v_t"))
+        if not err < 2e-2 and not probe:
             print(f"  {kind} B={batch} {codec} {launch}: WRONG (rel. error {err:.3g})", flush=True)
             continue
         ms = bench.bench(partial(kernels.attend_group, *args))
-        rows.append((kind, codec, batch, launch, ms, moved, base[kind, batch] / ms))
-        print(f"  {kind} B={batch} {codec} {launch}: {ms:.3f} ms x{base[kind, batch] / ms:.2f}", flush=True)
+        if not probe:
+            rows.append((kind, codec, batch, context, launch, ms, moved, ratio / ms))
+        tag = " (probe, not checked)" if probe else ""
+        print(f"  {kind} B={batch} {context} {codec} {launch}: {ms:.3f} ms x{ratio / ms:.2f}{tag}")
         print(f"    compiled: {compiled_report()}", flush=True)
-    print("\n| kind | B | codec | block_m x block_n | warps | stages | by blocks (n) | ms | TB/s | vs SDPA |")
-    print("|---|---:|---|---|---:|---:|---|---:|---:|---:|")
-    for kind, codec, batch, s, ms, moved, ratio in rows:
+    head = "kind | B | context | codec | block_m x n | warps | stages | by blocks (n) | ms | TB/s | vs SDPA"
+    print(f"\n| {head} |")
+    print("|---|---:|---:|---|---|---:|---:|---|---:|---:|---:|")
+    for kind, codec, batch, context, s, ms, moved, ratio in rows:
         blocks = f"yes ({s['blocks']})" if s["by_blocks"] else ("no, prefetch" if s["prefetch"] else "no")
         blocks += f", {s['programs']} programs" if kind == "decode" else ""
         blocks += ", fp16 codes" if s["f16_codes"] else ""
@@ -227,12 +237,13 @@ def sweep() -> dict[tuple[str, bool | str], dict]:
         blocks += ", halves" if s.get("halves") else ""
         blocks += ", attend kernel" if kind == "decode" and s.get("module") == "attend" else ""
         print(
-            f"| {kind} | {batch} | {codec} | {s['block_m']} x {s['block_n']} | {s['num_warps']} | "
+            f"| {kind} | {batch} | {context} | {codec} | {s['block_m']} x {s['block_n']} | "
+            f"{s['num_warps']} | "
             f"{s['num_stages']} | {blocks} | {ms:.3f} | {moved / ms / 1e9:.2f} | {ratio:.2f}x |"
         )
     total: dict[tuple, float] = {}
     timed: dict[tuple, int] = {}
-    for kind, codec, _, s, ms, _, _ in rows:
+    for kind, codec, _, _, s, ms, _, _ in rows:
         key = (entry(kind, codec), tuple(s.items()))
         total[key] = total.get(key, 0.0) + ms
         timed[key] = timed.get(key, 0) + 1

@@ -297,6 +297,7 @@ def _cold_tile(
     CODE_DTYPE: tl.constexpr,
     NORM_W: tl.constexpr,
     HALVES: tl.constexpr = False,
+    V_T: tl.constexpr = False,
 ):
     """One tile of cold keys ``j`` (``[N]`` positions in the sequence's cold pages, ``MASKED``: those
     at or past ``end`` are padding) in pages ``page`` (``[N]`` int64, from the page table). Keys and
@@ -332,7 +333,11 @@ def _cold_tile(
         v = _codes(V0, row[:, None], d[None, :], d_ok, D, BLOCK_D, V_FMT, DOT_DTYPE, False, HALVES)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PREC)
     elif V_FMT <= 4:
-        v = _codes(V0, row[:, None], d[None, :], d_ok, D, BLOCK_D, V_FMT, CODE_DTYPE, NORM_W, HALVES)
+        if V_T:  # channel-major value codes: [D, N] with the tokens of a page contiguous
+            vt_row = ((page * H + h) * D)[None, :] + d[:, None]
+            v = tl.trans(_convert(tl.load(V0 + vt_row * P + tok[None, :]), V_FMT, CODE_DTYPE, NORM_W))
+        else:
+            v = _codes(V0, row[:, None], d[None, :], d_ok, D, BLOCK_D, V_FMT, CODE_DTYPE, NORM_W, HALVES)
         vs, vo = value_tile_scales(V1, V2, row, V_FMT)
         if NORM_W:
             top = tl.max(tl.where(ok, vs, 1.1754943508222875e-38), 0)

@@ -150,6 +150,7 @@ def _decode_kernel(
     CODE_DTYPE: tl.constexpr,
     NORM_W: tl.constexpr,
     HALVES: tl.constexpr,
+    V_T: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -196,7 +197,7 @@ def _decode_kernel(
         else:
             acc, m_i, l_i = _cold_tile(
                 qd, qc, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, j0 + n, end, d, h,
-                H, P, D, BLOCK_D, K_FMT, V_FMT, False, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES,
+                H, P, D, BLOCK_D, K_FMT, V_FMT, False, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES, V_T,
             )  # fmt: skip
         if PREFETCH:
             page = page_ahead
@@ -280,6 +281,7 @@ def launch_decode(grid: tuple[int, int, int], args: tuple, group: int, launch: d
         PREFETCH=launch["prefetch"],
         SWAP=launch.get("swap_ab", False),
         HALVES=bool(launch.get("halves")) and halves_apply(meta),
+        V_T=bool(launch.get("v_t")) and meta["V_FMT"] in (1, 2, 3, 4) and meta["BLOCK_D"] == meta["D"],
         num_warps=launch["num_warps"],
         num_stages=launch["num_stages"],
         **meta,
