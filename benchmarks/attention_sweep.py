@@ -93,9 +93,9 @@ DECODE = [
     shape(64, 128, 4, 2, False, **_BASE),
     shape(64, 128, 4, 2, False, v_t=True, **_BASE),
     shape(64, 64, 4, 2, False, v_t=True, **_BASE),
-    shape(64, 128, 4, 3, False, v_t=True, **_BASE),
-    shape(64, 64, 2, 2, False, v_t=True, programs=2048, min_pages=32, f16=True),
-    shape(64, 64, 4, 3, False, prefetch=True, **_BASE),
+    shape(64, 64, 4, 2, False, v_t=True, maxnreg=168, **_BASE),
+    shape(64, 128, 4, 2, False, v_t=True, maxnreg=168, **_BASE),
+    shape(64, 32, 4, 2, False, v_t=True, maxnreg=128, **_BASE),
 ]
 DECODE_4BIT: list[dict] = []  # the defaults (16-token blocks, 4 warps, 8 blocks) won the first sweep
 # SWEEP_KINDS (environment): the kinds swept, "decode,extend" by default.
