@@ -79,6 +79,8 @@ def test_fp4_value_rows_with_block_scales(d, device):
 LAYOUTS = {"plain": {}, "swap_ab": dict(swap_ab=True), "halves": dict(halves=True)}
 LAYOUTS["swap_ab, halves"] = dict(swap_ab=True, halves=True)
 LAYOUTS["attend kernel"] = dict(module="attend")  # decode by `attend._attend_kernel` instead
+LAYOUTS["tail by parts"] = dict(merged_tail=False)  # sink page, ring rows and new key in tiles of their own
+_KEYS = (("swap_ab", False), ("halves", False), ("module", "decode"), ("merged_tail", True))
 
 
 @pytest.mark.parametrize("device", kernel_helpers.DEVICES)
@@ -87,8 +89,10 @@ LAYOUTS["attend kernel"] = dict(module="attend")  # decode by `attend._attend_ke
 def test_decode_module_layouts(codec, layout, device, monkeypatch):
     """`kvstrata.radix.kernels.decode` (cold pages read by keys, every codec through the launch table's
     ``by_blocks`` off) in both orientations, scores ``q . k^T`` and scores ``k . q^T`` (``swap_ab``),
-    with value codes in channel-pair order (``halves``), and through the extend kernel (``module``).
-    32-key tiles: full and partial tiles, forced splits (some with no cold page) and sinks."""
+    with value codes in channel-pair order (``halves``), through the extend kernel (``module``), and
+    with the sink page, ring rows and new key in tiles of their own instead of one run (``merged_tail``).
+    32-key tiles: full and partial tiles, forced splits (some with no cold page) and sinks (the run's
+    tiles then start in the sink page and cross into the ring)."""
     from test_kernels_attend import check_steps, make_cache
 
     from kvstrata.radix.kernels import attend
@@ -96,7 +100,7 @@ def test_decode_module_layouts(codec, layout, device, monkeypatch):
     for four_bit in (False, True):
         monkeypatch.setitem(attend.DECODE_LAUNCH[four_bit], "by_blocks", False)
         monkeypatch.setitem(attend.DECODE_LAUNCH[four_bit], "block_n", 32)
-        for key, off in (("swap_ab", False), ("halves", False), ("module", "decode")):
+        for key, off in _KEYS:
             monkeypatch.setitem(attend.DECODE_LAUNCH[four_bit], key, LAYOUTS[layout].get(key, off))
     cache = make_cache(codec, device, sinks=True)
     assert check_steps(cache, [9, 70, 300], steps=2, n_new=1, tol=2e-5, splits=3) == 6
@@ -112,7 +116,7 @@ def test_decode_module_bfloat16(codec, layout, device, monkeypatch):
 
     from kvstrata.radix.kernels import attend
 
-    for key, off in (("swap_ab", False), ("halves", False), ("module", "decode")):
+    for key, off in _KEYS:
         monkeypatch.setitem(attend.DECODE_LAUNCH[False], key, LAYOUTS[layout].get(key, off))
     monkeypatch.setitem(attend.DECODE_LAUNCH[False], "f16_codes", True)
     cache = make_cache(codec, device, dtype=torch.bfloat16)
@@ -132,3 +136,24 @@ def test_split_counts_keep_min_pages():
             splits = _num_splits(programs, pages, target, least)
             assert splits == 1 or (pages // splits >= least and programs * splits <= target + programs)
     assert [_num_splits(b * 8, 2040, target, least) for b in (1, 64, 256)] == [2040 // least, 2, 1]
+
+
+def test_splits_hold_whole_tiles():
+    """Pages a split round down to whole 128-key tiles (8 pages of 16 tokens) when the launch stays
+    within its programs target and each split keeps ``min_pages``: B=1 at 32K (2,040 cold pages) reads
+    64 splits of 32 pages (4 tiles each) instead of 63 of 33 (5 tiles, the last for one page); B=64
+    keeps its 2 splits (a third would pass the target); a split that is already whole tiles stays."""
+    from kvstrata.radix.kernels.attend import DECODE_LAUNCH, _num_splits, _whole_tiles
+
+    launch = DECODE_LAUNCH[False]
+    target, least = launch["programs"], launch["min_pages"]
+    tile_pages = launch["block_n"] // 16
+    for batch, want in ((1, (64, 32)), (64, (2, 1020)), (256, (1, 2040))):
+        programs = batch * 8
+        splits = _num_splits(programs, 2040, target, least)
+        got = _whole_tiles(programs, 2040, splits, tile_pages, target, least)
+        assert got == want, batch
+        assert got[0] * got[1] >= 2040 and programs * got[0] <= max(target, programs)
+    assert _whole_tiles(8, 512, 8, tile_pages, target, least) == (8, 64)
+    assert _whole_tiles(8, 2040, 63, 0, target, least) == (63, 33)  # tiles of part of a page
+    assert _whole_tiles(8, 2040, 63, tile_pages, target, 33) == (63, 33)  # min_pages kept

@@ -87,6 +87,7 @@ DECODE_LAUNCH = {
         maxnreg=None,
         module="decode",
         min_pages=32,
+        merged_tail=True,
     ),
     True: dict(
         block_m=64,
@@ -103,6 +104,7 @@ DECODE_LAUNCH = {
         maxnreg=None,
         module="decode",
         min_pages=16,
+        merged_tail=True,
     ),
 }
 # Extend, by the layer's codes (`extend_kind`): 128 query rows a tile. BF16/FP32 history ("raw"): 64
@@ -297,7 +299,6 @@ def _cold_tile(
     CODE_DTYPE: tl.constexpr,
     NORM_W: tl.constexpr,
     HALVES: tl.constexpr = False,
-    V_T: tl.constexpr = False,
 ):
     """One tile of cold keys ``j`` (``[N]`` positions in the sequence's cold pages, ``MASKED``: those
     at or past ``end`` are padding) in pages ``page`` (``[N]`` int64, from the page table). Keys and
@@ -333,11 +334,7 @@ def _cold_tile(
         v = _codes(V0, row[:, None], d[None, :], d_ok, D, BLOCK_D, V_FMT, DOT_DTYPE, False, HALVES)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PREC)
     elif V_FMT <= 4:
-        if V_T:  # channel-major value codes: [D, N] with the tokens of a page contiguous
-            vt_row = ((page * H + h) * D)[None, :] + d[:, None]
-            v = tl.trans(_convert(tl.load(V0 + vt_row * P + tok[None, :]), V_FMT, CODE_DTYPE, NORM_W))
-        else:
-            v = _codes(V0, row[:, None], d[None, :], d_ok, D, BLOCK_D, V_FMT, CODE_DTYPE, NORM_W, HALVES)
+        v = _codes(V0, row[:, None], d[None, :], d_ok, D, BLOCK_D, V_FMT, CODE_DTYPE, NORM_W, HALVES)
         vs, vo = value_tile_scales(V1, V2, row, V_FMT)
         if NORM_W:
             top = tl.max(tl.where(ok, vs, 1.1754943508222875e-38), 0)
@@ -607,6 +604,22 @@ def extend_kind(k_fmt: int, v_fmt: int) -> str:
     return "raw" if k_fmt == 0 and v_fmt == 0 else "8bit"
 
 
+def _whole_tiles(
+    programs: int, n_pages: int, splits: int, tile_pages: int, target: int, min_pages: int
+) -> tuple[int, int]:
+    """``(splits, pages per split)``: ``cdiv(n_pages, splits)`` pages a split, rounded down to whole
+    tiles of ``tile_pages`` pages (0: tiles do not hold whole pages) when the extra splits keep the
+    launch within ``target`` programs and each split keeps ``min_pages``. A split of 33 pages reads 5
+    tiles of 8 pages, the last for one page; 32 pages read 4 (B=1 at 32K: 64 splits instead of 63)."""
+    per = triton.cdiv(max(n_pages, 1), splits)
+    if splits > 1 and tile_pages and per > tile_pages and per % tile_pages:
+        down = per // tile_pages * tile_pages
+        more = triton.cdiv(n_pages, down)
+        if down >= min_pages and programs * more <= target:
+            return more, down
+    return splits, per
+
+
 def _num_splits(programs: int, max_pages: int, target: int, min_pages: int = MIN_PAGES_PER_SPLIT) -> int:
     """Splits of the cold pages so that about ``target`` programs run, each with at least
     ``min_pages`` pages."""
@@ -721,10 +734,16 @@ def _attend_pass(
     half_k, half_v = fold and k_fmt in HALF_FORMATS, fold and v_fmt in HALF_FORMATS
     block_m = max(16, min(launch["block_m"], triton.next_power_of_2(T * group)))
     m_blocks = triton.cdiv(T * group, block_m)
-    if splits is None:
+    pages_per_split = triton.cdiv(max(n_pages, 1), splits or 1)
+    if splits is None and T == 1:
         least = launch.get("min_pages", MIN_PAGES_PER_SPLIT)
-        splits = _num_splits(B * h * m_blocks, n_pages, launch["programs"], least) if T == 1 else 1
-    pages_per_split = triton.cdiv(max(n_pages, 1), splits)
+        splits = _num_splits(B * h * m_blocks, n_pages, launch["programs"], least)
+        tile = launch["blocks"] * 16 if fold else launch["block_n"]
+        tile_pages = tile // page if tile % page == 0 else 0
+        splits, pages_per_split = _whole_tiles(
+            B * h * m_blocks, n_pages, splits, tile_pages, launch["programs"], least
+        )
+    splits = splits or 1
     partial = out is None or splits > 1
     po = pl = out
     if partial:

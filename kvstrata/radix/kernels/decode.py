@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from kvstrata.quant.kernel_decode import load_decoded, pow2_scale, value_tile_scales
-from kvstrata.radix.kernels.attend import _codes, _cold_tile, _raw_tile
+from kvstrata.radix.kernels.attend import _accumulate, _codes, _cold_tile, _online, _raw_tile, _scores
 from kvstrata.radix.kernels.jit import jit_unspecialized
 
 
@@ -99,6 +99,70 @@ def _cold_tile_t(
     return acc * alpha[None, :] + pv, m_new, l_i
 
 
+@triton.jit
+def _tail_rows(SP, RP, NP, sink_row, ring_row, new_row, in_sink, in_ring, is_new, d, D: tl.constexpr,
+               DT: tl.constexpr, HAS_SINKS: tl.constexpr):  # fmt: skip
+    """``[N, BLOCK_D]`` raw rows of a tail tile, each from the sink page, the ring or the new token (in
+    ``DT``; masked loads, so each row reads only its own source)."""
+    d_ok = (d < D)[None, :]
+    at = d[None, :]
+    x = tl.load(RP + ring_row[:, None] * D + at, mask=in_ring[:, None] & d_ok, other=0.0).to(DT)
+    new = tl.load(NP + new_row[:, None] * D + at, mask=is_new[:, None] & d_ok, other=0.0).to(DT)
+    x = tl.where(is_new[:, None], new, x)
+    if HAS_SINKS:
+        sink = tl.load(SP + sink_row[:, None] * D + at, mask=in_sink[:, None] & d_ok, other=0.0).to(DT)
+        x = tl.where(in_sink[:, None], sink, x)
+    return x
+
+
+@triton.jit
+def _tail_tile(
+    qd,
+    acc,
+    m_i,
+    l_i,
+    j,
+    sink_len,
+    ring_len,
+    slot,
+    ring,
+    b,
+    h,
+    H,
+    d,
+    SK,
+    SV,
+    RK,
+    RV,
+    KN,
+    VN,
+    D: tl.constexpr,
+    P: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Keys ``j`` of the tail as one run: ``[0, sink_len)`` the sink page (slot ``slot``), then
+    ``ring_len`` ring rows (their row ids at ``ring``), then the new token, so a decode step's
+    16-key sink page, ring rows and one new key share tiles instead of taking a tile each."""
+    in_sink = j < sink_len
+    in_ring = (j >= sink_len) & (j < sink_len + ring_len)
+    is_new = j == sink_len + ring_len
+    ring_row = tl.load(ring + j - sink_len, mask=in_ring, other=0).to(tl.int64)
+    sink_row = (slot * P + j) * H + h
+    new_row = (b * H + h + 0 * j).to(tl.int64)
+    ring_row = ring_row * H + h
+    k = _tail_rows(
+        SK, RK, KN, sink_row, ring_row, new_row, in_sink, in_ring, is_new, d, D, qd.dtype, HAS_SINKS
+    )
+    v = _tail_rows(
+        SV, RV, VN, sink_row, ring_row, new_row, in_sink, in_ring, is_new, d, D, qd.dtype, HAS_SINKS
+    )
+    s = tl.where((j <= sink_len + ring_len)[None, :], _scores(qd, qd, k, k, False, DOT_PREC), float("-inf"))
+    p, alpha, m_i, l_i = _online(s, m_i, l_i)
+    acc, _ = _accumulate(acc, acc, alpha, p, v, v, False, DOT_PREC)
+    return acc, m_i, l_i
+
+
 @jit_unspecialized(  # the per-step arguments, as `attend._attend_kernel`'s
     ints=("pt_stride", "rr_stride", "pages_per_split", "num_splits", "tail_split"),
     pointers=("PT", "COLD_LEN", "ST", "SINK_OK", "RR", "RING_LEN"),
@@ -150,7 +214,7 @@ def _decode_kernel(
     CODE_DTYPE: tl.constexpr,
     NORM_W: tl.constexpr,
     HALVES: tl.constexpr,
-    V_T: tl.constexpr = False,
+    MERGED_TAIL: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -197,7 +261,7 @@ def _decode_kernel(
         else:
             acc, m_i, l_i = _cold_tile(
                 qd, qc, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, j0 + n, end, d, h,
-                H, P, D, BLOCK_D, K_FMT, V_FMT, False, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES, V_T,
+                H, P, D, BLOCK_D, K_FMT, V_FMT, False, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES,
             )  # fmt: skip
         if PREFETCH:
             page = page_ahead
@@ -222,28 +286,38 @@ def _decode_kernel(
         acc = tl.reshape(acc, [BLOCK_H, BLOCK_D])
 
     if split == tail_split:  # sinks, ring and the new key: the last split of the text pool's pass
+        sink_len = 0
+        slot = 0
         if HAS_SINKS:
             sink_len = tl.load(SINK_OK + b) * P  # P keys when the sequence has a sink page, else 0
             slot = tl.load(ST + b).to(tl.int64)
+        ring_len = tl.load(RING_LEN + b)
+        if MERGED_TAIL:  # one run of keys: sink page, ring rows, new key
+            ring = RR + b * rr_stride
+            for j0 in range(0, sink_len + ring_len + 1, BLOCK_N):
+                acc, m_i, l_i = _tail_tile(
+                    qd, acc, m_i, l_i, j0 + n, sink_len, ring_len, slot, ring, b, h, H, d,
+                    SK, SV, RK, RV, KN, VN, D, P, HAS_SINKS, DOT_PREC,
+                )  # fmt: skip
+        else:
             for j0 in range(0, sink_len, BLOCK_N):
                 ok = j0 + n < sink_len
                 acc, _, m_i, l_i = _raw_tile(
                     qd, qd, acc, acc, m_i, l_i, SK, SV, (slot * P + j0 + n) * H + h, ok, ok[None, :],
                     d, d, d, d, D, False, False, DOT_PREC,
                 )  # fmt: skip
-        ring_len = tl.load(RING_LEN + b)
-        for j0 in range(0, ring_len, BLOCK_N):
-            ok = j0 + n < ring_len
-            ring_row = tl.load(RR + b * rr_stride + j0 + n, mask=ok, other=0).to(tl.int64)
+            for j0 in range(0, ring_len, BLOCK_N):
+                ok = j0 + n < ring_len
+                ring_row = tl.load(RR + b * rr_stride + j0 + n, mask=ok, other=0).to(tl.int64)
+                acc, _, m_i, l_i = _raw_tile(
+                    qd, qd, acc, acc, m_i, l_i, RK, RV, ring_row * H + h, ok, ok[None, :],
+                    d, d, d, d, D, False, False, DOT_PREC,
+                )  # fmt: skip
+            ok = n < 1
             acc, _, m_i, l_i = _raw_tile(
-                qd, qd, acc, acc, m_i, l_i, RK, RV, ring_row * H + h, ok, ok[None, :],
+                qd, qd, acc, acc, m_i, l_i, KN, VN, (b + n).to(tl.int64) * H + h, ok, ok[None, :],
                 d, d, d, d, D, False, False, DOT_PREC,
             )  # fmt: skip
-        ok = n < 1
-        acc, _, m_i, l_i = _raw_tile(
-            qd, qd, acc, acc, m_i, l_i, KN, VN, (b + n).to(tl.int64) * H + h, ok, ok[None, :],
-            d, d, d, d, D, False, False, DOT_PREC,
-        )  # fmt: skip
 
     if SPLIT:
         has = l_i > 0
@@ -281,7 +355,7 @@ def launch_decode(grid: tuple[int, int, int], args: tuple, group: int, launch: d
         PREFETCH=launch["prefetch"],
         SWAP=launch.get("swap_ab", False),
         HALVES=bool(launch.get("halves")) and halves_apply(meta),
-        V_T=bool(launch.get("v_t")) and meta["V_FMT"] in (1, 2, 3, 4) and meta["BLOCK_D"] == meta["D"],
+        MERGED_TAIL=launch.get("merged_tail", True),
         num_warps=launch["num_warps"],
         num_stages=launch["num_stages"],
         **meta,
