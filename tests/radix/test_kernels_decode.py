@@ -157,3 +157,17 @@ def test_splits_hold_whole_tiles():
     assert _whole_tiles(8, 512, 8, tile_pages, target, least) == (8, 64)
     assert _whole_tiles(8, 2040, 63, 0, target, least) == (63, 33)  # tiles of part of a page
     assert _whole_tiles(8, 2040, 63, tile_pages, target, 33) == (63, 33)  # min_pages kept
+
+
+@pytest.mark.parametrize("device", kernel_helpers.DEVICES)
+@pytest.mark.parametrize("codec", ["int8", "int8_asym/fp8_e4m3", "fp8_e4m3"])
+def test_scaled_keys_by_blocks(codec, device, monkeypatch):
+    """``scaled_keys_by_blocks``: int8 keys (per-channel scales) read by 16-token blocks while FP8
+    keys in the same launch table entry stay read by keys; both against the float64 reference."""
+    from test_kernels_attend import check_steps, make_cache
+
+    from kvstrata.radix.kernels import attend
+
+    monkeypatch.setitem(attend.DECODE_LAUNCH[False], "scaled_keys_by_blocks", True)
+    cache = make_cache(codec, device, sinks=True)
+    assert check_steps(cache, [9, 70, 300], steps=2, n_new=1, tol=2e-5, splits=3) == 6

@@ -71,6 +71,9 @@ LOG2E = 1.4426950408889634
 # the fewest cold pages a split reads (H200, FP8 at B=1, 32K: splits of 32 pages 0.046 ms, of 16
 # pages 0.061; B=64 keeps its 2 splits: 1.684 ms against 1.854 unsplit). ``swap_ab``, ``halves``
 # and ``maxnreg``: see `decode.launch_decode` (all slower on the H200, `attention_sweep.py`).
+# ``merged_tail``: the decode module reads the sink page, ring rows and new key as one run of tiles.
+# ``scaled_keys_by_blocks``: int8 keys (per-channel scales over a page) read by 16-token blocks, their
+# scale vectors loaded once per block, instead of by keys with a scale gathered per element.
 DECODE_LAUNCH = {
     False: dict(
         block_m=64,
@@ -88,6 +91,7 @@ DECODE_LAUNCH = {
         module="decode",
         min_pages=32,
         merged_tail=True,
+        scaled_keys_by_blocks=False,
     ),
     True: dict(
         block_m=64,
@@ -148,6 +152,7 @@ EXTEND_LAUNCH = {
     ),
 }
 HALF_FORMATS = (5, 6)  # 4-bit codes: the decode kernel splits q and the output into even/odd channels
+SCALED_KEY_FORMATS = (3, 4)  # int8 keys: per-channel scales (and offsets) over each page
 MIN_PAGES_PER_SPLIT = 16
 _DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -730,7 +735,8 @@ def _attend_pass(
     # tokens; other page sizes read keys across pages (`_cold_tile`).
     four_bit = k_fmt in HALF_FORMATS or v_fmt in HALF_FORMATS
     launch = DECODE_LAUNCH[four_bit] if T == 1 else EXTEND_LAUNCH[extend_kind(k_fmt, v_fmt)]
-    fold = page % 16 == 0 and launch["by_blocks"]
+    by_blocks = launch["by_blocks"] or (k_fmt in SCALED_KEY_FORMATS and launch.get("scaled_keys_by_blocks"))
+    fold = page % 16 == 0 and bool(by_blocks)
     half_k, half_v = fold and k_fmt in HALF_FORMATS, fold and v_fmt in HALF_FORMATS
     block_m = max(16, min(launch["block_m"], triton.next_power_of_2(T * group)))
     m_blocks = triton.cdiv(T * group, block_m)
