@@ -786,7 +786,9 @@ def _attend_pass(
     if T == 1 and not fold and launch.get("module", "decode") == "decode":
         from kvstrata.radix.kernels import decode  # it imports this module's tile functions
 
-        decode.launch_decode((B, h, splits), (*tensors, scale * LOG2E, h, *strides), group, launch, **meta)
+        one_dtype = len({k.dtype, v.dtype, ring.k.dtype, sink_args[2].dtype, sink_args[3].dtype}) == 1
+        args = (*tensors, scale * LOG2E, h, *strides)
+        decode.launch_decode((B, h, splits), args, group, launch, one_dtype, **meta)
         return Partials(po, pl) if partial else None
     _attend_kernel[(B * m_blocks, h, splits)](
         *tensors,

@@ -100,22 +100,6 @@ def _cold_tile_t(
 
 
 @triton.jit
-def _tail_rows(SP, RP, NP, sink_row, ring_row, new_row, in_sink, in_ring, is_new, d, D: tl.constexpr,
-               DT: tl.constexpr, HAS_SINKS: tl.constexpr):  # fmt: skip
-    """``[N, BLOCK_D]`` raw rows of a tail tile, each from the sink page, the ring or the new token (in
-    ``DT``; masked loads, so each row reads only its own source)."""
-    d_ok = (d < D)[None, :]
-    at = d[None, :]
-    x = tl.load(RP + ring_row[:, None] * D + at, mask=in_ring[:, None] & d_ok, other=0.0).to(DT)
-    new = tl.load(NP + new_row[:, None] * D + at, mask=is_new[:, None] & d_ok, other=0.0).to(DT)
-    x = tl.where(is_new[:, None], new, x)
-    if HAS_SINKS:
-        sink = tl.load(SP + sink_row[:, None] * D + at, mask=in_sink[:, None] & d_ok, other=0.0).to(DT)
-        x = tl.where(in_sink[:, None], sink, x)
-    return x
-
-
-@triton.jit
 def _tail_tile(
     qd,
     acc,
@@ -143,21 +127,24 @@ def _tail_tile(
 ):
     """Keys ``j`` of the tail as one run: ``[0, sink_len)`` the sink page (slot ``slot``), then
     ``ring_len`` ring rows (their row ids at ``ring``), then the new token, so a decode step's
-    16-key sink page, ring rows and one new key share tiles instead of taking a tile each."""
+    16-key sink page, ring rows and one new key share tiles instead of taking a tile each. Each key
+    row picks its source's pointer (sinks, ring and new rows share one dtype), so a tile's K and V
+    load once."""
     in_sink = j < sink_len
     in_ring = (j >= sink_len) & (j < sink_len + ring_len)
-    is_new = j == sink_len + ring_len
-    ring_row = tl.load(ring + j - sink_len, mask=in_ring, other=0).to(tl.int64)
-    sink_row = (slot * P + j) * H + h
+    ring_row = tl.load(ring + j - sink_len, mask=in_ring, other=0).to(tl.int64) * H + h
     new_row = (b * H + h + 0 * j).to(tl.int64)
-    ring_row = ring_row * H + h
-    k = _tail_rows(
-        SK, RK, KN, sink_row, ring_row, new_row, in_sink, in_ring, is_new, d, D, qd.dtype, HAS_SINKS
-    )
-    v = _tail_rows(
-        SV, RV, VN, sink_row, ring_row, new_row, in_sink, in_ring, is_new, d, D, qd.dtype, HAS_SINKS
-    )
-    s = tl.where((j <= sink_len + ring_len)[None, :], _scores(qd, qd, k, k, False, DOT_PREC), float("-inf"))
+    k_row = tl.where(in_ring, RK + ring_row * D, KN + new_row * D)
+    v_row = tl.where(in_ring, RV + ring_row * D, VN + new_row * D)
+    if HAS_SINKS:
+        sink_row = (slot * P + j) * H + h
+        k_row = tl.where(in_sink, SK + sink_row * D, k_row)
+        v_row = tl.where(in_sink, SV + sink_row * D, v_row)
+    seen = j <= sink_len + ring_len
+    ok = seen[:, None] & (d < D)[None, :]
+    k = tl.load(k_row[:, None] + d[None, :], mask=ok, other=0.0).to(qd.dtype)
+    v = tl.load(v_row[:, None] + d[None, :], mask=ok, other=0.0).to(qd.dtype)
+    s = tl.where(seen[None, :], _scores(qd, qd, k, k, False, DOT_PREC), float("-inf"))
     p, alpha, m_i, l_i = _online(s, m_i, l_i)
     acc, _ = _accumulate(acc, acc, alpha, p, v, v, False, DOT_PREC)
     return acc, m_i, l_i
@@ -338,13 +325,16 @@ def halves_apply(meta: dict) -> bool:
     return meta["V_FMT"] in (1, 2, 3, 4) and meta["BLOCK_D"] == meta["D"] >= 32
 
 
-def launch_decode(grid: tuple[int, int, int], args: tuple, group: int, launch: dict, **meta) -> None:
+def launch_decode(
+    grid: tuple[int, int, int], args: tuple, group: int, launch: dict, one_dtype: bool, **meta
+) -> None:
     """Launch `_decode_kernel` over ``grid`` (sequences, KV heads, splits): ``args`` are
     `_attend_kernel`'s runtime arguments without ``T`` (tensors, softmax scale, KV heads, strides,
     split arguments), ``meta`` the constexprs both kernels share; ``launch`` the `DECODE_LAUNCH` entry
     (``block_n``, ``num_warps``, ``num_stages``, ``prefetch``, ``swap_ab``, ``halves``: value codes in
     `_codes`' channel-pair layout where `halves_apply`, ``maxnreg``: a register cap per thread, so
-    more programs fit an SM, or None)."""
+    more programs fit an SM, or None; ``merged_tail``: the sink page, ring rows and new key as one run
+    of tiles, where ``one_dtype``: the step's K/V, the ring and the sinks share a dtype)."""
     if launch.get("maxnreg"):
         meta["maxnreg"] = launch["maxnreg"]
     _decode_kernel[grid](
@@ -355,7 +345,7 @@ def launch_decode(grid: tuple[int, int, int], args: tuple, group: int, launch: d
         PREFETCH=launch["prefetch"],
         SWAP=launch.get("swap_ab", False),
         HALVES=bool(launch.get("halves")) and halves_apply(meta),
-        MERGED_TAIL=launch.get("merged_tail", True),
+        MERGED_TAIL=launch.get("merged_tail", True) and one_dtype,
         num_warps=launch["num_warps"],
         num_stages=launch["num_stages"],
         **meta,
