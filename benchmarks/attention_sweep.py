@@ -50,6 +50,7 @@ def shape(
     min_pages: int = 16,
     merged_tail: bool = True,
     scaled_keys_by_blocks: bool = False,
+    tail_apart: bool = True,
 ) -> dict:
     return dict(
         block_m=m,
@@ -68,6 +69,7 @@ def shape(
         min_pages=min_pages,
         merged_tail=merged_tail,
         scaled_keys_by_blocks=scaled_keys_by_blocks,
+        tail_apart=tail_apart,
     )
 
 
@@ -90,7 +92,7 @@ EXTEND_4BIT = [shape(128, 64, 8, 2, True, 4, programs=0)]
 _F16 = dict(f16=True)
 _BASE = dict(programs=1024, min_pages=32, **_F16)
 DECODE = [
-    shape(64, 128, 4, 2, False, merged_tail=False, **_BASE),
+    shape(64, 128, 4, 2, False, merged_tail=False, tail_apart=False, **_BASE),
     shape(64, 128, 4, 2, False, **_BASE),
     shape(64, 128, 4, 2, False, maxnreg=168, **_BASE),
 ]
@@ -239,6 +241,7 @@ def sweep() -> dict[tuple[str, bool | str], dict]:
         blocks += ", halves" if s.get("halves") else ""
         blocks += ", attend kernel" if kind == "decode" and s.get("module") == "attend" else ""
         blocks += ", tail by parts" if kind == "decode" and not s.get("merged_tail", True) else ""
+        blocks += ", tail in the last split" if kind == "decode" and not s.get("tail_apart", True) else ""
         blocks += f", int8 keys by {s['blocks']} blocks" if s.get("scaled_keys_by_blocks") else ""
         print(
             f"| {kind} | {batch} | {context} | {codec} | {s['block_m']} x {s['block_n']} | "

@@ -171,3 +171,55 @@ def test_scaled_keys_by_blocks(codec, device, monkeypatch):
     monkeypatch.setitem(attend.DECODE_LAUNCH[False], "scaled_keys_by_blocks", True)
     cache = make_cache(codec, device, sinks=True)
     assert check_steps(cache, [9, 70, 300], steps=2, n_new=1, tol=2e-5, splits=3) == 6
+
+
+@pytest.mark.parametrize("device", kernel_helpers.DEVICES)
+@pytest.mark.parametrize("apart", [True, False])
+@pytest.mark.parametrize("codec", ["fp8_e4m3", "int4/fp4_e2m1"])
+def test_heuristic_splits_with_the_tail_apart(codec, apart, device, monkeypatch):
+    """The split heuristic (no forced count: splits of 2 pages, a target the launch stays within)
+    with the sink page, ring rows and new key in a split of their own (``tail_apart``: one more split,
+    past every cold page) or in the last cold split, by keys and by blocks."""
+    from test_kernels_attend import check_steps, make_cache
+
+    from kvstrata.radix.kernels import attend
+
+    for four_bit in (False, True):
+        for key, value in (("min_pages", 2), ("programs", 4096), ("tail_apart", apart)):
+            monkeypatch.setitem(attend.DECODE_LAUNCH[four_bit], key, value)
+    seen = []  # split counts of the text pass, from the partials the merge gets
+    merge = attend.merge_partials
+    monkeypatch.setattr(
+        attend, "merge_partials", lambda parts, out: seen.append(parts[0].lse.shape[2]) or merge(parts, out)
+    )
+    cache = make_cache(codec, device, sinks=True)
+    assert check_steps(cache, [9, 70, 300], steps=2, n_new=1, tol=2e-5) == 6
+    assert seen and max(seen) > 2
+
+
+@pytest.mark.parametrize("device", kernel_helpers.DEVICES)
+@pytest.mark.parametrize("codec", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_value_scales_far_apart(codec, device):
+    """BF16 model, FP8 values whose per-token scales span 2**-60 to 2**40 with some at the all-zero
+    tokens' 2**-127, then all at 2**-127 (the scales join the softmax exponent, clamped at 2**-100,
+    so the softmax sum stays finite): the decode kernel (unsplit and 3 forced splits) finite and within
+    BF16-level error of the float64 reference."""
+    from radix_helpers import rel_err
+    from test_kernels_attend import HQ, SCALE, make_cache
+
+    cache = make_cache(codec, device, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(11)
+    seqs = kernel_helpers.fill(cache, [40, 90, 200], g, HQ, SCALE)
+    exp = cache.pool.v[0]["scale_exp"]
+    spread = torch.randint(127 - 60, 127 + 41, exp.shape, generator=g)
+    spread[torch.rand(exp.shape, generator=g) < 0.1] = 0
+    batch = cache.begin_step(seqs, [1] * len(seqs))
+    hkv, d = cache.cfg.kv_heads, cache.cfg.head_dim
+    q, k, v = (torch.randn(len(seqs), n, d, generator=g).to(device, torch.bfloat16) for n in (HQ, hkv, hkv))
+    for exponents in (spread, torch.zeros_like(spread)):
+        exp.copy_(exponents.to(exp.dtype))
+        ref = kernel_helpers.reference_attend(cache, batch, q, k, v, SCALE)
+        for splits in (None, 3):
+            got = kernel_helpers.kernel_attend(cache, batch, q, k, v, SCALE, splits)
+            assert torch.isfinite(got).all()
+            assert rel_err(got.cpu(), ref) < 1.5e-2, splits

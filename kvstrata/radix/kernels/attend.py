@@ -74,6 +74,9 @@ LOG2E = 1.4426950408889634
 # ``merged_tail``: the decode module reads the sink page, ring rows and new key as one run of tiles.
 # ``scaled_keys_by_blocks``: int8 keys (per-channel scales over a page) read by 16-token blocks, their
 # scale vectors loaded once per block, instead of by keys with a scale gathered per element.
+# ``tail_apart``: a split-KV decode launch that stays within ``programs`` gives the sink page, ring
+# rows and new key a split of their own instead of adding them to the last cold split (B=1 at 32K:
+# 64 splits of 4 cold tiles each, the last no longer 5 or 6).
 DECODE_LAUNCH = {
     False: dict(
         block_m=64,
@@ -92,6 +95,7 @@ DECODE_LAUNCH = {
         min_pages=32,
         merged_tail=True,
         scaled_keys_by_blocks=False,
+        tail_apart=True,
     ),
     True: dict(
         block_m=64,
@@ -165,6 +169,22 @@ def _online(s, m_i, l_i):
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _online_pow2_scaled(s, e_bits, m_i, l_i):
+    """`_online` for FP8 values with one power-of-two scale ``2**e`` per key (``e_bits``: its uint8
+    biased exponent, ``e + 127``): the scale joins the exponent, so the returned weights
+    ``2**(s + e - m)`` (``m`` the running max of ``s + e``) multiply the raw codes and stay at most 1
+    (FP16-safe), with no per-tile max of the scales, while the sum keeps ``2**(s - m)`` (the output is
+    ``acc / sum`` as with `_online`). ``e`` is clamped at -100 (scales below ``2**-100``, the all-zero
+    tokens' ``2**-127`` among them) so the sum stays under ``2**128`` in float32."""
+    e = tl.maximum(e_bits.to(tl.int32) - 127, -100).to(tl.float32)
+    t = s + e[None, :]
+    m_new = tl.maximum(m_i, tl.max(t, 1))
+    w = tl.exp2(t - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    return w, alpha, m_new, l_i * alpha + tl.sum(w * tl.exp2(-e)[None, :], 1)
 
 
 @triton.jit
@@ -315,8 +335,9 @@ def _cold_tile(
     8-bit codes enter their dots as ``CODE_DTYPE`` (FP8 and int8 codes are exact in FP16; ``qc`` is q
     in it). ``NORM_W``: the scaled weights are divided by the tile's largest value scale before the
     cast and the product multiplied back, so FP16 weights stay normal (``p * s_v`` of a small scale
-    would lose bits as an FP16 subnormal). ``HALVES``: 8/16-bit value codes in `_codes`' channel-pair
-    layout (``acc``'s columns in that order)."""
+    would lose bits as an FP16 subnormal); FP8 values' power-of-two scales instead join the softmax
+    exponent (`_online_pow2_scaled`: no cross-warp max of the scales a tile). ``HALVES``: 8/16-bit
+    value codes in `_codes`' channel-pair layout (``acc``'s columns in that order)."""
     ok = j < end
     tok = (j % P).to(tl.int64)
     row = (page * P + tok) * H + h
@@ -334,11 +355,16 @@ def _cold_tile(
         s = tl.dot(qd, tl.trans(k), input_precision=DOT_PREC)
     if MASKED:
         s = tl.where(ok[None, :], s, float("-inf"))
-    p, alpha, m_i, l_i = _online(s, m_i, l_i)
-    if V_FMT == 0:
+    if (V_FMT == 1 or V_FMT == 2) and NORM_W:
+        v = _codes(V0, row[:, None], d[None, :], d_ok, D, BLOCK_D, V_FMT, CODE_DTYPE, NORM_W, HALVES)
+        w, alpha, m_i, l_i = _online_pow2_scaled(s, tl.load(V1 + row), m_i, l_i)
+        acc = acc * alpha[:, None] + tl.dot(w.to(CODE_DTYPE), v, input_precision=DOT_PREC)
+    elif V_FMT == 0:
+        p, alpha, m_i, l_i = _online(s, m_i, l_i)
         v = _codes(V0, row[:, None], d[None, :], d_ok, D, BLOCK_D, V_FMT, DOT_DTYPE, False, HALVES)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PREC)
     elif V_FMT <= 4:
+        p, alpha, m_i, l_i = _online(s, m_i, l_i)
         v = _codes(V0, row[:, None], d[None, :], d_ok, D, BLOCK_D, V_FMT, CODE_DTYPE, NORM_W, HALVES)
         vs, vo = value_tile_scales(V1, V2, row, V_FMT)
         if NORM_W:
@@ -351,6 +377,7 @@ def _cold_tile(
         if V_FMT == 4:
             acc += tl.sum(p * vo[None, :], 1)[:, None]
     else:
+        p, alpha, m_i, l_i = _online(s, m_i, l_i)
         v = load_decoded(V0, V1, V2, page[:, None], tok[:, None], h, d[None, :], ok[:, None] & d_ok,
                          ok[:, None], H, P, D, BLOCK_D, V_FMT, False).to(DOT_DTYPE)  # fmt: skip
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PREC)
@@ -749,6 +776,13 @@ def _attend_pass(
         splits, pages_per_split = _whole_tiles(
             B * h * m_blocks, n_pages, splits, tile_pages, launch["programs"], least
         )
+        if (
+            tail
+            and launch.get("tail_apart")
+            and splits > 1
+            and B * h * m_blocks * (splits + 1) <= launch["programs"]
+        ):
+            splits += 1  # the tail in a split of its own, past the cold pages (see DECODE_LAUNCH)
     splits = splits or 1
     partial = out is None or splits > 1
     po = pl = out
