@@ -70,10 +70,14 @@ LOG2E = 1.4426950408889634
 # kernel, the same loop; H200, FP8 at B=64, 32K: 1.684 against 1.690 ms in one run). ``min_pages``:
 # the fewest cold pages a split reads (H200, FP8 at B=1, 32K: splits of 32 pages 0.046 ms, of 16
 # pages 0.061; B=64 keeps its 2 splits: 1.684 ms against 1.854 unsplit). ``swap_ab``, ``halves``
-# and ``maxnreg``: see `decode.launch_decode` (all slower on the H200, `attention_sweep.py`).
+# and ``maxnreg``: see `decode.launch_decode` (``swap_ab`` and ``halves`` slower on the H200,
+# `attention_sweep.py`). ``maxnreg`` 168 (8-bit codes only): 3 programs an SM instead of 2 despite
+# spills (H200, FP8: B=64 at 32K 1.562 ms against 1.602 uncapped, B=256 at 2K 0.418 against 0.483,
+# B=1 at 32K 0.045 against 0.043; docs/kernels-h200.md, pass 5).
 # ``merged_tail``: the decode module reads the sink page, ring rows and new key as one run of tiles.
-# ``scaled_keys_by_blocks``: int8 keys (per-channel scales over a page) read by 16-token blocks, their
-# scale vectors loaded once per block, instead of by keys with a scale gathered per element.
+# ``scaled_keys_by_blocks``: int8 keys (per-channel scales over a page) read by ``blocks`` 16-token
+# blocks a tile, their scale vectors loaded once per block, instead of by keys with a scale gathered
+# per element (H200, int8 at B=64, 32K: 2.221 ms against 3.729; 4 blocks 2.970).
 # ``tail_apart``: a split-KV decode launch that stays within ``programs`` gives the sink page, ring
 # rows and new key a split of their own instead of adding them to the last cold split (B=1 at 32K:
 # 64 splits of 4 cold tiles each, the last no longer 5 or 6).
@@ -81,7 +85,7 @@ DECODE_LAUNCH = {
     False: dict(
         block_m=64,
         block_n=128,
-        blocks=4,
+        blocks=8,
         num_warps=4,
         num_stages=2,
         by_blocks=False,
@@ -90,11 +94,11 @@ DECODE_LAUNCH = {
         f16_codes=True,
         swap_ab=False,
         halves=False,
-        maxnreg=None,
+        maxnreg=168,
         module="decode",
         min_pages=32,
         merged_tail=True,
-        scaled_keys_by_blocks=False,
+        scaled_keys_by_blocks=True,
         tail_apart=True,
     ),
     True: dict(
@@ -176,15 +180,17 @@ def _online_pow2_scaled(s, e_bits, m_i, l_i):
     """`_online` for FP8 values with one power-of-two scale ``2**e`` per key (``e_bits``: its uint8
     biased exponent, ``e + 127``): the scale joins the exponent, so the returned weights
     ``2**(s + e - m)`` (``m`` the running max of ``s + e``) multiply the raw codes and stay at most 1
-    (FP16-safe), with no per-tile max of the scales, while the sum keeps ``2**(s - m)`` (the output is
+    (FP16-safe) with no per-tile max of the scales, while the sum adds ``2**(s - m)`` (the output is
     ``acc / sum`` as with `_online`). ``e`` is clamped at -100 (scales below ``2**-100``, the all-zero
-    tokens' ``2**-127`` among them) so the sum stays under ``2**128`` in float32."""
-    e = tl.maximum(e_bits.to(tl.int32) - 127, -100).to(tl.float32)
-    t = s + e[None, :]
-    m_new = tl.maximum(m_i, tl.max(t, 1))
-    w = tl.exp2(t - m_new[:, None])
+    tokens' ``2**-127`` among them), so each ``2**(s - m) <= 2**-e`` stays below ``2**100``. The sum
+    takes ``2**(s - m)`` itself, not the weight times ``2**-e``: a weight that underflows float32 (a
+    key far below the tile's largest ``s + e``) would drop its key from the sum."""
+    eb = tl.maximum(e_bits.to(tl.int32), 27)  # e = eb - 127 >= -100
+    m_new = tl.maximum(m_i, tl.max(s + (eb - 127).to(tl.float32)[None, :], 1))
+    p = tl.exp2(s - m_new[:, None])
+    w = p * (eb << 23).to(tl.float32, bitcast=True)[None, :]  # 2**e from its bits
     alpha = tl.exp2(m_i - m_new)
-    return w, alpha, m_new, l_i * alpha + tl.sum(w * tl.exp2(-e)[None, :], 1)
+    return w, alpha, m_new, l_i * alpha + tl.sum(p, 1)
 
 
 @triton.jit

@@ -332,10 +332,11 @@ def launch_decode(
     `_attend_kernel`'s runtime arguments without ``T`` (tensors, softmax scale, KV heads, strides,
     split arguments), ``meta`` the constexprs both kernels share; ``launch`` the `DECODE_LAUNCH` entry
     (``block_n``, ``num_warps``, ``num_stages``, ``prefetch``, ``swap_ab``, ``halves``: value codes in
-    `_codes`' channel-pair layout where `halves_apply`, ``maxnreg``: a register cap per thread, so
-    more programs fit an SM, or None; ``merged_tail``: the sink page, ring rows and new key as one run
-    of tiles, where ``one_dtype``: the step's K/V, the ring and the sinks share a dtype)."""
-    if launch.get("maxnreg"):
+    `_codes`' channel-pair layout where `halves_apply`, ``maxnreg``: a register cap per thread for
+    coded history, so more programs fit an SM, or None; ``merged_tail``: the sink page, ring rows
+    and new key as one run of tiles, where ``one_dtype``: the step's K/V, the ring and the sinks
+    share a dtype)."""
+    if launch.get("maxnreg") and (meta["K_FMT"], meta["V_FMT"]) != (0, 0):  # coded history only
         meta["maxnreg"] = launch["maxnreg"]
     _decode_kernel[grid](
         *args,
