@@ -81,14 +81,13 @@ EXTEND = [
     shape(128, 64, 8, 4, False, prefetch=True, programs=0, f16=True),
 ]
 EXTEND_4BIT = [shape(128, 64, 8, 2, True, 4, programs=0)]
-# Decode. Sweeps of this revision (H200, Triton 3.6, FP8 at 32K; registers of the compiled kernels):
-# first call, B=64: the decode module's 128-key tile with 4 warps 1.777 ms (255 registers, 12
-# spills); ``halves`` on keys and values 2.581 (226, none), with 3 stages and prefetch 2.399; swapped
-# operands 3.710 (58 spills), with halves 2.404; 8 warps 4.845; 64 keys 2.27-3.82; 32 keys 3.43;
-# ``maxnreg`` 168 or 128 (spills) 2.50/2.86; 4-bit codes by keys (per-element decode in the decode
-# module) 24-45 ms against 4.6-5.3 by blocks. Second call (below, first six): `attend._attend_kernel`
-# 1.690 / decode module 1.684 ms at B=64 (0.061 / 0.061 at B=1); ``halves`` on values only 2.238
-# (0.071); 512 programs 1.854 at B=64 but 0.046 at B=1 (64 splits of 32 pages): hence ``min_pages``.
+# Decode. Sweeps of pass 4 (H200, Triton 3.6, FP8 at 32K; registers of the compiled kernels): 128-key
+# tiles with 4 warps 1.777 ms at B=64 (255 registers); ``halves`` 2.24-2.58; swapped operands 3.710;
+# 8 warps 4.845; 64 or 32 keys 2.27-3.82; 4-bit codes by keys 24-45 ms against 4.6-5.3 by blocks; 512
+# programs 0.046 ms at B=1 (hence ``min_pages``). Pass 5 (docs/kernels-h200.md): channel-major value
+# codes as a probe 1.890 ms against 1.688 (capped at 168 registers 1.720); below, the tail and the
+# register cap (1.628 / 1.602 / 1.562 ms at B=64, 0.472 / 0.483 / 0.418 at B=256, 2K) and int8 keys
+# by keys or blocks (3.729 / 2.221 / 2.970 ms).
 _F16 = dict(f16=True)
 _BASE = dict(programs=1024, min_pages=32, **_F16)
 DECODE = [

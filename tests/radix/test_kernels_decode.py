@@ -81,6 +81,7 @@ LAYOUTS["swap_ab, halves"] = dict(swap_ab=True, halves=True)
 LAYOUTS["attend kernel"] = dict(module="attend")  # decode by `attend._attend_kernel` instead
 LAYOUTS["tail by parts"] = dict(merged_tail=False)  # sink page, ring rows and new key in tiles of their own
 _KEYS = (("swap_ab", False), ("halves", False), ("module", "decode"), ("merged_tail", True))
+_KEYS += (("scaled_keys_by_blocks", False),)  # int8 keys through the decode module too
 
 
 @pytest.mark.parametrize("device", kernel_helpers.DEVICES)
