@@ -248,7 +248,7 @@ def _decode_kernel(
         else:
             acc, m_i, l_i = _cold_tile(
                 qd, qc, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, j0 + n, end, d, h,
-                H, P, D, BLOCK_D, K_FMT, V_FMT, False, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES,
+                H, P, D, BLOCK_D, K_FMT, V_FMT, False, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES, True,
             )  # fmt: skip
         if PREFETCH:
             page = page_ahead
@@ -263,7 +263,7 @@ def _decode_kernel(
         else:
             acc, m_i, l_i = _cold_tile(
                 qd, qc, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, full + n, end, d, h,
-                H, P, D, BLOCK_D, K_FMT, V_FMT, True, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES,
+                H, P, D, BLOCK_D, K_FMT, V_FMT, True, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES, True,
             )  # fmt: skip
     if SWAP:
         acc = tl.trans(acc)
