@@ -132,7 +132,9 @@ def codec_rows(geometry: str, batch: int, context: int, codec: str, old_torch: b
     return rows
 
 
-def decode_rows(geometry: str, batch: int, context: int, old_torch: bool) -> list[dict]:
+def decode_rows(
+    geometry: str, batch: int, context: int, old_torch: bool, codecs: list[str] = CODECS
+) -> list[dict]:
     hq, hkv, d = GEOMETRIES[geometry]
     fn, moved = sdpa_case(batch, context, hq, hkv, d)
     base_ms = bench(fn)
@@ -140,7 +142,7 @@ def decode_rows(geometry: str, batch: int, context: int, old_torch: bool) -> lis
     rows = [dict(geometry=geometry, batch=batch, context=context, codec="SDPA bf16", ms=base_ms, bytes=moved)]
     del fn
     torch.cuda.empty_cache()
-    for codec in CODECS:
+    for codec in codecs:
         rows += codec_rows(geometry, batch, context, codec, old_torch and codec == "fp8_e4m3")
         torch.cuda.empty_cache()
     for r in rows:
@@ -182,6 +184,7 @@ def main() -> None:
     ap.add_argument("--batch", default="1,16,64,256")
     ap.add_argument("--context", default="4096,32768")
     ap.add_argument("--no-extend", action="store_true")
+    ap.add_argument("--codecs", default=",".join(CODECS), help="the history codecs timed for decode")
     ap.add_argument("--out", default="attention_gpu.json")
     args = ap.parse_args()
     name = torch.cuda.get_device_name()
@@ -190,7 +193,8 @@ def main() -> None:
     for geometry in args.geometry.split(","):
         for context in map(int, args.context.split(",")):
             for batch in map(int, args.batch.split(",")):
-                got = decode_rows(geometry, batch, context, old_torch=batch * context <= 64 * 32768)
+                old_torch = batch * context <= 64 * 32768
+                got = decode_rows(geometry, batch, context, old_torch, args.codecs.split(","))
                 rows += got
                 for r in got:
                     print(json.dumps(r), flush=True)

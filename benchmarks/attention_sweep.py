@@ -50,7 +50,7 @@ def shape(
     min_pages: int = 16,
     merged_tail: bool = True,
     scaled_keys_by_blocks: bool = False,
-    tail_apart: bool = True,
+    tail_apart: bool = False,
 ) -> dict:
     return dict(
         block_m=m,
@@ -84,25 +84,41 @@ EXTEND_4BIT = [shape(128, 64, 8, 2, True, 4, programs=0)]
 # Decode. Sweeps of pass 4 (H200, Triton 3.6, FP8 at 32K; registers of the compiled kernels): 128-key
 # tiles with 4 warps 1.777 ms at B=64 (255 registers); ``halves`` 2.24-2.58; swapped operands 3.710;
 # 8 warps 4.845; 64 or 32 keys 2.27-3.82; 4-bit codes by keys 24-45 ms against 4.6-5.3 by blocks; 512
-# programs 0.046 ms at B=1 (hence ``min_pages``). Pass 5 (docs/kernels-h200.md): channel-major value
+# programs 0.046 ms at B=1 (hence ``min_pages``). Pass 6 (docs/kernels-h200.md): channel-major value
 # codes as a probe 1.890 ms against 1.688 (capped at 168 registers 1.720); below, the tail and the
 # register cap (1.628 / 1.602 / 1.562 ms at B=64, 0.472 / 0.483 / 0.418 at B=256, 2K) and int8 keys
 # by keys or blocks (3.729 / 2.221 / 2.970 ms).
 _F16 = dict(f16=True)
 _BASE = dict(programs=1024, min_pages=32, **_F16)
+_NEW = dict(_BASE, tail_apart=True)
 DECODE = [
-    shape(64, 128, 4, 2, False, merged_tail=False, tail_apart=False, **_BASE),
-    shape(64, 128, 4, 2, False, **_BASE),
-    shape(64, 128, 4, 2, False, maxnreg=168, **_BASE),
+    shape(64, 128, 4, 2, False, merged_tail=False, **_BASE),
+    shape(64, 128, 4, 2, False, **_NEW),
+    shape(64, 128, 4, 2, False, maxnreg=168, **_NEW),
 ]
 # int8 keys (per-channel scales) by keys or by 16-token blocks; not part of the fastest-shape pick
 # (it would set the entry FP8 shares).
 DECODE_INT8 = [
-    shape(64, 128, 4, 2, False, **_BASE),
-    shape(64, 128, 4, 2, False, blocks=8, scaled_keys_by_blocks=True, **_BASE),
-    shape(64, 128, 4, 2, False, blocks=4, scaled_keys_by_blocks=True, **_BASE),
+    shape(64, 128, 4, 2, False, **_NEW),
+    shape(64, 128, 4, 2, False, blocks=8, scaled_keys_by_blocks=True, **_NEW),
+    shape(64, 128, 4, 2, False, blocks=4, scaled_keys_by_blocks=True, **_NEW),
 ]
-DECODE_4BIT: list[dict] = []  # the defaults (16-token blocks, 4 warps, 8 blocks) won the first sweep
+# 4-bit decode: the `decode4` kernel (whole-byte tiles of ``blocks`` 16-token blocks, FP16 operands,
+# ``asm``: packed PTX nibble decoding, ``prefetch``: page-table entries and the scales Triton does not
+# pipeline loaded a tile ahead) against the previous by-blocks path of `attend._attend_kernel` (last).
+# First call (H200, B=64, 32K; no prefetch, 2 stages): 2 / 4 / 8 blocks int4 5.21 / 3.79 / 2.69 ms
+# (255 registers), 4 blocks capped at 128 registers (90 spills) 2.66, fp4 3.17; previous path 5.27
+# and 4.59. Second call (these shapes): 8 blocks, 3 stages, prefetch int4 2.52 (best for int4 at
+# B=64) but fp4 3.90 and B=1 0.11; 4 blocks at 128 registers 2.74-2.82 / fp4 3.13-3.19 / B=1 0.086-0.092
+# with or without prefetch or a third stage; 16 blocks with 8 warps 3.44 / 5.73. Docs: kernels-h200.md.
+_D4 = dict(programs=1024, module="decode4")
+DECODE_4BIT: list[dict] = [
+    dict(shape(64, 32, 4, 3, True, 8, prefetch=True, **_D4), asm=True),
+    dict(shape(64, 32, 4, 3, True, 4, prefetch=True, maxnreg=128, **_D4), asm=True),
+    dict(shape(64, 32, 4, 2, True, 4, prefetch=True, maxnreg=128, **_D4), asm=True),
+    dict(shape(64, 32, 8, 3, True, 16, prefetch=True, **_D4), asm=True),
+    dict(shape(64, 32, 4, 2, True, 4, maxnreg=128, **_D4), asm=True),
+]
 # SWEEP_KINDS (environment): the kinds swept, "decode,extend" by default.
 KINDS = os.environ.get("SWEEP_KINDS", "decode,extend").split(",")
 # Decode cases (batch, context): the 32K long-context pair and the serving step (B=256, 2K).
@@ -119,6 +135,10 @@ WARM = VARIANTS + [("decode", c, b, n, None) for c in bench.CODECS for b, n in D
 WARM += [("extend", c, 1, CONTEXT, None) for c in ("bf16", "fp8_e4m3", "int4")]
 VARIANTS = [v for v in VARIANTS if v[0] in KINDS]
 WARM = [v for v in WARM if v[0] in KINDS]
+if os.environ.get("SWEEP_CODECS"):  # e.g. "int4,fp4_e2m1": only these codecs' variants
+    CODECS = os.environ["SWEEP_CODECS"].split(",")
+    VARIANTS = [v for v in VARIANTS if v[1] in CODECS]
+    WARM = [v for v in WARM if v[1] in CODECS]
 
 
 def case(kind: str, codec: str, batch: int, context: int = CONTEXT):
@@ -171,11 +191,11 @@ _REPORTED: set[int] = set()
 def compiled_report() -> str:
     """Registers, spills and shared memory of the attention kernels compiled since the last call
     (Triton's per-device kernel caches; empty where this Triton keeps them elsewhere)."""
-    from kvstrata.radix.kernels import decode
+    from kvstrata.radix.kernels import decode, decode4
 
     got = []
     try:
-        for fn in (decode._decode_kernel, kernels._attend_kernel):
+        for fn in (decode._decode_kernel, decode4._decode4_kernel, kernels._attend_kernel):
             for cache in getattr(fn, "device_caches", {}).values():
                 compiled = cache[0] if isinstance(cache, tuple) else cache
                 for k in list(compiled.values()):
@@ -240,8 +260,9 @@ def sweep() -> dict[tuple[str, bool | str], dict]:
         blocks += ", halves" if s.get("halves") else ""
         blocks += ", attend kernel" if kind == "decode" and s.get("module") == "attend" else ""
         blocks += ", tail by parts" if kind == "decode" and not s.get("merged_tail", True) else ""
-        blocks += ", tail in the last split" if kind == "decode" and not s.get("tail_apart", True) else ""
+        blocks += ", tail apart" if kind == "decode" and s.get("tail_apart") else ""
         blocks += f", int8 keys by {s['blocks']} blocks" if s.get("scaled_keys_by_blocks") else ""
+        blocks += ", decode4" + (" asm" if s.get("asm") else "") if s.get("module") == "decode4" else ""
         print(
             f"| {kind} | {batch} | {context} | {codec} | {s['block_m']} x {s['block_n']} | "
             f"{s['num_warps']} | "

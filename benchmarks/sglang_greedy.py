@@ -210,10 +210,10 @@ def report(results: dict, new_tokens: int) -> int:
         agree = [agreeing(r["ids"], g["ids"]) for r, g in zip(ref, res[p], strict=True)]
         identical = sum(n == new_tokens for n in agree)
         firsts = [r["gaps"][n] for r, n in zip(ref, agree, strict=True) if n < new_tokens]
-        gaps = ", ".join(f"{g:.3f}" for g in firsts if g is not None) or "-"
+        gaps = ", ".join(f"{g:.3g}" for g in firsts if g is not None) or "-"
         share = sum(n >= AGREE_TOKENS for n in agree) / len(agree)
         drift = gap_drift(ref, res[p], agree)
-        print(f"| {name} | {p} | {identical}/{len(agree)} | {agree} | {share:.2f} | {gaps} | {drift:.3f} |")
+        print(f"| {name} | {p} | {identical}/{len(agree)} | {agree} | {share:.2f} | {gaps} | {drift:.3g} |")
     return 0
 
 

@@ -12,8 +12,10 @@
 # Both unpack SGLang's payload into /tmp/sglsite when it is not there (PAYLOAD_DIR/payload.tar.xz).
 #   CONFIG = name:attention_backend:kv_cache_dtype[:extra,server,flags[:ENV=VALUE,ENV=VALUE]]
 # Knobs: DEADLINE (s, 300: on a fresh machine the servers needed over 145 s to answer, Triton
-# compiling), NEW_TOKENS (64), DTYPE (bfloat16: SGLang's --dtype for every server; float32 gives
-# float32 logits, where greedy identity does not hinge on BF16 ties; not run yet).
+# compiling), NEW_TOKENS (64), DTYPE (bfloat16: SGLang's --dtype for every server; float32 would
+# give float32 logits, where greedy identity does not hinge on BF16 ties, but SGLang 0.5.17 cannot
+# serve a float32 model on CUDA: sgl_kernel's rmsnorm has no float32, and every server, SGLang's own
+# triton baseline included, dies in its decode-graph capture; see docs/sglang.md).
 # Writes to $OUT: summary.txt (the table last), build.log, results.json, server_<name>.log.
 set -u
 T0=$(date +%s)

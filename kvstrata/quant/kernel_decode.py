@@ -188,10 +188,10 @@ def key_block_scales(
         s0 = tl.where(c_ok, e, 1.0)
         s1 = s0
     elif FMT == 6:
-        brow = ((page * (P // 16) + tok0 // 16) * H + h) * D
         g = tl.load(p2 + page * H + h).to(tl.float32)
-        s0 = fp8_value(tl.load(p1 + brow + c0, mask=c_ok, other=0), False) * g
-        s1 = fp8_value(tl.load(p1 + brow + c1, mask=c_ok, other=0), False) * g
+        s0, s1 = fp4_key_block_scales(p1, page, tok0, h, c0, c1, c_ok, H, P, D)
+        s0 = s0 * g
+        s1 = s1 * g
     else:
         s0 = tl.load(p1 + srow + c0, mask=c_ok, other=0.0).to(tl.float32)
         s1 = tl.load(p1 + srow + c1, mask=c_ok, other=0.0).to(tl.float32)
@@ -236,3 +236,111 @@ def fp4_value_codes(p0, p1, row, ok, D: tl.constexpr, BLOCK_C: tl.constexpr, OUT
     x0 = tl.reshape((e2m1_value(byte & 15) * s).to(OUT), [row.shape[0], BLOCK_C])
     x1 = tl.reshape((e2m1_value(byte >> 4) * s).to(OUT), [row.shape[0], BLOCK_C])
     return x0, x1
+
+
+# Packed 4-bit decoding for the 4-bit decode kernel (`kvstrata.radix.kernels.decode4`): whole bytes in,
+# FP16 pairs out, four bytes (eight codes) an instance of inline PTX. A byte pair is spread over two
+# 16-bit lanes (prmt), then one lop3 a lane pair puts a nibble under an FP16 exponent: int4 codes as
+# 1024 + c (low nibble) or 64 + c (high nibble, whose bits sit 4 higher), the bias subtracted exactly
+# by a packed FP16 subtraction; E2M1 codes as their sign, exponent and mantissa bits (the value times
+# 2**-14, as `e2m1_value`). Scales and offsets apply as packed FP16 products (``fma.rn.f16x2``).
+# Operands ($n): outputs low nibbles (2 registers), high nibbles (2), then the bytes (1), then the
+# FP16 scale and offset pairs of the low and of the high nibbles.
+_SPREAD = """
+.reg .b32 z, t0, t1, a, b, m;
+mov.b32 z, 0;
+prmt.b32 t0, $4, z, 0x4140;
+prmt.b32 t1, $4, z, 0x4342;
+"""
+_INT4_NIBBLE = """
+mov.b32 m, {bias};
+lop3.b32 a, t0, {mask}, m, 0xEA;
+sub.f16x2 a, a, m;
+lop3.b32 b, t1, {mask}, m, 0xEA;
+sub.f16x2 b, b, m;
+"""
+_FP4_NIBBLE = """
+shl.b32 a, t0, {mant};
+shl.b32 m, t0, {sign};
+and.b32 a, a, 0x0E000E00;
+lop3.b32 a, m, 0x80008000, a, 0xEA;
+shl.b32 b, t1, {mant};
+shl.b32 m, t1, {sign};
+and.b32 b, b, 0x0E000E00;
+lop3.b32 b, m, 0x80008000, b, 0xEA;
+"""
+_LO = dict(bias="0x64006400", mask="0x000F000F", mant=9, sign=12)
+_HI = dict(bias="0x54005400", mask="0x00F000F0", mant=5, sign=8)
+_OUT = {
+    "plain": "mov.b32 ${0}, a;\nmov.b32 ${1}, b;\n",
+    "scale": "mul.rn.f16x2 ${0}, a, ${2};\nmul.rn.f16x2 ${1}, b, ${3};\n",
+    "affine": "fma.rn.f16x2 ${0}, a, ${2}, ${4};\nfma.rn.f16x2 ${1}, b, ${3}, ${5};\n",
+}
+
+
+def _nibbles_asm(nibble: str, out: str) -> str:
+    """PTX of one packed decode: ``nibble`` the per-nibble code (`_INT4_NIBBLE`/`_FP4_NIBBLE`), ``out``
+    how its FP16 pairs leave (`_OUT`)."""
+    per_half = {"plain": 0, "scale": 2, "affine": 4}[out]  # scale/offset registers per nibble half
+    body = _SPREAD
+    for half, regs in ((_LO, (0, 1)), (_HI, (2, 3))):
+        first = 5 + (half is _HI) * per_half
+        operands = (*regs, first, first + 1, first + 2, first + 3)
+        body += nibble.format(**half) + _OUT[out].format(*operands)
+    return "{\n" + body + "}"
+
+
+INT4_CODES_ASM = tl.constexpr(_nibbles_asm(_INT4_NIBBLE, "plain"))
+INT4_AFFINE_ASM = tl.constexpr(_nibbles_asm(_INT4_NIBBLE, "affine"))
+FP4_SCALED_ASM = tl.constexpr(_nibbles_asm(_FP4_NIBBLE, "scale"))
+
+
+@triton.jit
+def nibble_pairs(
+    byte, s0, o0, s1, o1, FMT: tl.constexpr, AFFINE: tl.constexpr, ASM: tl.constexpr, OUT: tl.constexpr
+):
+    """Both nibbles of uint8 ``byte`` as ``OUT`` ``(x0, x1)``: low nibbles (even channels), high ones
+    (odd). int4: the code, or with ``AFFINE`` ``code * s + o``; fp4 (FMT 6): the E2M1 value times
+    2**-14 times ``s`` (a block scale; exact in FP16: E2M1 and E4M3 products are multiples of 2**-10
+    below 2688 with at most 6 significant bits). ``s0``/``o0`` go with the low nibbles, ``s1``/``o1``
+    with the high ones (broadcastable to ``byte``; unused ones may be anything). ``ASM``: packed PTX
+    (`_nibbles_asm`; FP16 ``OUT`` on a GPU only), else float32 arithmetic cast to ``OUT``."""
+    if ASM:  # the asm's operands broadcast to ``byte`` (`tl.inline_asm_elementwise` broadcasts them)
+        if FMT == 6:
+            x0, x1 = tl.inline_asm_elementwise(
+                FP4_SCALED_ASM, "=r,=r,=r,=r,r,r,r,r,r", [byte, s0.to(tl.float16), s1.to(tl.float16)],
+                (tl.float16, tl.float16), True, 4,
+            )  # fmt: skip
+        elif AFFINE:
+            x0, x1 = tl.inline_asm_elementwise(
+                INT4_AFFINE_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
+                [byte, s0.to(tl.float16), o0.to(tl.float16), s1.to(tl.float16), o1.to(tl.float16)],
+                (tl.float16, tl.float16), True, 4,
+            )  # fmt: skip
+        else:
+            x0, x1 = tl.inline_asm_elementwise(
+                INT4_CODES_ASM, "=r,=r,=r,=r,r", [byte], (tl.float16, tl.float16), True, 4
+            )
+    else:
+        b = byte.to(tl.int32)
+        if FMT == 6:
+            x0 = e2m1_value(b & 15) * (s0.to(tl.float32) * 6.103515625e-05)
+            x1 = e2m1_value(b >> 4) * (s1.to(tl.float32) * 6.103515625e-05)
+        else:
+            x0 = nibble_value(b & 15)
+            x1 = nibble_value(b >> 4)
+            if AFFINE:
+                x0 = x0 * s0.to(tl.float32) + o0.to(tl.float32)
+                x1 = x1 * s1.to(tl.float32) + o1.to(tl.float32)
+    return x0.to(OUT), x1.to(OUT)
+
+
+@triton.jit
+def fp4_key_block_scales(p1, page, tok0, h, c0, c1, c_ok, H, P: tl.constexpr, D: tl.constexpr):
+    """fp4 keys' E4M3 block scales ``(b0, b1)`` (float32) over channels ``c0``/``c1`` of the 16-token
+    blocks of ``page`` starting at ``tok0`` (shapes as `key_block_scales`'), without the page's global
+    scale (which `key_block_scales` folds in)."""
+    brow = ((page * (P // 16) + tok0 // 16) * H + h) * D
+    b0 = fp8_value(tl.load(p1 + brow + c0, mask=c_ok, other=0), False)
+    b1 = fp8_value(tl.load(p1 + brow + c1, mask=c_ok, other=0), False)
+    return b0, b1

@@ -159,6 +159,7 @@ def test_decode_cold_tiles_both_ways(codec, way, device, monkeypatch):
     for four_bit in (False, True):
         monkeypatch.setitem(attend.DECODE_LAUNCH[four_bit], "by_blocks", way == "blocks")
         monkeypatch.setitem(attend.DECODE_LAUNCH[four_bit], "prefetch", way == "keys, prefetch")
+    monkeypatch.setitem(attend.DECODE_LAUNCH[True], "module", "decode")  # not decode4: its own tests
     cache = make_cache(codec, device, sinks=True)
     assert check_steps(cache, [9, 70, 300], steps=2, n_new=1, tol=2e-5, splits=2) == 6
 

@@ -16,9 +16,9 @@ import kvstrata
 
 CHILD = """
 import json
-from kvstrata.radix.kernels import attend, decode, page_quantize
+from kvstrata.radix.kernels import attend, decode, decode4, page_quantize
 out = {}
-kernels = (attend._attend_kernel, decode._decode_kernel, attend._merge_kernel)
+kernels = (attend._attend_kernel, decode._decode_kernel, decode4._decode4_kernel, attend._merge_kernel)
 for fn in (*kernels, page_quantize._page_quantize_kernel):
     out[fn.__name__] = {
         "ints": sorted(p.name for p in fn.params if p.do_not_specialize),
@@ -42,6 +42,7 @@ def test_step_varying_arguments_are_not_specialized():
     assert got == {
         "_attend_kernel": attention,
         "_decode_kernel": attention,
+        "_decode4_kernel": attention,
         "_merge_kernel": {"ints": ["num_splits"], "pointers": []},
         "_page_quantize_kernel": {"ints": [], "pointers": sorted(["SRC", "PAGE_IDS", "SINK_SLOTS"])},
     }

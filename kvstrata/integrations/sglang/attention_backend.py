@@ -76,7 +76,10 @@ class KvstrataAttnBackend(AttentionBackend):
         pool = self.pool
         assert pool.ring is not None
         max_context = pool.req_to_token_pool.req_to_token.shape[1]
-        self.graph = DecodeGraphState(max_bs, max_context, pool.page_size, pool.ring.capacity, pool.device)
+        ring = pool.ring
+        self.graph = DecodeGraphState(
+            max_bs, max_context, pool.page_size, ring.capacity, ring.null_row, pool.device
+        )
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
@@ -92,8 +95,10 @@ class KvstrataAttnBackend(AttentionBackend):
                 f"kvstrata attention captures decode steps only, not {forward_batch.forward_mode.name}: "
                 "pass --disable-prefill-cuda-graph"
             )
-        rows, prefix_lens, _ = step_lengths(forward_batch)
-        self.pool.step = self.graph.load(self.pool.plan_decode(rows, prefix_lens))
+        rows = forward_batch.req_pool_indices.to("cpu", torch.long)
+        seq_lens = forward_batch.seq_lens_cpu
+        seq_lens = forward_batch.seq_lens.cpu() if seq_lens is None else seq_lens
+        self.pool.step = self.graph.load(self.pool.plan_decode(rows, seq_lens.to(torch.long) - 1))
 
     def init_forward_metadata_in_graph(self, forward_batch) -> None:
         assert self.graph is not None

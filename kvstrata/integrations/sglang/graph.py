@@ -4,12 +4,13 @@ SGLang captures a decode forward once per batch bucket and replays it: every ten
 read must live at the same address in every replay, with the same shapes. `DecodeGraphState` keeps
 one static `StepBatch` per bucket, all views of buffers sized for the largest bucket:
 
-- the host plans each replayed step (`RingBook.plan_decode`: ring rows, lengths, where a completed
-  page's rows come from, which ring row takes each new token) and `load` puts it on the device in
-  one asynchronous copy from pinned memory into ``inputs``;
+- the host plans each replayed step (`RingBook.plan_decode`: a few integers per entry: its row,
+  lengths, where its ring starts, which page it completes, which ring row takes its new token) and
+  `load` puts it on the device in one asynchronous copy from pinned memory into ``inputs``;
 - `gather` (recorded in the graph) turns ``inputs`` into what the kernels read: every entry's page
   table, read from SGLang's ``req_to_token`` on the device (the host never reads it), the id of the
-  page each entry completes (page 0, SGLang's padding page, when none) and the int32 lengths.
+  page each entry completes (page 0, SGLang's padding page, when none), every entry's ring rows
+  (``[bs, ring capacity]``) and the ring rows of the page it completes, and the int32 lengths.
 
 The page table is as wide as a request can be long, so the attention kernel's split-KV choice is
 fixed per bucket; the kernel reads only each entry's ``lengths``. The page quantize runs over every
@@ -28,7 +29,13 @@ STAGING_BUFFERS = 2  # pinned host buffers used in turn, each reused only after 
 
 class DecodeGraphState:
     def __init__(
-        self, max_bs: int, max_context: int, page_size: int, ring_capacity: int, device: torch.device
+        self,
+        max_bs: int,
+        max_context: int,
+        page_size: int,
+        ring_capacity: int,
+        null_ring_row: int,
+        device: torch.device,
     ) -> None:
         B, R, P = max_bs, ring_capacity, page_size
         self.max_bs, self.page_size, self.ring_capacity = B, P, R
@@ -40,8 +47,8 @@ class DecodeGraphState:
             "page_col": (B,),
             "complete": (B,),
             "lengths": (3, B),
-            "ring_rows": (B, R),
-            "sources": (B * P,),
+            "ring_start": (B,),
+            "ring_base": (B,),
             "ring_dst": (B,),
         }
         sizes = [_numel(shape) for shape in self.sections.values()]
@@ -62,6 +69,12 @@ class DecodeGraphState:
         self.page_table = torch.zeros((B, self.width), dtype=torch.int32, device=self.device)
         self.lengths = torch.zeros((3, B), dtype=torch.int32, device=self.device)
         self.page_ids = torch.zeros(B, dtype=torch.long, device=self.device)
+        self.ring_rows = torch.zeros((B, R), dtype=torch.long, device=self.device)
+        self.sources = torch.zeros(B * P, dtype=torch.long, device=self.device)
+        self.null_row = torch.tensor(null_ring_row, dtype=torch.long, device=self.device)
+        self.ring_cols = torch.arange(R, device=self.device).view(1, R)
+        self.page_rows = torch.arange(P, device=self.device).view(1, P)
+        self.new_rows = -1 - torch.arange(B, device=self.device).view(B, 1)  # `WritePlan.kernel_sources`
         self.sink_slots = torch.full((B,), -1, dtype=torch.long, device=self.device)
         self.ring_src = torch.arange(B, dtype=torch.long, device=self.device)
         self.steps: dict[int, StepBatch] = {}
@@ -104,14 +117,25 @@ class DecodeGraphState:
 
     def gather(self, bs: int, req_to_token: torch.Tensor) -> None:
         """Device ops of a step of bucket ``bs`` (recorded in the graph; no host read): page tables
-        from ``req_to_token``, completed page ids, int32 lengths."""
-        P, v = self.page_size, self.views
+        from ``req_to_token``, completed page ids, ring rows, the sources of completed pages, int32
+        lengths."""
+        P, R, v = self.page_size, self.ring_capacity, self.views
         table = self.page_table[:bs]
         torch.index_select(req_to_token[:, ::P], 0, v["rows"][:bs], out=table)
         table.floor_divide_(P)
-        done = torch.gather(table, 1, v["page_col"][:bs].view(bs, 1)).view(bs).to(torch.long)
-        torch.mul(done, v["complete"][:bs], out=self.page_ids[:bs])
+        page_col, complete = v["page_col"][:bs].view(bs, 1), v["complete"][:bs]
+        done = torch.gather(table, 1, page_col).view(bs).to(torch.long)
+        torch.mul(done, complete, out=self.page_ids[:bs])
         self.lengths[:, :bs].copy_(v["lengths"][:, :bs])
+        # Ring rows of positions [ring_start, L): rows base + (ring_start + j) % R, then the null row.
+        base, start = v["ring_base"][:bs].view(bs, 1), v["ring_start"][:bs].view(bs, 1)
+        held = self.ring_cols < v["lengths"][1, :bs].view(bs, 1)
+        torch.where(held, base + (start + self.ring_cols) % R, self.null_row, out=self.ring_rows[:bs])
+        # Page of position L = page_col * P + P - 1: its first P - 1 rows from the ring, the last the new row.
+        from_ring = base + (page_col * P + self.page_rows) % R
+        rows = torch.where(self.page_rows < P - 1, from_ring, self.new_rows[:bs])
+        sources = self.sources[: bs * P].view(bs, P)
+        torch.where(complete.view(bs, 1).bool(), rows, self.null_row, out=sources)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -134,7 +158,7 @@ def _static_step(state: DecodeGraphState, bs: int) -> StepBatch:
         cold_pages=[0] * bs,
         sink_table=None,
         sink_valid=[False] * bs,
-        ring_rows=v["ring_rows"][:bs],
+        ring_rows=state.ring_rows[:bs],
         ring_len=[0] * bs,
         page_size=P,
         lengths=state.lengths[:, :bs],
@@ -148,7 +172,7 @@ def _static_step(state: DecodeGraphState, bs: int) -> StepBatch:
         ring_dst=v["ring_dst"][:bs],
         ring_src=state.ring_src[:bs],
     )
-    write._kernel_sources = v["sources"][: bs * P]  # what `WritePlan.kernel_sources` returns
+    write._kernel_sources = state.sources[: bs * P]  # what `WritePlan.kernel_sources` returns
     write.__dict__["kernel_sink_slots"] = state.sink_slots[:bs]  # no sinks inside SGLang
     return StepBatch(
         seqs=[],

@@ -87,10 +87,11 @@ class StratifiedTokenToKVPool(MHATokenToKVPool):
         self.quantized_pages += int(self.step.write.page_ids.numel())
         return self.step
 
-    def plan_decode(self, rows: list[int], prefix_lens: list[int]) -> DecodePlan:
-        """Plan a decode step for a captured graph (`graph.DecodeGraphState`); row 0 is padding."""
+    def plan_decode(self, rows: torch.Tensor, prefix_lens: torch.Tensor) -> DecodePlan:
+        """Plan a decode step for a captured graph (`graph.DecodeGraphState`) from host tensors of
+        the entries' request rows and cached prefix lengths; row 0 is padding."""
         book = self._book()
-        generations = self.req_to_token_pool.req_generation[rows].tolist()
+        generations = self.req_to_token_pool.req_generation[rows]
         plan = book.plan_decode(rows, generations, prefix_lens)
         self.quantized_pages += plan.pages_completed
         return plan
@@ -129,7 +130,7 @@ class StratifiedTokenToKVPool(MHATokenToKVPool):
         """K and V ``[length, H, D]`` of a request row as attention sees them: cold pages below the
         ring's start (dequantized), ring rows after it. For tests and debugging."""
         assert self.rings is not None and self.ring is not None
-        ring, P = self.rings.rows[row], self.page_size
+        ring, P = self.rings.ring(row), self.page_size
         if length != ring.length:
             raise ValueError(f"row {row} holds {ring.length} tokens, asked for {length}")
         local = layer_id - self.start_layer

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from kvstrata.radix.plan import NullRows, StepBatch, build_step, next_ring_start
+from kvstrata.radix.plan import NullRows, StepBatch, build_step
 from kvstrata.radix.sequence import Sequence
 
 PADDING_ROW = 0  # SGLang's ReqToTokenPool never gives row 0 to a request; padded batches use it
@@ -48,40 +49,40 @@ def page_tables(
 
 @dataclass
 class DecodePlan:
-    """Host int64 tensors of one decode step of ``bs`` entries, for a captured graph (`graph`):
-    what the Triton kernels read, with the page ids left to a gather on the device (``page_col``,
-    ``complete``). Padding entries (row `PADDING_ROW`) read no history, complete no page (page 0,
-    SGLang's padding page, sourced from the null ring row) and write their token to a row of ring
-    slot 0, which belongs to no request."""
+    """Host int64 tensors of one decode step of ``bs`` entries, for a captured graph (`graph`), each
+    ``[bs]`` (``lengths``: ``[3, bs]``): what the device turns into what the kernels read (page
+    tables, completed page ids, every entry's ring rows and the rows of the page it completes), so
+    a step copies a few integers per entry to the device. Padding entries (row `PADDING_ROW`) read no
+    history, complete no page (page 0, SGLang's padding page, sourced from the null ring row) and
+    write their token to a row of ring slot 0, which belongs to no request."""
 
-    rows: torch.Tensor  # [bs] request rows
-    page_col: torch.Tensor  # [bs] page index of the new token's position (L // P)
-    complete: torch.Tensor  # [bs] 1 when the new token completes that page
+    rows: torch.Tensor  # request rows
+    page_col: torch.Tensor  # page index of the new token's position (L // P)
+    complete: torch.Tensor  # 1 when the new token completes that page
     lengths: torch.Tensor  # [3, bs] cold pages, ring rows, sink flag (0)
-    ring_rows: torch.Tensor  # [bs, R] ring rows of positions [ring_start, L), padded with the null row
-    sources: torch.Tensor  # [bs * P] rows of the completed pages (`WritePlan.kernel_sources`)
-    ring_dst: torch.Tensor  # [bs] ring row of each new token
+    ring_start: torch.Tensor  # first position held in the ring (the rows are positions [ring_start, L))
+    ring_base: torch.Tensor  # first ring row of the entry's slot (row * ring capacity; 0 for padding)
+    ring_dst: torch.Tensor  # ring row of each new token
     pages_completed: int
 
 
 class RingBook:
+    """The rings of every request row, as int64 host arrays indexed by row, so a decode step of a
+    large batch is planned with a few array operations, not a Python loop over its requests (numpy:
+    an operation on a few hundred integers costs it about a microsecond, torch several); `ring`
+    reads one row's ring as a `RowRing`."""
+
     def __init__(self, rows: int, page_size: int, ring_capacity: int, window: int, nulls: NullRows) -> None:
-        self.rows = [RowRing() for _ in range(rows)]
+        self.generation = np.full(rows, -1, dtype=np.int64)
+        self.origin = np.zeros(rows, dtype=np.int64)
+        self.start = np.zeros(rows, dtype=np.int64)
+        self.length = np.zeros(rows, dtype=np.int64)
         self.page_size, self.ring_capacity, self.window, self.nulls = page_size, ring_capacity, window, nulls
 
-    def ring_of(self, row: int, generation: int, prefix_len: int) -> RowRing:
-        """The row's ring if it continues at ``prefix_len``; else a new empty ring starting there
-        (a new request, or one whose prefix came from the radix tree). A new ring must start on a
-        page boundary: the positions before it are read from cold pages."""
-        ring = self.rows[row]
-        if ring.generation == generation and ring.length == prefix_len:
-            return ring
-        if prefix_len % self.page_size:
-            raise ValueError(
-                f"request row {row}: cached prefix of {prefix_len} tokens is not page aligned "
-                f"(page_size={self.page_size}) and its recent window is gone"
-            )
-        return RowRing(generation, prefix_len, prefix_len, prefix_len)
+    def ring(self, row: int) -> RowRing:
+        return RowRing(
+            int(self.generation[row]), int(self.origin[row]), int(self.start[row]), int(self.length[row])
+        )
 
     def plan(
         self,
@@ -92,15 +93,23 @@ class RingBook:
         req_to_token: torch.Tensor,
         device: torch.device,
     ) -> StepBatch:
-        """Plan one forward step and record the rings as they will be after it."""
+        """Plan one forward step and record the rings as they will be after it. A row whose ring
+        does not continue at its cached prefix (a new request, or one whose prefix came from the
+        radix tree) starts a new empty ring there, which must be page aligned: the positions
+        before it are read from cold pages."""
         P = self.page_size
         full_pages = [(L + n) // P for L, n in zip(prefix_lens, extend_lens, strict=True)]
         tables = page_tables(rows, full_pages, req_to_token, P)
+        index = np.asarray(rows, dtype=np.int64)
+        state = np.stack([self.generation, self.origin, self.start, self.length])[:, index].T.tolist()
         seqs, new_pages, rings = [], [], []
         for i, (row, gen, L, n) in enumerate(zip(rows, generations, prefix_lens, extend_lens, strict=True)):
             if n < 1:
                 raise ValueError(f"request row {row}: {n} new tokens")
-            ring = self.ring_of(row, gen, L)
+            ring = RowRing(*state[i])
+            if ring.generation != gen or ring.length != L:
+                _check_aligned(row, L, P)
+                ring = RowRing(gen, L, L, L)
             page_ids = tables[i]
             seqs.append(
                 Sequence(
@@ -128,52 +137,59 @@ class RingBook:
             nulls=self.nulls,
             device=device,
         )
-        after = zip(rows, rings, batch.new_ring_start, prefix_lens, extend_lens, strict=True)
-        for row, ring, start, L, n in after:
-            ring.start, ring.length = start, L + n
-            self.rows[row] = ring
+        self.generation[index] = [ring.generation for ring in rings]
+        self.origin[index] = [ring.origin for ring in rings]
+        self.start[index] = batch.new_ring_start
+        self.length[index] = np.add(prefix_lens, extend_lens)
         return batch
 
-    def plan_decode(self, rows: list[int], generations: list[int], prefix_lens: list[int]) -> DecodePlan:
-        """Plan a decode step (one new token per entry) as `DecodePlan` and record the rings as they
-        will be after it, exactly as `plan` does for the same batch."""
-        P, R, null = self.page_size, self.ring_capacity, self.nulls.ring_row
-        bs = len(rows)
-        starts, bases, lens, cols, complete = [0] * bs, [0] * bs, [0] * bs, [0] * bs, [0] * bs
-        ring_dst = [i % R for i in range(bs)]
-        rows = list(rows)
-        for i, (row, gen, L) in enumerate(zip(rows, generations, prefix_lens, strict=True)):
-            if row == PADDING_ROW or L == 0:
-                # Padding: SGLang fills a padded entry's sequence length with 1 (prefix 0; a real decode
-                # entry has at least one token before it), but a version that leaves the padded tail of
-                # its request-row buffer stale would name a live row here: never touch that row's ring.
-                rows[i] = PADDING_ROW
-                continue
-            ring = self.ring_of(row, gen, L)
-            starts[i], bases[i], lens[i], cols[i] = ring.start, row * R, L - ring.start, L // P
-            complete[i] = int((L + 1) % P == 0)
-            ring_dst[i] = row * R + L % R
-            ring.start = next_ring_start(ring.start, ring.origin, L + 1, self.window, P)
-            ring.length = L + 1
-            self.rows[row] = ring
-        start_t, base_t = torch.tensor(starts).view(bs, 1), torch.tensor(bases).view(bs, 1)
-        len_t, done_t = torch.tensor(lens).view(bs, 1), torch.tensor(complete).view(bs, 1)
-        col = torch.arange(R).view(1, R)
-        ring_rows = torch.where(col < len_t, base_t + (start_t + col) % R, null)
-        # Page of position L = page_col * P + P - 1: its first P - 1 rows from the ring, the last the new row.
-        tok = torch.arange(P).view(1, P)
-        first = torch.tensor(cols).view(bs, 1) * P
-        own = -1 - torch.arange(bs).view(bs, 1)
-        sources = torch.where(tok < P - 1, base_t + (first + tok) % R, own)
-        sources = torch.where(done_t.bool(), sources, null).reshape(-1)
-        n_cold = [s // P for s in starts]
+    def plan_decode(self, rows, generations, prefix_lens) -> DecodePlan:
+        """Plan a decode step (one new token per entry; request rows, their generations and cached
+        prefix lengths as int sequences or CPU tensors) as `DecodePlan` and record the rings as
+        they will be after it, exactly as `plan` does for the same batch."""
+        P, R, W = self.page_size, self.ring_capacity, self.window
+        rows_in = _int64(rows)
+        gen, L = _int64(generations), _int64(prefix_lens)
+        bs = rows_in.size
+        # Padding: SGLang fills a padded entry's sequence length with 1 (prefix 0; a real decode entry
+        # has at least one token before it), but a version that leaves the padded tail of its
+        # request-row buffer stale would name a live row here: never touch that row's ring.
+        live = (rows_in != PADDING_ROW) & (L > 0)
+        rows_t = np.where(live, rows_in, PADDING_ROW)
+        fresh = live & ((self.generation[rows_t] != gen) | (self.length[rows_t] != L))
+        misaligned = np.flatnonzero(fresh & (L % P != 0))
+        if misaligned.size:
+            i = int(misaligned[0])
+            _check_aligned(int(rows_t[i]), int(L[i]), P)
+        origin = np.where(fresh, L, self.origin[rows_t])
+        start = np.where(fresh, L, self.start[rows_t]) * live
+        base = rows_t * R * live
+        lens = (L - start) * live
+        cols = L // P * live
+        done = live & ((L + 1) % P == 0)
+        ring_dst = np.where(live, base + L % R, np.arange(bs) % R)
+        kept = rows_t[live]
+        self.generation[kept], self.origin[kept] = gen[live], origin[live]
+        self.start[kept] = np.maximum(np.maximum(start, origin), (L + 1 - W) // P * P)[live]
+        self.length[kept] = L[live] + 1
+        complete = done.astype(np.int64)
+        lengths = np.stack([start // P, lens, np.zeros_like(lens)])
         return DecodePlan(
-            rows=torch.tensor(rows, dtype=torch.long),
-            page_col=torch.tensor(cols, dtype=torch.long),
-            complete=done_t.view(bs),
-            lengths=torch.tensor([n_cold, lens, [0] * bs], dtype=torch.long),
-            ring_rows=ring_rows,
-            sources=sources,
-            ring_dst=torch.tensor(ring_dst, dtype=torch.long),
-            pages_completed=sum(complete),
+            *(torch.from_numpy(a) for a in (rows_t, cols, complete, lengths, start, base, ring_dst)),
+            pages_completed=int(complete.sum()),
+        )
+
+
+def _int64(values) -> np.ndarray:
+    """A host int64 array of a sequence or a CPU tensor (a tensor's memory is shared, not copied)."""
+    if isinstance(values, torch.Tensor):
+        return values.to(torch.long).numpy()
+    return np.asarray(values, dtype=np.int64)
+
+
+def _check_aligned(row: int, prefix_len: int, page_size: int) -> None:
+    if prefix_len % page_size:
+        raise ValueError(
+            f"request row {row}: cached prefix of {prefix_len} tokens is not page aligned "
+            f"(page_size={page_size}) and its recent window is gone"
         )

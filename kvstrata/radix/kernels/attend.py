@@ -73,7 +73,7 @@ LOG2E = 1.4426950408889634
 # and ``maxnreg``: see `decode.launch_decode` (``swap_ab`` and ``halves`` slower on the H200,
 # `attention_sweep.py`). ``maxnreg`` 168 (8-bit codes only): 3 programs an SM instead of 2 despite
 # spills (H200, FP8: B=64 at 32K 1.562 ms against 1.602 uncapped, B=256 at 2K 0.418 against 0.483,
-# B=1 at 32K 0.045 against 0.043; docs/kernels-h200.md, pass 5).
+# B=1 at 32K 0.045 against 0.043; docs/kernels-h200.md, pass 6).
 # ``merged_tail``: the decode module reads the sink page, ring rows and new key as one run of tiles.
 # ``scaled_keys_by_blocks``: int8 keys (per-channel scales over a page) read by ``blocks`` 16-token
 # blocks a tile, their scale vectors loaded once per block, instead of by keys with a scale gathered
@@ -101,10 +101,15 @@ DECODE_LAUNCH = {
         scaled_keys_by_blocks=True,
         tail_apart=True,
     ),
+    # 4-bit layers (int4/fp4 keys and values) decode by `kvstrata.radix.kernels.decode4` (``module``
+    # "decode4"; `decode4.applies`; other 4-bit layers by blocks in this module's kernel): ``blocks``
+    # 16-token blocks a tile, packed PTX nibble decoding (``asm``), 128 registers (4 programs an SM,
+    # spills and all: H200, B=64, 32K, int4 2.78 ms and fp4 3.11 against 5.27 / 4.54 by blocks here;
+    # docs/kernels-h200.md pass 5).
     True: dict(
         block_m=64,
         block_n=32,
-        blocks=8,
+        blocks=4,
         num_warps=4,
         num_stages=2,
         by_blocks=True,
@@ -113,10 +118,11 @@ DECODE_LAUNCH = {
         f16_codes=False,
         swap_ab=False,
         halves=False,
-        maxnreg=None,
-        module="decode",
+        maxnreg=128,
+        module="decode4",
         min_pages=16,
         merged_tail=True,
+        asm=True,
     ),
 }
 # Extend, by the layer's codes (`extend_kind`): 128 query rows a tile. BF16/FP32 history ("raw"): 64
@@ -825,6 +831,14 @@ def _attend_pass(
         CODE_DTYPE=tl.float16 if f16 and not interpreted else dot_dtype,
         NORM_W=f16,
     )
+    if T == 1 and launch.get("module") == "decode4":
+        from kvstrata.radix.kernels import decode4
+
+        if decode4.applies(k_fmt, v_fmt, d, page):
+            grid = (B, h, splits)
+            args = (*tensors, scale * LOG2E, h, *strides)
+            decode4.launch_decode4(grid, args, group, launch, interpreted, **meta)
+            return Partials(po, pl) if partial else None
     if T == 1 and not fold and launch.get("module", "decode") == "decode":
         from kvstrata.radix.kernels import decode  # it imports this module's tile functions
 

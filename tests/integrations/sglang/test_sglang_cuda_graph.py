@@ -68,7 +68,7 @@ def test_graph_plan_equals_eager_plan(stale_padding: bool):
     pool, P = w.pool, PAGE
     R, null = pool.ring.capacity, pool.ring.null_row
     req_to_token = w.req_pool.req_to_token
-    state = DecodeGraphState(8, req_to_token.shape[1], P, R, torch.device("cpu"))
+    state = DecodeGraphState(8, req_to_token.shape[1], P, R, null, torch.device("cpu"))
     checked = []
 
     def check(w: World, batch, decode: bool) -> None:
@@ -90,7 +90,7 @@ def test_graph_plan_equals_eager_plan(stale_padding: bool):
         lengths = state.lengths[:, :BUCKET].tolist()
         assert lengths[0][:n] == g.cold_pages and lengths[1][:n] == g.ring_len
         assert lengths[0][n:] == lengths[1][n:] == [0] * (BUCKET - n) and lengths[2] == [0] * BUCKET
-        ring_rows = state.views["ring_rows"]
+        ring_rows = state.ring_rows
         for i in range(n):
             cold, ring = g.cold_pages[i], g.ring_len[i]
             assert torch.equal(state.page_table[i, :cold].long(), g.page_table[i, :cold])
@@ -99,7 +99,7 @@ def test_graph_plan_equals_eager_plan(stale_padding: bool):
         done = plan.complete.bool()
         assert torch.equal(state.page_ids[:BUCKET][done], eager.write.page_ids)
         assert (state.page_ids[:BUCKET][~done] == 0).all()
-        sources = state.views["sources"][: BUCKET * P].view(BUCKET, P)
+        sources = state.sources[: BUCKET * P].view(BUCKET, P)
         assert torch.equal(sources[done].reshape(-1), eager.write.kernel_sources(P))
         assert (sources[~done] == null).all()
         ring_dst = state.views["ring_dst"][:BUCKET]
@@ -108,7 +108,7 @@ def test_graph_plan_equals_eager_plan(stale_padding: bool):
         assert (ring_dst[n:] < R).all()  # slot 0 belongs to row 0, which no request gets
         assert plan.rows[n:].tolist() == [0] * (BUCKET - n)
         for row in rows[:n]:
-            assert book.rows[row] == pool.rings.rows[row]
+            assert book.ring(row) == pool.rings.ring(row)
         checked.append(int(done.sum()))
 
     run_schedule(w, check)

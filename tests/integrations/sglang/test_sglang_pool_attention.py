@@ -170,7 +170,7 @@ def assert_pool_equals_cache(w: World, batch) -> None:
     """Each request of ``batch`` holds in the pool (cold pages + ring) exactly what kvstrata's cache holds."""
     for name, L, n in batch:
         seq, row = w.seqs[name], w.rows[name]
-        assert w.pool.rings.rows[row].start == seq.ring_start
+        assert w.pool.rings.ring(row).start == seq.ring_start
         for layer in range(LAYERS):
             k, v = w.pool.read_request(layer, row, L + n)
             pages = torch.tensor(seq.page_ids[: seq.ring_start // PAGE], dtype=torch.long)

@@ -1,0 +1,338 @@
+"""Decode attention over 4-bit strata (int4 and fp4_e2m1 keys and values): whole bytes, FP16 operands.
+
+The 4-bit twin of `kvstrata.radix.kernels.decode`, driven by the same plan, split-KV rule and launch
+table entry (``DECODE_LAUNCH[True]`` with ``module`` "decode4"): one program per (sequence, KV head,
+split), the GQA group's query heads padded to ``BLOCK_H`` rows. Cold tiles are ``BLOCKS`` 16-token
+blocks, each inside one page, read as whole bytes ``[BLOCKS, 16, D/2]``: the low nibbles are the even
+channels and the high ones the odd channels, so q is split once per program into its even and odd
+channels (scores = two K = D/2 products) and the output accumulates in even and odd halves, put back
+in order only by the final store. Codes become FP16 dot operands (`nibble_pairs`; ``ASM``: packed
+PTX, eight codes an instance, no float32 round trip):
+
+- int4 keys: ``code * s + o`` in FP16 with the block's per-channel scale and offset
+  (`key_block_scales`, loaded once per block and broadcast over its 16 tokens).
+- fp4 keys: E2M1 times the block's per-channel E4M3 scale (exact in FP16, times 2**-14); the page's
+  global scale (times 2**14) multiplies the score columns.
+- values: the codes alone (int4) or times their 32-channel block scale (fp4, exact); the per-token
+  scale (int4 ``s``, fp4 global times 2**14) folds into the softmax weights, divided by the tile's
+  largest so the FP16 weights stay normal, and int4's per-token offset adds ``sum(p * o)``.
+
+FP16 rather than BF16 operands: 11-bit significands (E2M1 and E4M3 products are exact in it), at the
+cost of range: an int4 key or a scaled query beyond 65504 would overflow (model activations are far
+below that; a scale under 2**-14 is an FP16 subnormal, off by under 2**-25: under 5e-7 on a key).
+A float32 model (and the interpreter) keeps float32 operands (``CODE_DTYPE``). The sink page, ring
+rows and the new key (BF16/float32) are read by `attend._raw_tile` in the same channel halves, in
+tiles of ``TAIL_N`` keys; the cold blocks a split has past its last whole tile one block at a time
+(a split's cold keys are whole pages of whole blocks: no tile is ever masked). ``PREFETCH`` loads
+the page-table entries and the scales Triton's pipeliner leaves in the loop (`_side_scales`) a tile
+ahead. Measured on the H200: docs/kernels-h200.md, pass 5.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kvstrata.quant.kernel_decode import (
+    fp4_key_block_scales,
+    fp8_value,
+    key_block_scales,
+    nibble_pairs,
+    value_tile_scales,
+)
+from kvstrata.radix.kernels.attend import HALF_FORMATS, _online, _raw_tile
+from kvstrata.radix.kernels.jit import jit_unspecialized
+
+# Keys a tile of the sink page, ring rows and the new key (BF16 channel halves loaded element by
+# element; a few tiles in one split a step).
+TAIL_N = tl.constexpr(32)
+
+
+def applies(k_fmt: int, v_fmt: int, head_dim: int, page_size: int) -> bool:
+    """Whether `_decode4_kernel` reads this layer: 4-bit keys and values, a power-of-two head_dim of
+    32 or more (fp4 value blocks of 32 channels, 16-wide halves for `tl.dot`), 16-token blocks."""
+    pow2 = head_dim & (head_dim - 1) == 0
+    return k_fmt in HALF_FORMATS and v_fmt in HALF_FORMATS and pow2 and head_dim >= 32 and page_size % 16 == 0
+
+
+@triton.jit
+def _rows(j0, pb, pv, h, H, P: tl.constexpr, BLOCKS: tl.constexpr):
+    """Rows of a tile's keys in the parts: ``[BLOCKS, 1, 1]`` pages and first tokens of its blocks
+    (keys' per-channel scales), and ``[16 * BLOCKS]`` (page, token, head) rows of its keys."""
+    jb = j0 + tl.arange(0, BLOCKS) * 16  # first key of each block
+    j = j0 + tl.arange(0, BLOCKS * 16)
+    rv = (pv.to(tl.int64) * P + j % P) * H + h
+    return pb.to(tl.int64)[:, None, None], (jb % P).to(tl.int64)[:, None, None], rv
+
+
+@triton.jit
+def _side_scales(
+    K1, K2, V1, V2, j0, pb, pv, h, H,
+    P: tl.constexpr, D: tl.constexpr, BLOCKS: tl.constexpr, K_FMT: tl.constexpr, V_FMT: tl.constexpr,
+):  # fmt: skip
+    """The scales of a tile that Triton's pipeliner does not copy ahead (narrower than 32 bits, or
+    not feeding a dot), loaded here so that the kernel can load them a tile ahead (``PREFETCH``):
+    fp4 keys' block scales ``(b0, b1)`` ``[BLOCKS, 1, D/2]`` and global scales times 2**14 ``[16 *
+    BLOCKS]`` (int4 keys: zeros, their scales are the pipeliner's); fp4 values' block scales ``[16 *
+    BLOCKS, D/32, 1]`` and global scales times 2**14, or int4 values' scales and offsets."""
+    pb3, tb3, rv = _rows(j0, pb, pv, h, H, P, BLOCKS)
+    ck = tl.arange(0, D // 2)[None, None, :]
+    if K_FMT == 6:
+        b0, b1 = fp4_key_block_scales(K1, pb3, tb3, h, 2 * ck, 2 * ck + 1, ck < D // 2, H, P, D)
+        kg = tl.load(K2 + pv.to(tl.int64) * H + h).to(tl.float32) * 16384.0
+    else:
+        b0, b1, kg = 0.0, 0.0, 0.0
+    if V_FMT == 6:
+        g = tl.arange(0, D // 32)[None, :, None]
+        vx = fp8_value(tl.load(V1 + rv[:, None, None] * (D // 32) + g), False)
+        vy = value_tile_scales(V1, V2, rv, 6)[0] * 16384.0
+    else:
+        vx, vy = value_tile_scales(V1, V2, rv, 5)
+    return b0, b1, kg, vx, vy
+
+
+@triton.jit
+def _cold_tile4(
+    qc0,
+    qc1,
+    acc0,
+    acc1,
+    m_i,
+    l_i,
+    K0,
+    K1,
+    K2,
+    V0,
+    j0,
+    pb,
+    pv,
+    side,
+    h,
+    H,
+    P: tl.constexpr,
+    D: tl.constexpr,
+    BLOCKS: tl.constexpr,
+    K_FMT: tl.constexpr,
+    V_FMT: tl.constexpr,
+    ASM: tl.constexpr,
+    CODE_DTYPE: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Keys ``j0`` to ``j0 + 16 * BLOCKS`` of the sequence's cold pages, in pages ``pb`` (``[BLOCKS]``,
+    each block's) and ``pv`` (``[16 * BLOCKS]``, each key's), with the tile's `_side_scales`
+    ``side``. All of them keys: no masks (a split's cold keys are whole pages of whole blocks)."""
+    HD: tl.constexpr = D // 2
+    N: tl.constexpr = BLOCKS * 16
+    b0, b1, kg, vx, vy = side
+    pb, tb, rv = _rows(j0, pb, pv, h, H, P, BLOCKS)
+    c = tl.arange(0, HD)
+    ck = c[None, None, :]
+    kb = tl.load(K0 + ((pb * P + tb + tl.arange(0, 16)[None, :, None]) * H + h) * HD + ck)
+    if K_FMT == 6:
+        k0, k1 = nibble_pairs(kb, b0, b0, b1, b1, 6, False, ASM, CODE_DTYPE)
+    else:
+        s0, s1, o0, o1 = key_block_scales(K1, K2, pb, tb, h, 2 * ck, 2 * ck + 1, ck < HD, H, P, D, K_FMT)
+        k0, k1 = nibble_pairs(kb, s0, o0, s1, o1, 5, True, ASM, CODE_DTYPE)
+    s = tl.dot(qc0, tl.trans(tl.reshape(k0, [N, HD])), input_precision=DOT_PREC)
+    s += tl.dot(qc1, tl.trans(tl.reshape(k1, [N, HD])), input_precision=DOT_PREC)
+    if K_FMT == 6:  # the page's global scale (times 2**14) on each key's column
+        s = s * kg[None, :]
+    p, alpha, m_i, l_i = _online(s, m_i, l_i)
+
+    if V_FMT == 6:  # [N, 32-channel blocks, 16 bytes]: a block's scale loads once per row
+        g = tl.arange(0, HD // 16)[None, :, None]
+        vb = tl.load(V0 + rv[:, None, None] * HD + g * 16 + tl.arange(0, 16)[None, None, :])
+        v0, v1 = nibble_pairs(vb, vx, vx, vx, vx, 6, False, ASM, CODE_DTYPE)
+        v0 = tl.reshape(v0, [N, HD])
+        v1 = tl.reshape(v1, [N, HD])
+        vs = vy
+    else:
+        vb = tl.load(V0 + rv[:, None] * HD + c[None, :])
+        v0, v1 = nibble_pairs(vb, 1.0, 0.0, 1.0, 0.0, 5, False, ASM, CODE_DTYPE)
+        vs = vx
+    top = tl.max(vs, 0) + 1.1754943508222875e-38
+    w = (p * (vs * (1.0 / top))[None, :]).to(CODE_DTYPE)
+    acc0 = acc0 * alpha[:, None] + tl.dot(w, v0, input_precision=DOT_PREC) * top
+    acc1 = acc1 * alpha[:, None] + tl.dot(w, v1, input_precision=DOT_PREC) * top
+    if V_FMT == 5:
+        off = tl.sum(p * vy[None, :], 1)[:, None]
+        acc0 += off
+        acc1 += off
+    return acc0, acc1, m_i, l_i
+
+
+@jit_unspecialized(  # the per-step arguments, as `attend._attend_kernel`'s
+    ints=("pt_stride", "rr_stride", "pages_per_split", "num_splits", "tail_split"),
+    pointers=("PT", "COLD_LEN", "ST", "SINK_OK", "RR", "RING_LEN"),
+)
+def _decode4_kernel(
+    Q,
+    KN,
+    VN,
+    OUT,
+    PO,
+    PL,
+    PT,
+    COLD_LEN,
+    K0,
+    K1,
+    K2,
+    V0,
+    V1,
+    V2,
+    ST,
+    SINK_OK,
+    SK,
+    SV,
+    RR,
+    RING_LEN,
+    RK,
+    RV,
+    qk_scale,
+    H,
+    pt_stride,
+    rr_stride,
+    pages_per_split,
+    num_splits,
+    tail_split,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    P: tl.constexpr,
+    K_FMT: tl.constexpr,
+    V_FMT: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCKS: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    ASM: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    CODE_DTYPE: tl.constexpr,
+    NORM_W: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    r = tl.arange(0, BLOCK_H)
+    row_ok = r < GROUP
+    q_row = (b * H + h).to(tl.int64) * GROUP + r  # query head h * GROUP + r of token b
+    c0 = 2 * tl.arange(0, D // 2)  # even channels; c0 + 1 the odd ones
+    c1 = c0 + 1
+    q_at = Q + q_row[:, None] * D
+    q0 = tl.load(q_at + c0[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * qk_scale
+    q1 = tl.load(q_at + c1[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * qk_scale
+    m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_H, D // 2], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_H, D // 2], dtype=tl.float32)
+
+    # Cold keys of this split: tiles of BLOCKS blocks, then the blocks left one at a time (a split's
+    # keys are whole pages of whole blocks, so no tile is masked and no key is padding).
+    n_cold = tl.load(COLD_LEN + b)
+    lo = split * pages_per_split
+    hi = tl.minimum(lo + pages_per_split, n_cold)
+    end = hi * P
+    full = lo * P + tl.maximum(hi - lo, 0) * P // (BLOCKS * 16) * (BLOCKS * 16)
+    pt = PT + b * pt_stride
+    qc0 = q0.to(CODE_DTYPE)
+    qc1 = q1.to(CODE_DTYPE)
+    jb = tl.arange(0, BLOCKS) * 16
+    jn = tl.arange(0, BLOCKS * 16)
+    if PREFETCH:  # page-table entries and `_side_scales` a tile ahead: no load waits in the tile
+        pb = tl.load(pt + (lo * P + jb) // P, mask=lo * P + jb < end, other=0)
+        pv = tl.load(pt + (lo * P + jn) // P, mask=lo * P + jn < end, other=0)
+        side = _side_scales(K1, K2, V1, V2, lo * P, pb, pv, h, H, P, D, BLOCKS, K_FMT, V_FMT)
+    for j0 in range(lo * P, full, BLOCKS * 16):
+        if PREFETCH:
+            ahead = j0 + BLOCKS * 16
+            pb_ahead = tl.load(pt + (ahead + jb) // P, mask=ahead + jb < end, other=0)
+            pv_ahead = tl.load(pt + (ahead + jn) // P, mask=ahead + jn < end, other=0)
+            side_ahead = _side_scales(
+                K1, K2, V1, V2, ahead, pb_ahead, pv_ahead, h, H, P, D, BLOCKS, K_FMT, V_FMT
+            )
+        else:
+            pb = tl.load(pt + (j0 + jb) // P)
+            pv = tl.load(pt + (j0 + jn) // P)
+            side = _side_scales(K1, K2, V1, V2, j0, pb, pv, h, H, P, D, BLOCKS, K_FMT, V_FMT)
+        acc0, acc1, m_i, l_i = _cold_tile4(
+            qc0, qc1, acc0, acc1, m_i, l_i, K0, K1, K2, V0, j0, pb, pv, side, h, H,
+            P, D, BLOCKS, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC,
+        )  # fmt: skip
+        if PREFETCH:
+            pb = pb_ahead
+            pv = pv_ahead
+            side = side_ahead
+    for j0 in range(full, end, 16):
+        pb1 = tl.load(pt + j0 // P + tl.arange(0, 1))
+        pv1 = tl.load(pt + (j0 + tl.arange(0, 16)) // P)
+        side1 = _side_scales(K1, K2, V1, V2, j0, pb1, pv1, h, H, P, D, 1, K_FMT, V_FMT)
+        acc0, acc1, m_i, l_i = _cold_tile4(
+            qc0, qc1, acc0, acc1, m_i, l_i, K0, K1, K2, V0, j0, pb1, pv1, side1, h, H,
+            P, D, 1, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC,
+        )  # fmt: skip
+
+    if split == tail_split:  # sinks, ring and the new key: the last split of the text pool's pass
+        qd0 = q0.to(DOT_DTYPE)
+        qd1 = q1.to(DOT_DTYPE)
+        n = tl.arange(0, TAIL_N)
+        if HAS_SINKS:
+            sink_len = tl.load(SINK_OK + b) * P  # P keys when the sequence has a sink page, else 0
+            slot = tl.load(ST + b).to(tl.int64)
+            for j0 in range(0, sink_len, TAIL_N):
+                ok = j0 + n < sink_len
+                acc0, acc1, m_i, l_i = _raw_tile(
+                    qd0, qd1, acc0, acc1, m_i, l_i, SK, SV, (slot * P + j0 + n) * H + h, ok, ok[None, :],
+                    c0, c1, c0, c1, D, True, True, DOT_PREC,
+                )  # fmt: skip
+        ring_len = tl.load(RING_LEN + b)
+        for j0 in range(0, ring_len, TAIL_N):
+            ok = j0 + n < ring_len
+            ring_row = tl.load(RR + b * rr_stride + j0 + n, mask=ok, other=0).to(tl.int64)
+            acc0, acc1, m_i, l_i = _raw_tile(
+                qd0, qd1, acc0, acc1, m_i, l_i, RK, RV, ring_row * H + h, ok, ok[None, :],
+                c0, c1, c0, c1, D, True, True, DOT_PREC,
+            )  # fmt: skip
+        ok = n < 1
+        acc0, acc1, m_i, l_i = _raw_tile(
+            qd0, qd1, acc0, acc1, m_i, l_i, KN, VN, (b + n).to(tl.int64) * H + h, ok, ok[None, :],
+            c0, c1, c0, c1, D, True, True, DOT_PREC,
+        )  # fmt: skip
+
+    if SPLIT:
+        has = l_i > 0
+        inv = 1.0 / tl.where(has, l_i, 1.0)
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        o_at = PO + (q_row * num_splits + split)[:, None] * D
+        tl.store(PL + q_row * num_splits + split, lse, mask=row_ok)
+    else:
+        inv = 1.0 / l_i
+        o_at = OUT + q_row[:, None] * D
+    tl.store(o_at + c0[None, :], (acc0 * inv[:, None]).to(o_at.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(o_at + c1[None, :], (acc1 * inv[:, None]).to(o_at.dtype.element_ty), mask=row_ok[:, None])
+
+
+def launch_decode4(
+    grid: tuple[int, int, int], args: tuple, group: int, launch: dict, interpreted: bool, **meta
+) -> None:
+    """Launch `_decode4_kernel` over ``grid`` (sequences, KV heads, splits) with `decode.launch_decode`'s
+    ``args`` and ``meta``; ``launch`` the `DECODE_LAUNCH` entry (``blocks``: 16-token blocks a tile,
+    ``num_warps``, ``num_stages``, ``asm``: packed PTX decoding where the operands are FP16,
+    ``maxnreg``: a register cap per thread, or None).
+    Operands are FP16 for 16-bit models on a GPU, else float32 (``interpreted``, float32 models)."""
+    f16 = not interpreted and meta["DOT_DTYPE"] in (tl.bfloat16, tl.float16)
+    meta["CODE_DTYPE"] = tl.float16 if f16 else tl.float32
+    if launch.get("maxnreg"):
+        meta["maxnreg"] = launch["maxnreg"]
+    _decode4_kernel[grid](
+        *args,
+        GROUP=group,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCKS=launch["blocks"],
+        PREFETCH=bool(launch.get("prefetch")),
+        ASM=bool(launch.get("asm")) and f16,
+        num_warps=launch["num_warps"],
+        num_stages=launch["num_stages"],
+        **meta,
+    )

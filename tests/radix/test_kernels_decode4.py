@@ -1,0 +1,117 @@
+"""The 4-bit decode kernel (`kvstrata.radix.kernels.decode4`) and its packed nibble decoding
+(`kvstrata.quant.kernel_decode.nibble_pairs`), under TRITON_INTERPRET=1 on CPU and natively on CUDA
+(there also the inline-PTX path, ``asm``), against the codecs' torch decoding and the float64
+reference attention."""
+
+from __future__ import annotations
+
+import kernel_helpers  # first: sets TRITON_INTERPRET=1 on CPU before triton is imported
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from kvstrata.quant.fp4 import _table
+from kvstrata.quant.kernel_decode import nibble_pairs
+from kvstrata.quant.nibbles import unpack
+
+DEVICE = kernel_helpers.DEVICES[0]
+ASM = [False, True] if DEVICE == "cuda" else [False]  # inline PTX runs on a GPU only
+
+
+@triton.jit
+def _pairs_kernel(X, S0, O0, S1, O1, OUT0, OUT1, FMT: tl.constexpr, AFFINE: tl.constexpr, ASM: tl.constexpr):
+    i = tl.arange(0, 256)
+    x0, x1 = nibble_pairs(
+        tl.load(X + i), tl.load(S0 + i), tl.load(O0 + i), tl.load(S1 + i), tl.load(O1 + i),
+        FMT, AFFINE, ASM, tl.float16,
+    )  # fmt: skip
+    tl.store(OUT0 + i, x0)
+    tl.store(OUT1 + i, x1)
+
+
+def _pairs(fmt: int, affine: bool, asm: bool, s, o):
+    x = torch.randperm(256, generator=torch.Generator().manual_seed(fmt)).to(torch.uint8)
+    out = [torch.full((256,), float("nan"), dtype=torch.float16, device=DEVICE) for _ in range(2)]
+    args = [t.to(DEVICE) for t in (x, s[0], o[0], s[1], o[1])]
+    _pairs_kernel[(1,)](*args, *out, FMT=fmt, AFFINE=affine, ASM=asm)
+    return unpack(x), [t.cpu() for t in out]
+
+
+@pytest.mark.parametrize("asm", ASM)
+def test_int4_codes_and_affine_pairs(asm):
+    """All 256 bytes: the codes of both nibbles exactly, and ``code * s + o`` (FP16 scale and offset,
+    a different pair per nibble) within FP16 rounding of the float64 value."""
+    g = torch.Generator().manual_seed(5)
+    s = [(torch.rand(256, generator=g) * 4 + 1e-3).half() for _ in range(2)]
+    o = [(torch.randn(256, generator=g) * 8).half() for _ in range(2)]
+    codes, got = _pairs(5, False, asm, s, o)
+    for half in range(2):
+        assert torch.equal(got[half].float(), codes[half::2].float())
+    codes, got = _pairs(5, True, asm, s, o)
+    for half in range(2):
+        want = codes[half::2].double() * s[half].double() + o[half].double()
+        assert ((got[half].double() - want).abs() <= want.abs() * 2**-10 + 2**-14).all(), half
+
+
+@pytest.mark.parametrize("asm", ASM)
+def test_fp4_pairs_times_block_scales_exact(asm):
+    """All 256 bytes times E4M3 block scales across their range (subnormal to 448): E2M1 value times
+    scale times 2**-14, exact in FP16 (the codec's table, code 8 -0 equal to +0)."""
+    g = torch.Generator().manual_seed(6)
+    e4m3 = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn)  # every positive finite scale
+    s = [e4m3[torch.randint(0, 126, (256,), generator=g)].half() for _ in range(2)]
+    codes, got = _pairs(6, False, asm, s, s)
+    table = _table(torch.device("cpu")).double()
+    for half in range(2):
+        want = table[codes[half::2]] * s[half].double() * 2**-14
+        assert torch.equal(got[half].double(), want), half
+
+
+LAUNCHES = {
+    "2 blocks": dict(blocks=2, prefetch=False),
+    "4 blocks, prefetch": dict(blocks=4, prefetch=True),
+    "8 blocks, 2 warps, prefetch": dict(blocks=8, num_warps=2, prefetch=True),
+}
+
+
+def _use(monkeypatch, launch: dict, asm: bool) -> None:
+    from kvstrata.radix.kernels import attend
+
+    for key, value in {"module": "decode4", "asm": asm, **launch}.items():
+        monkeypatch.setitem(attend.DECODE_LAUNCH[True], key, value)
+
+
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+@pytest.mark.parametrize("codec", ["int4", "fp4_e2m1", "int4/fp4_e2m1", "fp4_e2m1/int4"])
+def test_decode4_float32(codec, launch, monkeypatch):
+    """float32 model (float32 operands): ring-only, one page, several pages with full and partial
+    tiles, forced splits (some with no cold page) and sinks, within float32 rounding of the float64
+    reference read of the same codes."""
+    from test_kernels_attend import check_steps, make_cache
+
+    _use(monkeypatch, LAUNCHES[launch], False)
+    cache = make_cache(codec, DEVICE, sinks=True)
+    assert check_steps(cache, [9, 70, 300], steps=2, n_new=1, tol=2e-5, splits=3) == 6
+
+
+@pytest.mark.parametrize("asm", ASM)
+@pytest.mark.parametrize("codec", ["int4", "fp4_e2m1", "int4/fp4_e2m1"])
+def test_decode4_bfloat16(codec, asm, monkeypatch):
+    """BF16 model (FP16 code operands on CUDA, through the PTX decoding with ``asm``), without splits
+    (the kernel writes the output directly) and with the split heuristic: BF16-level error."""
+    from test_kernels_attend import check_steps, make_cache
+
+    _use(monkeypatch, LAUNCHES["4 blocks, prefetch"], asm)
+    cache = make_cache(codec, DEVICE, dtype=torch.bfloat16)
+    check_steps(cache, [12, 50, 299], steps=2, n_new=1, tol=1.5e-2, dtype=torch.bfloat16)
+
+
+def test_applies_only_to_4bit_layers():
+    """The 4-bit kernel reads 4-bit keys and values at power-of-two head_dims of 32 or more and pages
+    of whole 16-token blocks; other layers keep the other decode paths."""
+    from kvstrata.radix.kernels.decode4 import applies
+
+    assert applies(5, 6, 128, 16) and applies(6, 5, 32, 64)
+    assert not applies(5, 3, 128, 16) and not applies(1, 6, 128, 16)
+    assert not applies(5, 5, 96, 16) and not applies(5, 5, 16, 16) and not applies(5, 5, 128, 8)
