@@ -48,6 +48,9 @@ def shape(
     halves: bool = False,
     module: str = "decode",
     min_pages: int = 16,
+    merged_tail: bool = True,
+    scaled_keys_by_blocks: bool = False,
+    tail_apart: bool = False,
 ) -> dict:
     return dict(
         block_m=m,
@@ -64,6 +67,9 @@ def shape(
         halves=halves,
         module=module,
         min_pages=min_pages,
+        merged_tail=merged_tail,
+        scaled_keys_by_blocks=scaled_keys_by_blocks,
+        tail_apart=tail_apart,
     )
 
 
@@ -75,24 +81,27 @@ EXTEND = [
     shape(128, 64, 8, 4, False, prefetch=True, programs=0, f16=True),
 ]
 EXTEND_4BIT = [shape(128, 64, 8, 2, True, 4, programs=0)]
-# Decode. Sweeps of this revision (H200, Triton 3.6, FP8 at 32K; registers of the compiled kernels):
-# first call, B=64: the decode module's 128-key tile with 4 warps 1.777 ms (255 registers, 12
-# spills); ``halves`` on keys and values 2.581 (226, none), with 3 stages and prefetch 2.399; swapped
-# operands 3.710 (58 spills), with halves 2.404; 8 warps 4.845; 64 keys 2.27-3.82; 32 keys 3.43;
-# ``maxnreg`` 168 or 128 (spills) 2.50/2.86; 4-bit codes by keys (per-element decode in the decode
-# module) 24-45 ms against 4.6-5.3 by blocks. Second call (below, first six): `attend._attend_kernel`
-# 1.690 / decode module 1.684 ms at B=64 (0.061 / 0.061 at B=1); ``halves`` on values only 2.238
-# (0.071); 512 programs 1.854 at B=64 but 0.046 at B=1 (64 splits of 32 pages): hence ``min_pages``.
+# Decode. Sweeps of pass 4 (H200, Triton 3.6, FP8 at 32K; registers of the compiled kernels): 128-key
+# tiles with 4 warps 1.777 ms at B=64 (255 registers); ``halves`` 2.24-2.58; swapped operands 3.710;
+# 8 warps 4.845; 64 or 32 keys 2.27-3.82; 4-bit codes by keys 24-45 ms against 4.6-5.3 by blocks; 512
+# programs 0.046 ms at B=1 (hence ``min_pages``). Pass 6 (docs/kernels-h200.md): channel-major value
+# codes as a probe 1.890 ms against 1.688 (capped at 168 registers 1.720); below, the tail and the
+# register cap (1.628 / 1.602 / 1.562 ms at B=64, 0.472 / 0.483 / 0.418 at B=256, 2K) and int8 keys
+# by keys or blocks (3.729 / 2.221 / 2.970 ms).
 _F16 = dict(f16=True)
-_H = dict(f16=True, halves=True)
+_BASE = dict(programs=1024, min_pages=32, **_F16)
+_NEW = dict(_BASE, tail_apart=True)
 DECODE = [
-    shape(64, 128, 4, 2, False, programs=1024, module="attend", **_F16),
-    shape(64, 128, 4, 2, False, programs=1024, **_F16),
-    shape(64, 128, 4, 2, False, programs=1024, **_H),
-    shape(64, 128, 4, 3, False, prefetch=True, programs=1024, **_H),
-    shape(64, 128, 4, 2, False, programs=512, **_F16),
-    shape(64, 64, 2, 2, False, programs=2048, **_H),
-    shape(64, 128, 4, 2, False, programs=1024, min_pages=32, **_F16),
+    shape(64, 128, 4, 2, False, merged_tail=False, **_BASE),
+    shape(64, 128, 4, 2, False, **_NEW),
+    shape(64, 128, 4, 2, False, maxnreg=168, **_NEW),
+]
+# int8 keys (per-channel scales) by keys or by 16-token blocks; not part of the fastest-shape pick
+# (it would set the entry FP8 shares).
+DECODE_INT8 = [
+    shape(64, 128, 4, 2, False, **_NEW),
+    shape(64, 128, 4, 2, False, blocks=8, scaled_keys_by_blocks=True, **_NEW),
+    shape(64, 128, 4, 2, False, blocks=4, scaled_keys_by_blocks=True, **_NEW),
 ]
 # 4-bit decode: the `decode4` kernel (whole-byte tiles of ``blocks`` 16-token blocks, FP16 operands,
 # ``asm``: packed PTX nibble decoding, ``prefetch``: page-table entries and the scales Triton does not
@@ -112,15 +121,18 @@ DECODE_4BIT: list[dict] = [
 ]
 # SWEEP_KINDS (environment): the kinds swept, "decode,extend" by default.
 KINDS = os.environ.get("SWEEP_KINDS", "decode,extend").split(",")
+# Decode cases (batch, context): the 32K long-context pair and the serving step (B=256, 2K).
+DECODE_CASES = [(64, CONTEXT), (1, CONTEXT), (256, 2048)]
 
-# (kind, codec, batch, launch shape)
-VARIANTS = [("extend", c, 1, s) for c in ("bf16", "fp8_e4m3") for s in EXTEND]
-VARIANTS += [("extend", "int4", 1, s) for s in EXTEND_4BIT]
-VARIANTS += [("decode", "fp8_e4m3", b, s) for b in (64, 1) for s in DECODE]
-VARIANTS += [("decode", c, b, s) for c in FOUR_BIT for b in (64, 1) for s in DECODE_4BIT]
+# (kind, codec, batch, context, launch shape)
+VARIANTS = [("extend", c, 1, CONTEXT, s) for c in ("bf16", "fp8_e4m3") for s in EXTEND]
+VARIANTS += [("extend", "int4", 1, CONTEXT, s) for s in EXTEND_4BIT]
+VARIANTS += [("decode", "fp8_e4m3", b, n, s) for b, n in DECODE_CASES for s in DECODE]
+VARIANTS += [("decode", "int8", b, n, s) for b, n in DECODE_CASES if b > 1 for s in DECODE_INT8]
+VARIANTS += [("decode", c, b, n, s) for c in FOUR_BIT for b, n in DECODE_CASES for s in DECODE_4BIT]
 # Compiled by --warm too: the default shapes of every codec `attention_gpu.py` times.
-WARM = VARIANTS + [("decode", c, b, None) for c in bench.CODECS for b in (64, 1)]
-WARM += [("extend", c, 1, None) for c in ("bf16", "fp8_e4m3", "int4")]
+WARM = VARIANTS + [("decode", c, b, n, None) for c in bench.CODECS for b, n in DECODE_CASES]
+WARM += [("extend", c, 1, CONTEXT, None) for c in ("bf16", "fp8_e4m3", "int4")]
 VARIANTS = [v for v in VARIANTS if v[0] in KINDS]
 WARM = [v for v in WARM if v[0] in KINDS]
 if os.environ.get("SWEEP_CODECS"):  # e.g. "int4,fp4_e2m1": only these codecs' variants
@@ -129,10 +141,10 @@ if os.environ.get("SWEEP_CODECS"):  # e.g. "int4,fp4_e2m1": only these codecs' v
     WARM = [v for v in WARM if v[1] in CODECS]
 
 
-def case(kind: str, codec: str, batch: int):
+def case(kind: str, codec: str, batch: int, context: int = CONTEXT):
     hq, hkv, d = bench.GEOMETRIES["8b"]
     tokens = CHUNK if kind == "extend" else 1
-    cache, plan, q, k, v, moved = bench.build(codec, batch, CONTEXT, hq, hkv, d, tokens=tokens)
+    cache, plan, q, k, v, moved = bench.build(codec, batch, context, hq, hkv, d, tokens=tokens)
     return (0, plan, q, k, v, 1 / math.sqrt(d), cache.pool, cache.ring, None), moved
 
 
@@ -159,16 +171,16 @@ def warm(index: int) -> None:
     """Compile one variant. A decode variant at B=64 runs on B=4 with the split count B=64 would get
     (same specializations: 16-byte aligned length rows, the same split arguments) at a fraction of
     the memory."""
-    kind, codec, batch, launch = WARM[index]
+    kind, codec, batch, context, launch = WARM[index]
     use(kind, codec, launch)
-    args, _ = case(kind, codec, 4 if batch == 64 else batch)
+    args, _ = case(kind, codec, 4 if batch >= 64 else batch, context)
     splits = None
-    if kind == "decode" and batch == 64:
+    if kind == "decode" and batch >= 64:
         plan = args[1]
         launch = kernels.DECODE_LAUNCH[codec in FOUR_BIT]
         hkv = bench.GEOMETRIES["8b"][1]
         least = launch.get("min_pages", kernels.MIN_PAGES_PER_SPLIT)
-        splits = kernels._num_splits(64 * hkv, plan.page_table.shape[1], launch["programs"], least)
+        splits = kernels._num_splits(batch * hkv, plan.page_table.shape[1], launch["programs"], least)
     kernels.attend_group(*args, splits=splits)
     torch.cuda.synchronize()
 
@@ -197,9 +209,9 @@ def compiled_report() -> str:
     return "; ".join(got)
 
 
-def sdpa(kind: str, batch: int) -> float:
+def sdpa(kind: str, batch: int, context: int) -> float:
     hq, hkv, d = bench.GEOMETRIES["8b"]
-    fn, _ = bench.sdpa_case(batch, CONTEXT, hq, hkv, d, tokens=CHUNK if kind == "extend" else 1)
+    fn, _ = bench.sdpa_case(batch, context, hq, hkv, d, tokens=CHUNK if kind == "extend" else 1)
     return bench.bench(fn)
 
 
@@ -207,18 +219,19 @@ def sweep() -> dict[tuple[str, bool | str], dict]:
     """Time every variant; returns the fastest shape of each launch table entry (`entry`), by the sum
     of its milliseconds over the swept batches."""
     rows = []
-    base: dict[tuple[str, int], float] = {}
+    base: dict[tuple[str, int, int], float] = {}
     built = first = None
-    for kind, codec, batch, launch in VARIANTS:
-        if (kind, batch) not in base:
-            base[kind, batch] = sdpa(kind, batch)
-            print(f"SDPA bf16 {kind} B={batch}: {base[kind, batch]:.3f} ms", flush=True)
-        if built is None or built[0] != (kind, codec, batch):
+    for kind, codec, batch, context, launch in VARIANTS:
+        if (kind, batch, context) not in base:
+            base[kind, batch, context] = sdpa(kind, batch, context)
+            print(f"SDPA bf16 {kind} B={batch} {context}: {base[kind, batch, context]:.3f} ms", flush=True)
+        if built is None or built[0] != (kind, codec, batch, context):
             built = first = None
             torch.cuda.empty_cache()
-            built = ((kind, codec, batch), *case(kind, codec, batch))
+            built = ((kind, codec, batch, context), *case(kind, codec, batch, context))
         _, args, moved = built
         use(kind, codec, launch)
+        ratio = base[kind, batch, context]
         # A variant that fails to run, or disagrees with the case's first variant beyond BF16 rounding,
         # is reported and left out.
         try:
@@ -232,12 +245,13 @@ def sweep() -> dict[tuple[str, bool | str], dict]:
             print(f"  {kind} B={batch} {codec} {launch}: WRONG (rel. error {err:.3g})", flush=True)
             continue
         ms = bench.bench(partial(kernels.attend_group, *args))
-        rows.append((kind, codec, batch, launch, ms, moved, base[kind, batch] / ms))
-        print(f"  {kind} B={batch} {codec} {launch}: {ms:.3f} ms x{base[kind, batch] / ms:.2f}", flush=True)
+        rows.append((kind, codec, batch, context, launch, ms, moved, ratio / ms))
+        print(f"  {kind} B={batch} {context} {codec} {launch}: {ms:.3f} ms x{ratio / ms:.2f}")
         print(f"    compiled: {compiled_report()}", flush=True)
-    print("\n| kind | B | codec | block_m x block_n | warps | stages | by blocks (n) | ms | TB/s | vs SDPA |")
-    print("|---|---:|---|---|---:|---:|---|---:|---:|---:|")
-    for kind, codec, batch, s, ms, moved, ratio in rows:
+    head = "kind | B | context | codec | block_m x n | warps | stages | by blocks (n) | ms | TB/s | vs SDPA"
+    print(f"\n| {head} |")
+    print("|---|---:|---:|---|---|---:|---:|---|---:|---:|---:|")
+    for kind, codec, batch, context, s, ms, moved, ratio in rows:
         blocks = f"yes ({s['blocks']})" if s["by_blocks"] else ("no, prefetch" if s["prefetch"] else "no")
         blocks += f", {s['programs']} programs" if kind == "decode" else ""
         blocks += ", fp16 codes" if s["f16_codes"] else ""
@@ -245,14 +259,20 @@ def sweep() -> dict[tuple[str, bool | str], dict]:
         blocks += f", maxnreg {s['maxnreg']}" if s.get("maxnreg") else ""
         blocks += ", halves" if s.get("halves") else ""
         blocks += ", attend kernel" if kind == "decode" and s.get("module") == "attend" else ""
+        blocks += ", tail by parts" if kind == "decode" and not s.get("merged_tail", True) else ""
+        blocks += ", tail apart" if kind == "decode" and s.get("tail_apart") else ""
+        blocks += f", int8 keys by {s['blocks']} blocks" if s.get("scaled_keys_by_blocks") else ""
         blocks += ", decode4" + (" asm" if s.get("asm") else "") if s.get("module") == "decode4" else ""
         print(
-            f"| {kind} | {batch} | {codec} | {s['block_m']} x {s['block_n']} | {s['num_warps']} | "
+            f"| {kind} | {batch} | {context} | {codec} | {s['block_m']} x {s['block_n']} | "
+            f"{s['num_warps']} | "
             f"{s['num_stages']} | {blocks} | {ms:.3f} | {moved / ms / 1e9:.2f} | {ratio:.2f}x |"
         )
     total: dict[tuple, float] = {}
     timed: dict[tuple, int] = {}
-    for kind, codec, _, s, ms, _, _ in rows:
+    for kind, codec, _, _, s, ms, _, _ in rows:
+        if codec == "int8":
+            continue
         key = (entry(kind, codec), tuple(s.items()))
         total[key] = total.get(key, 0.0) + ms
         timed[key] = timed.get(key, 0) + 1

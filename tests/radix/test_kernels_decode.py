@@ -79,6 +79,9 @@ def test_fp4_value_rows_with_block_scales(d, device):
 LAYOUTS = {"plain": {}, "swap_ab": dict(swap_ab=True), "halves": dict(halves=True)}
 LAYOUTS["swap_ab, halves"] = dict(swap_ab=True, halves=True)
 LAYOUTS["attend kernel"] = dict(module="attend")  # decode by `attend._attend_kernel` instead
+LAYOUTS["tail by parts"] = dict(merged_tail=False)  # sink page, ring rows and new key in tiles of their own
+_KEYS = (("swap_ab", False), ("halves", False), ("module", "decode"), ("merged_tail", True))
+_KEYS += (("scaled_keys_by_blocks", False),)  # int8 keys through the decode module too
 
 
 @pytest.mark.parametrize("device", kernel_helpers.DEVICES)
@@ -87,8 +90,10 @@ LAYOUTS["attend kernel"] = dict(module="attend")  # decode by `attend._attend_ke
 def test_decode_module_layouts(codec, layout, device, monkeypatch):
     """`kvstrata.radix.kernels.decode` (cold pages read by keys, every codec through the launch table's
     ``by_blocks`` off) in both orientations, scores ``q . k^T`` and scores ``k . q^T`` (``swap_ab``),
-    with value codes in channel-pair order (``halves``), and through the extend kernel (``module``).
-    32-key tiles: full and partial tiles, forced splits (some with no cold page) and sinks."""
+    with value codes in channel-pair order (``halves``), through the extend kernel (``module``), and
+    with the sink page, ring rows and new key in tiles of their own instead of one run (``merged_tail``).
+    32-key tiles: full and partial tiles, forced splits (some with no cold page) and sinks (the run's
+    tiles then start in the sink page and cross into the ring)."""
     from test_kernels_attend import check_steps, make_cache
 
     from kvstrata.radix.kernels import attend
@@ -96,7 +101,7 @@ def test_decode_module_layouts(codec, layout, device, monkeypatch):
     for four_bit in (False, True):
         monkeypatch.setitem(attend.DECODE_LAUNCH[four_bit], "by_blocks", False)
         monkeypatch.setitem(attend.DECODE_LAUNCH[four_bit], "block_n", 32)
-        for key, off in (("swap_ab", False), ("halves", False), ("module", "decode")):
+        for key, off in _KEYS:
             monkeypatch.setitem(attend.DECODE_LAUNCH[four_bit], key, LAYOUTS[layout].get(key, off))
     cache = make_cache(codec, device, sinks=True)
     assert check_steps(cache, [9, 70, 300], steps=2, n_new=1, tol=2e-5, splits=3) == 6
@@ -112,7 +117,7 @@ def test_decode_module_bfloat16(codec, layout, device, monkeypatch):
 
     from kvstrata.radix.kernels import attend
 
-    for key, off in (("swap_ab", False), ("halves", False), ("module", "decode")):
+    for key, off in _KEYS:
         monkeypatch.setitem(attend.DECODE_LAUNCH[False], key, LAYOUTS[layout].get(key, off))
     monkeypatch.setitem(attend.DECODE_LAUNCH[False], "f16_codes", True)
     cache = make_cache(codec, device, dtype=torch.bfloat16)
@@ -132,3 +137,90 @@ def test_split_counts_keep_min_pages():
             splits = _num_splits(programs, pages, target, least)
             assert splits == 1 or (pages // splits >= least and programs * splits <= target + programs)
     assert [_num_splits(b * 8, 2040, target, least) for b in (1, 64, 256)] == [2040 // least, 2, 1]
+
+
+def test_splits_hold_whole_tiles():
+    """Pages a split round down to whole 128-key tiles (8 pages of 16 tokens) when the launch stays
+    within its programs target and each split keeps ``min_pages``: B=1 at 32K (2,040 cold pages) reads
+    64 splits of 32 pages (4 tiles each) instead of 63 of 33 (5 tiles, the last for one page); B=64
+    keeps its 2 splits (a third would pass the target); a split that is already whole tiles stays."""
+    from kvstrata.radix.kernels.attend import DECODE_LAUNCH, _num_splits, _whole_tiles
+
+    launch = DECODE_LAUNCH[False]
+    target, least = launch["programs"], launch["min_pages"]
+    tile_pages = launch["block_n"] // 16
+    for batch, want in ((1, (64, 32)), (64, (2, 1020)), (256, (1, 2040))):
+        programs = batch * 8
+        splits = _num_splits(programs, 2040, target, least)
+        got = _whole_tiles(programs, 2040, splits, tile_pages, target, least)
+        assert got == want, batch
+        assert got[0] * got[1] >= 2040 and programs * got[0] <= max(target, programs)
+    assert _whole_tiles(8, 512, 8, tile_pages, target, least) == (8, 64)
+    assert _whole_tiles(8, 2040, 63, 0, target, least) == (63, 33)  # tiles of part of a page
+    assert _whole_tiles(8, 2040, 63, tile_pages, target, 33) == (63, 33)  # min_pages kept
+
+
+@pytest.mark.parametrize("device", kernel_helpers.DEVICES)
+@pytest.mark.parametrize("codec", ["int8", "int8_asym/fp8_e4m3", "fp8_e4m3"])
+def test_scaled_keys_by_blocks(codec, device, monkeypatch):
+    """``scaled_keys_by_blocks``: int8 keys (per-channel scales) read by 16-token blocks while FP8
+    keys in the same launch table entry stay read by keys; both against the float64 reference."""
+    from test_kernels_attend import check_steps, make_cache
+
+    from kvstrata.radix.kernels import attend
+
+    monkeypatch.setitem(attend.DECODE_LAUNCH[False], "scaled_keys_by_blocks", True)
+    cache = make_cache(codec, device, sinks=True)
+    assert check_steps(cache, [9, 70, 300], steps=2, n_new=1, tol=2e-5, splits=3) == 6
+
+
+@pytest.mark.parametrize("device", kernel_helpers.DEVICES)
+@pytest.mark.parametrize("apart", [True, False])
+@pytest.mark.parametrize("codec", ["fp8_e4m3", "int4/fp4_e2m1"])
+def test_heuristic_splits_with_the_tail_apart(codec, apart, device, monkeypatch):
+    """The split heuristic (no forced count: splits of 2 pages, a target the launch stays within)
+    with the sink page, ring rows and new key in a split of their own (``tail_apart``: one more split,
+    past every cold page) or in the last cold split, by keys and by blocks."""
+    from test_kernels_attend import check_steps, make_cache
+
+    from kvstrata.radix.kernels import attend
+
+    for four_bit in (False, True):
+        for key, value in (("min_pages", 2), ("programs", 4096), ("tail_apart", apart)):
+            monkeypatch.setitem(attend.DECODE_LAUNCH[four_bit], key, value)
+    seen = []  # split counts of the text pass, from the partials the merge gets
+    merge = attend.merge_partials
+    monkeypatch.setattr(
+        attend, "merge_partials", lambda parts, out: seen.append(parts[0].lse.shape[2]) or merge(parts, out)
+    )
+    cache = make_cache(codec, device, sinks=True)
+    assert check_steps(cache, [9, 70, 300], steps=2, n_new=1, tol=2e-5) == 6
+    assert seen and max(seen) > 2
+
+
+@pytest.mark.parametrize("device", kernel_helpers.DEVICES)
+@pytest.mark.parametrize("codec", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_value_scales_far_apart(codec, device):
+    """BF16 model, FP8 values whose per-token scales span 2**-60 to 2**40 with some at the all-zero
+    tokens' 2**-127, then all at 2**-127 (the scales join the softmax exponent, clamped at 2**-100,
+    so the softmax sum stays finite): the decode kernel (unsplit and 3 forced splits) finite and within
+    BF16-level error of the float64 reference."""
+    from radix_helpers import rel_err
+    from test_kernels_attend import HQ, SCALE, make_cache
+
+    cache = make_cache(codec, device, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(11)
+    seqs = kernel_helpers.fill(cache, [40, 90, 200], g, HQ, SCALE)
+    exp = cache.pool.v[0]["scale_exp"]
+    spread = torch.randint(127 - 60, 127 + 41, exp.shape, generator=g)
+    spread[torch.rand(exp.shape, generator=g) < 0.1] = 0
+    batch = cache.begin_step(seqs, [1] * len(seqs))
+    hkv, d = cache.cfg.kv_heads, cache.cfg.head_dim
+    q, k, v = (torch.randn(len(seqs), n, d, generator=g).to(device, torch.bfloat16) for n in (HQ, hkv, hkv))
+    for exponents in (spread, torch.zeros_like(spread)):
+        exp.copy_(exponents.to(exp.dtype))
+        ref = kernel_helpers.reference_attend(cache, batch, q, k, v, SCALE)
+        for splits in (None, 3):
+            got = kernel_helpers.kernel_attend(cache, batch, q, k, v, SCALE, splits)
+            assert torch.isfinite(got).all()
+            assert rel_err(got.cpu(), ref) < 1.5e-2, splits

@@ -70,12 +70,22 @@ LOG2E = 1.4426950408889634
 # kernel, the same loop; H200, FP8 at B=64, 32K: 1.684 against 1.690 ms in one run). ``min_pages``:
 # the fewest cold pages a split reads (H200, FP8 at B=1, 32K: splits of 32 pages 0.046 ms, of 16
 # pages 0.061; B=64 keeps its 2 splits: 1.684 ms against 1.854 unsplit). ``swap_ab``, ``halves``
-# and ``maxnreg``: see `decode.launch_decode` (all slower on the H200, `attention_sweep.py`).
+# and ``maxnreg``: see `decode.launch_decode` (``swap_ab`` and ``halves`` slower on the H200,
+# `attention_sweep.py`). ``maxnreg`` 168 (8-bit codes only): 3 programs an SM instead of 2 despite
+# spills (H200, FP8: B=64 at 32K 1.562 ms against 1.602 uncapped, B=256 at 2K 0.418 against 0.483,
+# B=1 at 32K 0.045 against 0.043; docs/kernels-h200.md, pass 6).
+# ``merged_tail``: the decode module reads the sink page, ring rows and new key as one run of tiles.
+# ``scaled_keys_by_blocks``: int8 keys (per-channel scales over a page) read by ``blocks`` 16-token
+# blocks a tile, their scale vectors loaded once per block, instead of by keys with a scale gathered
+# per element (H200, int8 at B=64, 32K: 2.221 ms against 3.729; 4 blocks 2.970).
+# ``tail_apart``: a split-KV decode launch that stays within ``programs`` gives the sink page, ring
+# rows and new key a split of their own instead of adding them to the last cold split (B=1 at 32K:
+# 64 splits of 4 cold tiles each, the last no longer 5 or 6).
 DECODE_LAUNCH = {
     False: dict(
         block_m=64,
         block_n=128,
-        blocks=4,
+        blocks=8,
         num_warps=4,
         num_stages=2,
         by_blocks=False,
@@ -84,9 +94,12 @@ DECODE_LAUNCH = {
         f16_codes=True,
         swap_ab=False,
         halves=False,
-        maxnreg=None,
+        maxnreg=168,
         module="decode",
         min_pages=32,
+        merged_tail=True,
+        scaled_keys_by_blocks=True,
+        tail_apart=True,
     ),
     # 4-bit layers (int4/fp4 keys and values) decode by `kvstrata.radix.kernels.decode4` (``module``
     # "decode4"; `decode4.applies`; other 4-bit layers by blocks in this module's kernel): ``blocks``
@@ -108,6 +121,7 @@ DECODE_LAUNCH = {
         maxnreg=128,
         module="decode4",
         min_pages=16,
+        merged_tail=True,
         asm=True,
     ),
 }
@@ -152,6 +166,7 @@ EXTEND_LAUNCH = {
     ),
 }
 HALF_FORMATS = (5, 6)  # 4-bit codes: the decode kernel splits q and the output into even/odd channels
+SCALED_KEY_FORMATS = (3, 4)  # int8 keys: per-channel scales (and offsets) over each page
 MIN_PAGES_PER_SPLIT = 16
 _DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -164,6 +179,24 @@ def _online(s, m_i, l_i):
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _online_pow2_scaled(s, e_bits, m_i, l_i):
+    """`_online` for FP8 values with one power-of-two scale ``2**e`` per key (``e_bits``: its uint8
+    biased exponent, ``e + 127``): the scale joins the exponent, so the returned weights
+    ``2**(s + e - m)`` (``m`` the running max of ``s + e``) multiply the raw codes and stay at most 1
+    (FP16-safe) with no per-tile max of the scales, while the sum adds ``2**(s - m)`` (the output is
+    ``acc / sum`` as with `_online`). ``e`` is clamped at -100 (scales below ``2**-100``, the all-zero
+    tokens' ``2**-127`` among them), so each ``2**(s - m) <= 2**-e`` stays below ``2**100``. The sum
+    takes ``2**(s - m)`` itself, not the weight times ``2**-e``: a weight that underflows float32 (a
+    key far below the tile's largest ``s + e``) would drop its key from the sum."""
+    eb = tl.maximum(e_bits.to(tl.int32), 27)  # e = eb - 127 >= -100
+    m_new = tl.maximum(m_i, tl.max(s + (eb - 127).to(tl.float32)[None, :], 1))
+    p = tl.exp2(s - m_new[:, None])
+    w = p * (eb << 23).to(tl.float32, bitcast=True)[None, :]  # 2**e from its bits
+    alpha = tl.exp2(m_i - m_new)
+    return w, alpha, m_new, l_i * alpha + tl.sum(p, 1)
 
 
 @triton.jit
@@ -303,6 +336,7 @@ def _cold_tile(
     CODE_DTYPE: tl.constexpr,
     NORM_W: tl.constexpr,
     HALVES: tl.constexpr = False,
+    POW2_W: tl.constexpr = False,
 ):
     """One tile of cold keys ``j`` (``[N]`` positions in the sequence's cold pages, ``MASKED``: those
     at or past ``end`` are padding) in pages ``page`` (``[N]`` int64, from the page table). Keys and
@@ -314,8 +348,10 @@ def _cold_tile(
     8-bit codes enter their dots as ``CODE_DTYPE`` (FP8 and int8 codes are exact in FP16; ``qc`` is q
     in it). ``NORM_W``: the scaled weights are divided by the tile's largest value scale before the
     cast and the product multiplied back, so FP16 weights stay normal (``p * s_v`` of a small scale
-    would lose bits as an FP16 subnormal). ``HALVES``: 8/16-bit value codes in `_codes`' channel-pair
-    layout (``acc``'s columns in that order)."""
+    would lose bits as an FP16 subnormal); with ``POW2_W`` (decode) FP8 values' power-of-two scales
+    join the softmax exponent instead (`_online_pow2_scaled`: no cross-warp max of the scales a tile;
+    H200: FP8 extend 5.141 ms with it, 4.904 without in pass 4). ``HALVES``: 8/16-bit
+    value codes in `_codes`' channel-pair layout (``acc``'s columns in that order)."""
     ok = j < end
     tok = (j % P).to(tl.int64)
     row = (page * P + tok) * H + h
@@ -333,11 +369,16 @@ def _cold_tile(
         s = tl.dot(qd, tl.trans(k), input_precision=DOT_PREC)
     if MASKED:
         s = tl.where(ok[None, :], s, float("-inf"))
-    p, alpha, m_i, l_i = _online(s, m_i, l_i)
-    if V_FMT == 0:
+    if (V_FMT == 1 or V_FMT == 2) and NORM_W and POW2_W:
+        v = _codes(V0, row[:, None], d[None, :], d_ok, D, BLOCK_D, V_FMT, CODE_DTYPE, NORM_W, HALVES)
+        w, alpha, m_i, l_i = _online_pow2_scaled(s, tl.load(V1 + row), m_i, l_i)
+        acc = acc * alpha[:, None] + tl.dot(w.to(CODE_DTYPE), v, input_precision=DOT_PREC)
+    elif V_FMT == 0:
+        p, alpha, m_i, l_i = _online(s, m_i, l_i)
         v = _codes(V0, row[:, None], d[None, :], d_ok, D, BLOCK_D, V_FMT, DOT_DTYPE, False, HALVES)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PREC)
     elif V_FMT <= 4:
+        p, alpha, m_i, l_i = _online(s, m_i, l_i)
         v = _codes(V0, row[:, None], d[None, :], d_ok, D, BLOCK_D, V_FMT, CODE_DTYPE, NORM_W, HALVES)
         vs, vo = value_tile_scales(V1, V2, row, V_FMT)
         if NORM_W:
@@ -350,6 +391,7 @@ def _cold_tile(
         if V_FMT == 4:
             acc += tl.sum(p * vo[None, :], 1)[:, None]
     else:
+        p, alpha, m_i, l_i = _online(s, m_i, l_i)
         v = load_decoded(V0, V1, V2, page[:, None], tok[:, None], h, d[None, :], ok[:, None] & d_ok,
                          ok[:, None], H, P, D, BLOCK_D, V_FMT, False).to(DOT_DTYPE)  # fmt: skip
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PREC)
@@ -608,6 +650,22 @@ def extend_kind(k_fmt: int, v_fmt: int) -> str:
     return "raw" if k_fmt == 0 and v_fmt == 0 else "8bit"
 
 
+def _whole_tiles(
+    programs: int, n_pages: int, splits: int, tile_pages: int, target: int, min_pages: int
+) -> tuple[int, int]:
+    """``(splits, pages per split)``: ``cdiv(n_pages, splits)`` pages a split, rounded down to whole
+    tiles of ``tile_pages`` pages (0: tiles do not hold whole pages) when the extra splits keep the
+    launch within ``target`` programs and each split keeps ``min_pages``. A split of 33 pages reads 5
+    tiles of 8 pages, the last for one page; 32 pages read 4 (B=1 at 32K: 64 splits instead of 63)."""
+    per = triton.cdiv(max(n_pages, 1), splits)
+    if splits > 1 and tile_pages and per > tile_pages and per % tile_pages:
+        down = per // tile_pages * tile_pages
+        more = triton.cdiv(n_pages, down)
+        if down >= min_pages and programs * more <= target:
+            return more, down
+    return splits, per
+
+
 def _num_splits(programs: int, max_pages: int, target: int, min_pages: int = MIN_PAGES_PER_SPLIT) -> int:
     """Splits of the cold pages so that about ``target`` programs run, each with at least
     ``min_pages`` pages."""
@@ -718,14 +776,28 @@ def _attend_pass(
     # tokens; other page sizes read keys across pages (`_cold_tile`).
     four_bit = k_fmt in HALF_FORMATS or v_fmt in HALF_FORMATS
     launch = DECODE_LAUNCH[four_bit] if T == 1 else EXTEND_LAUNCH[extend_kind(k_fmt, v_fmt)]
-    fold = page % 16 == 0 and launch["by_blocks"]
+    by_blocks = launch["by_blocks"] or (k_fmt in SCALED_KEY_FORMATS and launch.get("scaled_keys_by_blocks"))
+    fold = page % 16 == 0 and bool(by_blocks)
     half_k, half_v = fold and k_fmt in HALF_FORMATS, fold and v_fmt in HALF_FORMATS
     block_m = max(16, min(launch["block_m"], triton.next_power_of_2(T * group)))
     m_blocks = triton.cdiv(T * group, block_m)
-    if splits is None:
+    pages_per_split = triton.cdiv(max(n_pages, 1), splits or 1)
+    if splits is None and T == 1:
         least = launch.get("min_pages", MIN_PAGES_PER_SPLIT)
-        splits = _num_splits(B * h * m_blocks, n_pages, launch["programs"], least) if T == 1 else 1
-    pages_per_split = triton.cdiv(max(n_pages, 1), splits)
+        splits = _num_splits(B * h * m_blocks, n_pages, launch["programs"], least)
+        tile = launch["blocks"] * 16 if fold else launch["block_n"]
+        tile_pages = tile // page if tile % page == 0 else 0
+        splits, pages_per_split = _whole_tiles(
+            B * h * m_blocks, n_pages, splits, tile_pages, launch["programs"], least
+        )
+        if (
+            tail
+            and launch.get("tail_apart")
+            and splits > 1
+            and B * h * m_blocks * (splits + 1) <= launch["programs"]
+        ):
+            splits += 1  # the tail in a split of its own, past the cold pages (see DECODE_LAUNCH)
+    splits = splits or 1
     partial = out is None or splits > 1
     po = pl = out
     if partial:
@@ -770,7 +842,9 @@ def _attend_pass(
     if T == 1 and not fold and launch.get("module", "decode") == "decode":
         from kvstrata.radix.kernels import decode  # it imports this module's tile functions
 
-        decode.launch_decode((B, h, splits), (*tensors, scale * LOG2E, h, *strides), group, launch, **meta)
+        one_dtype = len({k.dtype, v.dtype, ring.k.dtype, sink_args[2].dtype, sink_args[3].dtype}) == 1
+        args = (*tensors, scale * LOG2E, h, *strides)
+        decode.launch_decode((B, h, splits), args, group, launch, one_dtype, **meta)
         return Partials(po, pl) if partial else None
     _attend_kernel[(B * m_blocks, h, splits)](
         *tensors,

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from kvstrata.quant.kernel_decode import load_decoded, pow2_scale, value_tile_scales
-from kvstrata.radix.kernels.attend import _codes, _cold_tile, _raw_tile
+from kvstrata.radix.kernels.attend import _accumulate, _codes, _cold_tile, _online, _raw_tile, _scores
 from kvstrata.radix.kernels.jit import jit_unspecialized
 
 
@@ -99,6 +99,57 @@ def _cold_tile_t(
     return acc * alpha[None, :] + pv, m_new, l_i
 
 
+@triton.jit
+def _tail_tile(
+    qd,
+    acc,
+    m_i,
+    l_i,
+    j,
+    sink_len,
+    ring_len,
+    slot,
+    ring,
+    b,
+    h,
+    H,
+    d,
+    SK,
+    SV,
+    RK,
+    RV,
+    KN,
+    VN,
+    D: tl.constexpr,
+    P: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Keys ``j`` of the tail as one run: ``[0, sink_len)`` the sink page (slot ``slot``), then
+    ``ring_len`` ring rows (their row ids at ``ring``), then the new token, so a decode step's
+    16-key sink page, ring rows and one new key share tiles instead of taking a tile each. Each key
+    row picks its source's pointer (sinks, ring and new rows share one dtype), so a tile's K and V
+    load once."""
+    in_sink = j < sink_len
+    in_ring = (j >= sink_len) & (j < sink_len + ring_len)
+    ring_row = tl.load(ring + j - sink_len, mask=in_ring, other=0).to(tl.int64) * H + h
+    new_row = (b * H + h + 0 * j).to(tl.int64)
+    k_row = tl.where(in_ring, RK + ring_row * D, KN + new_row * D)
+    v_row = tl.where(in_ring, RV + ring_row * D, VN + new_row * D)
+    if HAS_SINKS:
+        sink_row = (slot * P + j) * H + h
+        k_row = tl.where(in_sink, SK + sink_row * D, k_row)
+        v_row = tl.where(in_sink, SV + sink_row * D, v_row)
+    seen = j <= sink_len + ring_len
+    ok = seen[:, None] & (d < D)[None, :]
+    k = tl.load(k_row[:, None] + d[None, :], mask=ok, other=0.0).to(qd.dtype)
+    v = tl.load(v_row[:, None] + d[None, :], mask=ok, other=0.0).to(qd.dtype)
+    s = tl.where(seen[None, :], _scores(qd, qd, k, k, False, DOT_PREC), float("-inf"))
+    p, alpha, m_i, l_i = _online(s, m_i, l_i)
+    acc, _ = _accumulate(acc, acc, alpha, p, v, v, False, DOT_PREC)
+    return acc, m_i, l_i
+
+
 @jit_unspecialized(  # the per-step arguments, as `attend._attend_kernel`'s
     ints=("pt_stride", "rr_stride", "pages_per_split", "num_splits", "tail_split"),
     pointers=("PT", "COLD_LEN", "ST", "SINK_OK", "RR", "RING_LEN"),
@@ -150,6 +201,7 @@ def _decode_kernel(
     CODE_DTYPE: tl.constexpr,
     NORM_W: tl.constexpr,
     HALVES: tl.constexpr,
+    MERGED_TAIL: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -196,7 +248,7 @@ def _decode_kernel(
         else:
             acc, m_i, l_i = _cold_tile(
                 qd, qc, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, j0 + n, end, d, h,
-                H, P, D, BLOCK_D, K_FMT, V_FMT, False, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES,
+                H, P, D, BLOCK_D, K_FMT, V_FMT, False, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES, True,
             )  # fmt: skip
         if PREFETCH:
             page = page_ahead
@@ -211,7 +263,7 @@ def _decode_kernel(
         else:
             acc, m_i, l_i = _cold_tile(
                 qd, qc, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, full + n, end, d, h,
-                H, P, D, BLOCK_D, K_FMT, V_FMT, True, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES,
+                H, P, D, BLOCK_D, K_FMT, V_FMT, True, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES, True,
             )  # fmt: skip
     if SWAP:
         acc = tl.trans(acc)
@@ -221,28 +273,38 @@ def _decode_kernel(
         acc = tl.reshape(acc, [BLOCK_H, BLOCK_D])
 
     if split == tail_split:  # sinks, ring and the new key: the last split of the text pool's pass
+        sink_len = 0
+        slot = 0
         if HAS_SINKS:
             sink_len = tl.load(SINK_OK + b) * P  # P keys when the sequence has a sink page, else 0
             slot = tl.load(ST + b).to(tl.int64)
+        ring_len = tl.load(RING_LEN + b)
+        if MERGED_TAIL:  # one run of keys: sink page, ring rows, new key
+            ring = RR + b * rr_stride
+            for j0 in range(0, sink_len + ring_len + 1, BLOCK_N):
+                acc, m_i, l_i = _tail_tile(
+                    qd, acc, m_i, l_i, j0 + n, sink_len, ring_len, slot, ring, b, h, H, d,
+                    SK, SV, RK, RV, KN, VN, D, P, HAS_SINKS, DOT_PREC,
+                )  # fmt: skip
+        else:
             for j0 in range(0, sink_len, BLOCK_N):
                 ok = j0 + n < sink_len
                 acc, _, m_i, l_i = _raw_tile(
                     qd, qd, acc, acc, m_i, l_i, SK, SV, (slot * P + j0 + n) * H + h, ok, ok[None, :],
                     d, d, d, d, D, False, False, DOT_PREC,
                 )  # fmt: skip
-        ring_len = tl.load(RING_LEN + b)
-        for j0 in range(0, ring_len, BLOCK_N):
-            ok = j0 + n < ring_len
-            ring_row = tl.load(RR + b * rr_stride + j0 + n, mask=ok, other=0).to(tl.int64)
+            for j0 in range(0, ring_len, BLOCK_N):
+                ok = j0 + n < ring_len
+                ring_row = tl.load(RR + b * rr_stride + j0 + n, mask=ok, other=0).to(tl.int64)
+                acc, _, m_i, l_i = _raw_tile(
+                    qd, qd, acc, acc, m_i, l_i, RK, RV, ring_row * H + h, ok, ok[None, :],
+                    d, d, d, d, D, False, False, DOT_PREC,
+                )  # fmt: skip
+            ok = n < 1
             acc, _, m_i, l_i = _raw_tile(
-                qd, qd, acc, acc, m_i, l_i, RK, RV, ring_row * H + h, ok, ok[None, :],
+                qd, qd, acc, acc, m_i, l_i, KN, VN, (b + n).to(tl.int64) * H + h, ok, ok[None, :],
                 d, d, d, d, D, False, False, DOT_PREC,
             )  # fmt: skip
-        ok = n < 1
-        acc, _, m_i, l_i = _raw_tile(
-            qd, qd, acc, acc, m_i, l_i, KN, VN, (b + n).to(tl.int64) * H + h, ok, ok[None, :],
-            d, d, d, d, D, False, False, DOT_PREC,
-        )  # fmt: skip
 
     if SPLIT:
         has = l_i > 0
@@ -263,14 +325,18 @@ def halves_apply(meta: dict) -> bool:
     return meta["V_FMT"] in (1, 2, 3, 4) and meta["BLOCK_D"] == meta["D"] >= 32
 
 
-def launch_decode(grid: tuple[int, int, int], args: tuple, group: int, launch: dict, **meta) -> None:
+def launch_decode(
+    grid: tuple[int, int, int], args: tuple, group: int, launch: dict, one_dtype: bool, **meta
+) -> None:
     """Launch `_decode_kernel` over ``grid`` (sequences, KV heads, splits): ``args`` are
     `_attend_kernel`'s runtime arguments without ``T`` (tensors, softmax scale, KV heads, strides,
     split arguments), ``meta`` the constexprs both kernels share; ``launch`` the `DECODE_LAUNCH` entry
     (``block_n``, ``num_warps``, ``num_stages``, ``prefetch``, ``swap_ab``, ``halves``: value codes in
-    `_codes`' channel-pair layout where `halves_apply`, ``maxnreg``: a register cap per thread, so
-    more programs fit an SM, or None)."""
-    if launch.get("maxnreg"):
+    `_codes`' channel-pair layout where `halves_apply`, ``maxnreg``: a register cap per thread for
+    coded history, so more programs fit an SM, or None; ``merged_tail``: the sink page, ring rows
+    and new key as one run of tiles, where ``one_dtype``: the step's K/V, the ring and the sinks
+    share a dtype)."""
+    if launch.get("maxnreg") and (meta["K_FMT"], meta["V_FMT"]) != (0, 0):  # coded history only
         meta["maxnreg"] = launch["maxnreg"]
     _decode_kernel[grid](
         *args,
@@ -280,6 +346,7 @@ def launch_decode(grid: tuple[int, int, int], args: tuple, group: int, launch: d
         PREFETCH=launch["prefetch"],
         SWAP=launch.get("swap_ab", False),
         HALVES=bool(launch.get("halves")) and halves_apply(meta),
+        MERGED_TAIL=launch.get("merged_tail", True) and one_dtype,
         num_warps=launch["num_warps"],
         num_stages=launch["num_stages"],
         **meta,
