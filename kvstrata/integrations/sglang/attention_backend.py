@@ -16,33 +16,53 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from kvstrata.integrations.sglang.graph import DecodeGraphState
 from kvstrata.integrations.sglang.kernels import StrataKernels, TritonStrataKernels, make_kernels
 from kvstrata.integrations.sglang.pool import StratifiedTokenToKVPool
+from kvstrata.integrations.sglang.request_rows import (
+    RequestRows,
+    assert_rows_on_device,
+    host_rows,
+    padded_rows,
+)
 
 BACKEND_NAME = "kvstrata"
 
 log = logging.getLogger(__name__)
 
 
-def step_lengths(forward_batch) -> tuple[list[int], list[int], list[int]]:
-    """(request rows, cached prefix lengths, new-token counts) of a decode, extend or mixed batch.
-    Speculative verify and draft modes would commit tokens that may be rejected: refused."""
+def step_lengths(forward_batch, requests: RequestRows) -> tuple[list[int], list[int], list[int]]:
+    """(request rows, cached prefix lengths, new-token counts) of a decode, extend or mixed batch,
+    read from host data only on decode steps (`request_rows`); an extend step records its requests'
+    rows. Speculative verify and draft modes would commit tokens that may be rejected: refused."""
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     mode = forward_batch.forward_mode
-    rows = [int(r) for r in forward_batch.req_pool_indices.tolist()]
     if mode == ForwardMode.DECODE:
-        seq_lens = forward_batch.seq_lens_cpu
-        seq_lens = forward_batch.seq_lens.tolist() if seq_lens is None else seq_lens.tolist()
-        return rows, [int(s) - 1 for s in seq_lens], [1] * len(rows)
+        bs = forward_batch.req_pool_indices.shape[0]
+        rows, _ = padded_rows(requests, getattr(forward_batch, "rids", None), bs)
+        prefix = decode_prefix_lens(forward_batch)
+        return rows.tolist(), prefix.tolist(), [1] * rows.size
     if mode not in (ForwardMode.EXTEND, ForwardMode.MIXED):
         raise NotImplementedError(f"kvstrata attention: forward mode {mode.name} is not supported")
+    rows = host_rows(forward_batch)
+    if forward_batch.rids is not None:
+        requests.record(forward_batch.rids, rows)
     prefix = [int(n) for n in forward_batch.extend_prefix_lens_cpu]
     return rows, prefix, [int(n) for n in forward_batch.extend_seq_lens_cpu]
+
+
+def decode_prefix_lens(forward_batch) -> torch.Tensor:
+    """Cached prefix lengths of a decode batch's entries (host int64): its sequence lengths less the
+    new token, from SGLang's host mirror (a copy from the device only where a batch has none)."""
+    seq_lens = forward_batch.seq_lens_cpu
+    if seq_lens is None:
+        seq_lens = forward_batch.seq_lens.cpu()
+    return seq_lens.to(torch.long) - 1
 
 
 class KvstrataAttnBackend(AttentionBackend):
@@ -58,13 +78,18 @@ class KvstrataAttnBackend(AttentionBackend):
         self.kernels = kernels or make_kernels(device=pool.device)
         pool.kernels = self.kernels
         pool.bind_requests(model_runner.req_to_token_pool)
+        self.requests = RequestRows(model_runner.req_to_token_pool)
         self.graph: DecodeGraphState | None = None
 
     def init_forward_metadata(self, forward_batch) -> None:
         if forward_batch.forward_mode.is_idle():
             self.pool.step = None
             return
-        self.pool.plan_step(*step_lengths(forward_batch))
+        rows, prefix_lens, extend_lens = step_lengths(forward_batch, self.requests)
+        self.pool.plan_step(rows, prefix_lens, extend_lens)
+        if forward_batch.forward_mode.is_decode():
+            device_rows = forward_batch.req_pool_indices
+            assert_rows_on_device(torch.tensor(rows, device=device_rows.device), device_rows)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         if not isinstance(self.kernels, TritonStrataKernels):
@@ -95,15 +120,24 @@ class KvstrataAttnBackend(AttentionBackend):
                 f"kvstrata attention captures decode steps only, not {forward_batch.forward_mode.name}: "
                 "pass --disable-prefill-cuda-graph"
             )
-        rows = forward_batch.req_pool_indices.to("cpu", torch.long)
-        seq_lens = forward_batch.seq_lens_cpu
-        seq_lens = forward_batch.seq_lens.cpu() if seq_lens is None else seq_lens
-        self.pool.step = self.graph.load(self.pool.plan_decode(rows, seq_lens.to(torch.long) - 1))
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "kvstrata attention plans each decode replay on the host: its metadata preparation "
+                "cannot be captured (unset SGLANG_ENABLE_METADATA_GLUE_GRAPH)"
+            )
+        bs = forward_batch.req_pool_indices.shape[0]
+        if in_capture:  # a batch of padding only
+            rows, generations = np.zeros(bs, dtype=np.int64), np.zeros(bs, dtype=np.int64)
+        else:
+            rows, generations = padded_rows(self.requests, getattr(forward_batch, "rids", None), bs)
+        plan = self.pool.plan_decode(rows, generations, decode_prefix_lens(forward_batch))
+        self.pool.step = self.graph.load(plan)
 
     def init_forward_metadata_in_graph(self, forward_batch) -> None:
         assert self.graph is not None
         bs = forward_batch.req_pool_indices.shape[0]
         self.graph.gather(bs, self.pool.req_to_token_pool.req_to_token)
+        assert_rows_on_device(self.graph.views["rows"][:bs], forward_batch.req_pool_indices[:bs])
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache)
