@@ -50,7 +50,7 @@ class RequestRows:
         previous request's entry, so the map never holds more entries than there are rows."""
         for rid, row in zip(rids, rows, strict=True):
             previous_owner = self.owner[row]
-            if previous_owner is not None and previous_owner != rid and self.row_of.get(previous_owner) == row:
+            if previous_owner not in (None, rid) and self.row_of.get(previous_owner) == row:
                 del self.row_of[previous_owner]
             previous_row = self.row_of.get(rid)
             if previous_row is not None and previous_row != row and self.owner[previous_row] == rid:
@@ -81,7 +81,8 @@ class RequestRows:
                 f"then, {int(generation[i])} now)"
             )
         if np.unique(rows).size != rows.size:
-            raise StaleRequestRows(f"kvstrata attention: two decode entries on one request row: {rows.tolist()}")
+            rows_named = rows.tolist()
+            raise StaleRequestRows(f"kvstrata attention: two decode entries on one request row: {rows_named}")
         return rows, generation
 
 
@@ -100,7 +101,8 @@ def padded_rows(requests: RequestRows, rids: Sequence[str] | None, bs: int) -> t
     if rids is None:
         raise StaleRequestRows(
             "kvstrata attention: the decode batch carries no request ids (forward_batch.rids), so its "
-            f"request rows are unknown on the host; a graph replay gets them from the hook on {REPLAY_VIEW_TARGET}"
+            "request rows are unknown on the host; a graph replay gets them from the hook on "
+            + REPLAY_VIEW_TARGET
         )
     if len(rids) > bs:
         raise ValueError(f"kvstrata attention: {len(rids)} requests in a decode batch of {bs} entries")
