@@ -9,7 +9,13 @@ Decode steps also run in SGLang's CUDA graphs (with the Triton kernels): `init_c
 makes the static buffers (`graph.DecodeGraphState`), ``init_forward_metadata_out_graph`` plans each
 captured or replayed step on the host and copies the plan in, and ``init_forward_metadata_in_graph``
 records the device gathers of page tables and page ids. Prefill steps run eagerly
-(``--disable-prefill-cuda-graph``).
+(``--disable-prefill-cuda-graph``); so do decode batches larger than the largest captured one, which
+with the Triton kernels are planned the same way on buffers of their own.
+
+No decode step reads the device on the host: SGLang gives decode steps their request rows only as a
+device tensor, so rows come from the request ids (`request_rows`), and sequence lengths from SGLang's
+host mirror. A host read would wait for every earlier GPU operation and undo SGLang's overlap of the
+next batch's scheduling with this batch's forward.
 """
 
 from __future__ import annotations
@@ -79,17 +85,60 @@ class KvstrataAttnBackend(AttentionBackend):
         pool.kernels = self.kernels
         pool.bind_requests(model_runner.req_to_token_pool)
         self.requests = RequestRows(model_runner.req_to_token_pool)
-        self.graph: DecodeGraphState | None = None
+        self.graph: DecodeGraphState | None = None  # the CUDA graphs' static buffers
+        self.eager_decode: DecodeGraphState | None = None
 
     def init_forward_metadata(self, forward_batch) -> None:
+        """Plan an eager step. Decode steps with the Triton kernels are planned as a graph replay is
+        (`graph.DecodeGraphState`: no host read of the device, a few integers per entry copied in);
+        other steps build kvstrata's `StepBatch` on the host."""
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
         if forward_batch.forward_mode.is_idle():
             self.pool.step = None
             return
+        if forward_batch.forward_mode == ForwardMode.DECODE and isinstance(self.kernels, TritonStrataKernels):
+            state = self._eager_decode_state(forward_batch.req_pool_indices.shape[0])
+            self._load_decode(state, forward_batch, in_capture=False)
+            self._gather_decode(state, forward_batch)
+            return
         rows, prefix_lens, extend_lens = step_lengths(forward_batch, self.requests)
         self.pool.plan_step(rows, prefix_lens, extend_lens)
-        if forward_batch.forward_mode.is_decode():
+        if forward_batch.forward_mode == ForwardMode.DECODE:
             device_rows = forward_batch.req_pool_indices
             assert_rows_on_device(torch.tensor(rows, device=device_rows.device), device_rows)
+
+    def _decode_state(self, max_bs: int) -> DecodeGraphState:
+        pool = self.pool
+        assert pool.ring is not None
+        max_context = pool.req_to_token_pool.req_to_token.shape[1]
+        ring = pool.ring
+        P, device = pool.page_size, pool.device
+        return DecodeGraphState(max_bs, max_context, P, ring.capacity, ring.null_row, device)
+
+    def _eager_decode_state(self, bs: int) -> DecodeGraphState:
+        """The buffers of eager decode steps, for ``bs`` entries or more (grown by powers of two)."""
+        state = self.eager_decode
+        if state is None or state.max_bs < bs:
+            state = self.eager_decode = self._decode_state(1 << (bs - 1).bit_length())
+        return state
+
+    def _load_decode(self, state: DecodeGraphState, forward_batch, in_capture: bool) -> None:
+        """Plan a decode step on the host from host data only and copy the plan into ``state``."""
+        bs = forward_batch.req_pool_indices.shape[0]
+        if in_capture:  # a batch of padding only
+            rows, generations = np.zeros(bs, dtype=np.int64), np.zeros(bs, dtype=np.int64)
+        else:
+            rows, generations = padded_rows(self.requests, getattr(forward_batch, "rids", None), bs)
+        plan = self.pool.plan_decode(rows, generations, decode_prefix_lens(forward_batch))
+        self.pool.step = state.load(plan)
+
+    def _gather_decode(self, state: DecodeGraphState, forward_batch) -> None:
+        """The device half of a decode step's plan (`DecodeGraphState.gather`), and the device-side
+        check that its rows are SGLang's."""
+        bs = forward_batch.req_pool_indices.shape[0]
+        state.gather(bs, self.pool.req_to_token_pool.req_to_token)
+        assert_rows_on_device(state.views["rows"][:bs], forward_batch.req_pool_indices[:bs])
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         if not isinstance(self.kernels, TritonStrataKernels):
@@ -98,13 +147,7 @@ class KvstrataAttnBackend(AttentionBackend):
                 f"(KVSTRATA_ATTENTION_KERNELS=auto or triton); got {type(self.kernels).__name__}: "
                 "pass --disable-cuda-graph"
             )
-        pool = self.pool
-        assert pool.ring is not None
-        max_context = pool.req_to_token_pool.req_to_token.shape[1]
-        ring = pool.ring
-        self.graph = DecodeGraphState(
-            max_bs, max_context, pool.page_size, ring.capacity, ring.null_row, pool.device
-        )
+        self.graph = self._decode_state(max_bs)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
@@ -125,19 +168,11 @@ class KvstrataAttnBackend(AttentionBackend):
                 "kvstrata attention plans each decode replay on the host: its metadata preparation "
                 "cannot be captured (unset SGLANG_ENABLE_METADATA_GLUE_GRAPH)"
             )
-        bs = forward_batch.req_pool_indices.shape[0]
-        if in_capture:  # a batch of padding only
-            rows, generations = np.zeros(bs, dtype=np.int64), np.zeros(bs, dtype=np.int64)
-        else:
-            rows, generations = padded_rows(self.requests, getattr(forward_batch, "rids", None), bs)
-        plan = self.pool.plan_decode(rows, generations, decode_prefix_lens(forward_batch))
-        self.pool.step = self.graph.load(plan)
+        self._load_decode(self.graph, forward_batch, in_capture)
 
     def init_forward_metadata_in_graph(self, forward_batch) -> None:
         assert self.graph is not None
-        bs = forward_batch.req_pool_indices.shape[0]
-        self.graph.gather(bs, self.pool.req_to_token_pool.req_to_token)
-        assert_rows_on_device(self.graph.views["rows"][:bs], forward_batch.req_pool_indices[:bs])
+        self._gather_decode(self.graph, forward_batch)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache)
