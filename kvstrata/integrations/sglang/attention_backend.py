@@ -104,9 +104,8 @@ class KvstrataAttnBackend(AttentionBackend):
             return
         rows, prefix_lens, extend_lens = step_lengths(forward_batch, self.requests)
         self.pool.plan_step(rows, prefix_lens, extend_lens)
-        if forward_batch.forward_mode == ForwardMode.DECODE:
-            device_rows = forward_batch.req_pool_indices
-            assert_rows_on_device(torch.tensor(rows, device=device_rows.device), device_rows)
+        device_rows = forward_batch.req_pool_indices
+        assert_rows_on_device(torch.tensor(rows, device=device_rows.device), device_rows)
 
     def _decode_state(self, max_bs: int) -> DecodeGraphState:
         pool = self.pool

@@ -10,8 +10,8 @@ the benchmark completed; docs/sglang.md). `warm_up` runs a few steps on a scratc
 with the served pool's codec, window, page size, heads and dtype, so that those compiles happen at
 startup: fresh prompts (torch SDPA; their completed pages quantized by the kernel), chunks that
 continue a prompt (3 new tokens to 8 pages of them, over 0, 1, 16 and 20 cold pages; several requests
-per step), and eager decode over short and long histories (one split and several). The served pool
-is not touched.
+per step), and eager decode over short and long histories (planned as graph replays are with the
+Triton kernels, as kvstrata's own steps with the torch ones). The served pool is not touched.
 """
 
 from __future__ import annotations
