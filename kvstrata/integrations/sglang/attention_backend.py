@@ -105,7 +105,10 @@ class KvstrataAttnBackend(AttentionBackend):
         rows, prefix_lens, extend_lens = step_lengths(forward_batch, self.requests)
         self.pool.plan_step(rows, prefix_lens, extend_lens)
         device_rows = forward_batch.req_pool_indices
-        assert_rows_on_device(torch.tensor(rows, device=device_rows.device), device_rows)
+        # non_blocking: a blocking copy to the device would wait for the stream (the plan's own
+        # copies do, but this check should not add a wait)
+        planned = torch.tensor(rows).to(device_rows.device, non_blocking=True)
+        assert_rows_on_device(planned, device_rows)
 
     def _decode_state(self, max_bs: int) -> DecodeGraphState:
         pool = self.pool
