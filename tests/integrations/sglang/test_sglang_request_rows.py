@@ -204,3 +204,84 @@ def test_replay_view_hook_adds_the_request_ids():
     view = runner.build_replay_fb_view(**args)
     assert view.rids == ["a", "b"]
     assert view.num_padding == 2
+
+
+def test_metadata_preparation_refuses_capture(monkeypatch):
+    """Captured into SGLang's metadata glue graph, the host plan would replay frozen: refused (SGLang
+    then runs the preparation eagerly), before anything is planned."""
+    backend = meta_world()
+    row = alloc_row(backend.pool.req_to_token_pool)
+    backend.requests.record(["a"], [row])
+    backend.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="cannot be captured"):
+        backend.init_forward_metadata_out_graph(meta_decode_batch(["a"], [PAGE], BUCKET))
+    assert backend.pool.rings.ring(row).length == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captures a CUDA graph")
+def test_gather_and_row_check_replay_in_a_cuda_graph():
+    """On a GPU: the device half of a decode step, row check included, captured once and replayed with
+    each step's host plan; the replayed page tables and ring lengths are the requests' own."""
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    from kvstrata.integrations.sglang.attention_backend import KvstrataAttnBackend
+    from kvstrata.integrations.sglang.kernels import TritonStrataKernels
+
+    req_pool = ReqToTokenPool(size=8, max_context_len=CONTEXT, device="cuda", enable_memory_saver=False)
+    pool = pool_class(PluginOptions(codec="fp8_e4m3", recent_window=WINDOW))(
+        size=8 * CONTEXT,
+        page_size=PAGE,
+        dtype=torch.bfloat16,
+        head_num=KV_HEADS,
+        head_dim=HEAD_DIM,
+        layer_num=LAYERS,
+        device="cuda",
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+    )
+    runner = SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=req_pool)
+    backend = KvstrataAttnBackend(runner, TritonStrataKernels())
+    rows = [alloc_row(req_pool) for _ in range(2)]
+    for row in rows:
+        req_pool.req_to_token[row] = torch.arange(row * CONTEXT, (row + 1) * CONTEXT, dtype=torch.int32)
+    backend.requests.record(["a", "b"], rows)
+    backend.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
+    device_rows = torch.zeros(BUCKET, dtype=torch.long, device="cuda")  # SGLang's static buffer
+
+    def view(prefix: list[int], rids: list[str]):
+        fb = meta_decode_batch(rids, prefix, BUCKET)
+        fb.req_pool_indices = device_rows
+        return fb
+
+    backend.init_forward_metadata_out_graph(view([], []), in_capture=True)
+    backend.init_forward_metadata_in_graph(view([], []))  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        backend.init_forward_metadata_in_graph(view([], []))
+    state, plans = backend.graph, []
+    load = state.load
+    state.load = lambda plan: (plans.append(plan), load(plan))[1]
+    R, null = backend.pool.ring.capacity, backend.pool.ring.null_row
+    prefix = [2 * PAGE, 3 * PAGE]
+    completed = 0
+    for _ in range(PAGE + 1):
+        device_rows.copy_(torch.tensor(rows + [0] * (BUCKET - 2)))
+        backend.init_forward_metadata_out_graph(view(prefix, ["a", "b"]))
+        graph.replay()
+        torch.cuda.synchronize()  # a failed row check would raise here
+        plan = plans[-1]
+        assert torch.equal(state.lengths[:, :BUCKET].cpu().long(), plan.lengths)
+        for i, row in enumerate(rows):
+            expected = (req_pool.req_to_token[row, : state.width * PAGE : PAGE] // PAGE).int()
+            assert torch.equal(state.page_table[i], expected)
+            held = int(plan.lengths[1, i])
+            start, base = int(plan.ring_start[i]), int(plan.ring_base[i])
+            ring = [base + (start + j) % R for j in range(held)] + [null] * (R - held)
+            assert state.ring_rows[i].tolist() == ring
+            page = int(expected[int(plan.page_col[i])]) * int(plan.complete[i])
+            assert int(state.page_ids[i]) == page
+        completed += plan.pages_completed
+        prefix = [L + 1 for L in prefix]
+    assert completed == 2  # each request completed a page inside the replays
