@@ -134,6 +134,8 @@ class KvstrataAttnBackend(AttentionBackend):
             rows, generations = padded_rows(self.requests, getattr(forward_batch, "rids", None), bs)
         plan = self.pool.plan_decode(rows, generations, decode_prefix_lens(forward_batch))
         self.pool.step = state.load(plan)
+        if state is not self.graph:  # eager: the page table as wide as this batch's history
+            self.pool.step = state.narrowed(bs, max(1, int(plan.lengths[0].max())))
 
     def _gather_decode(self, state: DecodeGraphState, forward_batch) -> None:
         """The device half of a decode step's plan (`DecodeGraphState.gather`), and the device-side

@@ -86,7 +86,14 @@ def test_decode_steps_read_nothing_from_the_device(path: str):
             backend.init_forward_metadata_in_graph(fb)
         else:
             backend.init_forward_metadata(fb)
-        assert backend.pool.step.num_tokens == fb.batch_size
+        step = backend.pool.step
+        assert step.num_tokens == fb.batch_size
+        (group,) = step.groups
+        cold = [backend.pool.rings.ring(row).start // PAGE for row in rows]  # after the step: >= before
+        if path == "eager":  # as wide as the batch's history (the kernel splits by the width)
+            assert group.page_table.shape[1] <= max(1, *cold)
+        else:
+            assert group.page_table.shape[1] == CONTEXT // PAGE
         prefix = [L + 1 for L in prefix]
     for row, L in zip(rows, prefix, strict=True):
         assert backend.pool.rings.ring(row).length == L
