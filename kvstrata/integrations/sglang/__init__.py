@@ -2,8 +2,9 @@
 
 `register()` (called by SGLang's ``load_plugins()`` in every process, idempotent) registers the
 radix-cache backend ``kvstrata``, the attention backend ``kvstrata``, a hook that installs the
-stratified KV pool when the ``kvstrata`` radix cache is selected, and the hooks that size SGLang's
-memory plan for it (`memory_plan`). This package is the only code of
+stratified KV pool when the ``kvstrata`` radix cache is selected, the hooks that size SGLang's
+memory plan for it (`memory_plan`), and one that gives decode-graph replays the batch's request ids
+(`request_rows`). This package is the only code of
 kvstrata that imports sglang; see docs/sglang.md.
 """
 
@@ -90,9 +91,10 @@ def register() -> None:
     if BACKEND not in ATTENTION_BACKEND_CHOICES:
         add_attention_backend_choices([BACKEND])
     if not _hook_registered:
-        from kvstrata.integrations.sglang import memory_plan
+        from kvstrata.integrations.sglang import memory_plan, request_rows
 
         HookRegistry.register(POOL_HOOK_TARGET, mha_pool_class_hook, HookType.AROUND)
         HookRegistry.register(memory_plan.CELL_SIZE_TARGET, memory_plan.cell_size_hook, HookType.AROUND)
         HookRegistry.register(memory_plan.POOL_SIZES_TARGET, memory_plan.pool_sizes_hook, HookType.AROUND)
+        HookRegistry.register(request_rows.REPLAY_VIEW_TARGET, request_rows.replay_view_hook, HookType.AFTER)
         _hook_registered = True

@@ -89,6 +89,16 @@ class DecodeGraphState:
             self.steps[bs] = step
         return step
 
+    def narrowed(self, bs: int, pages: int) -> StepBatch:
+        """A step of ``bs`` entries over the buffers whose page table shows only its first ``pages``
+        columns (an eager step: the attention kernel splits the history by the table's width, so a
+        table as wide as the longest possible request would split a short history into mostly empty
+        parts). Not cached: an eager step's ``pages`` changes as its requests grow."""
+        if not 1 <= pages <= self.width:
+            raise ValueError(f"kvstrata: a page table of {pages} columns outside 1..{self.width}")
+        self.step_for(bs)  # checks bs
+        return _static_step(self, bs, pages)
+
     def load(self, plan: DecodePlan) -> StepBatch:
         """Copy a planned step into the inputs (one copy, asynchronous on CUDA); its static step."""
         bs = plan.rows.numel()
@@ -145,16 +155,17 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _static_step(state: DecodeGraphState, bs: int) -> StepBatch:
+def _static_step(state: DecodeGraphState, bs: int, pages: int | None = None) -> StepBatch:
     """A `StepBatch` of ``bs`` decode entries over the state's buffers, as the Triton kernels read it
-    (``lengths`` instead of host lists and masks; the host lists stay empty placeholders of size bs)."""
+    (``lengths`` instead of host lists and masks; the host lists stay empty placeholders of size bs);
+    ``pages``: the page table's first columns only (all by default)."""
     P, v = state.page_size, state.views
     empty = torch.empty(0, dtype=torch.long, device=state.device)
     group = GroupPlan(
         rows=None,
         batch=bs,
         tokens=1,
-        page_table=state.page_table[:bs],
+        page_table=state.page_table[:bs, :pages],
         cold_pages=[0] * bs,
         sink_table=None,
         sink_valid=[False] * bs,

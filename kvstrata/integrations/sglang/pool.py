@@ -87,12 +87,10 @@ class StratifiedTokenToKVPool(MHATokenToKVPool):
         self.quantized_pages += int(self.step.write.page_ids.numel())
         return self.step
 
-    def plan_decode(self, rows: torch.Tensor, prefix_lens: torch.Tensor) -> DecodePlan:
-        """Plan a decode step for a captured graph (`graph.DecodeGraphState`) from host tensors of
-        the entries' request rows and cached prefix lengths; row 0 is padding."""
-        book = self._book()
-        generations = self.req_to_token_pool.req_generation[rows]
-        plan = book.plan_decode(rows, generations, prefix_lens)
+    def plan_decode(self, rows, generations, prefix_lens) -> DecodePlan:
+        """Plan a decode step for a captured graph (`graph.DecodeGraphState`) from host arrays of
+        the entries' request rows, their generations and cached prefix lengths; row 0 is padding."""
+        plan = self._book().plan_decode(rows, generations, prefix_lens)
         self.quantized_pages += plan.pages_completed
         return plan
 

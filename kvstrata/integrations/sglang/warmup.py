@@ -10,8 +10,8 @@ the benchmark completed; docs/sglang.md). `warm_up` runs a few steps on a scratc
 with the served pool's codec, window, page size, heads and dtype, so that those compiles happen at
 startup: fresh prompts (torch SDPA; their completed pages quantized by the kernel), chunks that
 continue a prompt (3 new tokens to 8 pages of them, over 0, 1, 16 and 20 cold pages; several requests
-per step), and eager decode over short and long histories (one split and several). The served pool
-is not touched.
+per step), and eager decode over short and long histories (planned as graph replays are with the
+Triton kernels, as kvstrata's own steps with the torch ones). The served pool is not touched.
 """
 
 from __future__ import annotations
@@ -34,15 +34,19 @@ def warmup_enabled() -> bool:
     return os.environ.get(ENV_WARMUP, "1") not in ("0", "false", "no")
 
 
-def forward_batch(rows, prefix_lens, extend_lens, out_cache_loc, decode: bool):
+def forward_batch(rows, prefix_lens, extend_lens, out_cache_loc, decode: bool, rids=None):
     """The fields of SGLang's ``ForwardBatch`` the kvstrata backend reads, for one batch of request
-    ``rows`` with cached ``prefix_lens`` and ``extend_lens`` new tokens at ``out_cache_loc``."""
+    ``rows`` (request ids ``rids``, by default the rows' numbers) with cached ``prefix_lens`` and
+    ``extend_lens`` new tokens at ``out_cache_loc``. As in SGLang 0.5.23, only an extend batch has a
+    host copy of its rows."""
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     lengths = torch.tensor([p + n for p, n in zip(prefix_lens, extend_lens, strict=True)])
     return SimpleNamespace(
         forward_mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND,
-        req_pool_indices=torch.tensor(rows),
+        req_pool_indices=torch.tensor(rows, device=out_cache_loc.device),
+        req_pool_indices_cpu=None if decode else torch.tensor(rows),
+        rids=[str(r) for r in rows] if rids is None else list(rids),
         seq_lens=lengths,
         seq_lens_cpu=lengths,
         extend_prefix_lens_cpu=list(prefix_lens),

@@ -95,7 +95,8 @@ class PluginServer:
             locs.append(self.req_pool.req_to_token[self.rows[name], cached : cached + n].to(torch.int64))
         rows = [self.rows[name] for name, _, _ in batch]
         prefix, extend = [cached for _, cached, _ in batch], [n for _, _, n in batch]
-        fb = forward_batch(rows, prefix, extend, torch.cat(locs), decode)
+        names = [name for name, _, _ in batch]
+        fb = forward_batch(rows, prefix, extend, torch.cat(locs), decode, rids=names)
         self.backend.init_forward_metadata(fb)
         attend = self.backend.forward_decode if decode else self.backend.forward_extend
 

@@ -91,7 +91,8 @@ class World:
             vs.append(self.v_of[:, toks])
         q, k, v = torch.cat(qs), torch.cat(ks, dim=1), torch.cat(vs, dim=1)
         prefix, extend = [L for _, L, _ in batch], [n for _, _, n in batch]
-        fb = forward_batch(rows, prefix, extend, torch.cat(locs), decode)
+        names = [name for name, _, _ in batch]
+        fb = forward_batch(rows, prefix, extend, torch.cat(locs), decode, rids=names)
         if graph_bs is None:
             self.backend.init_forward_metadata(fb)
         else:
@@ -124,6 +125,7 @@ def padded_decode(backend, fb, q, k, v, bs: int):
         forward_mode=fb.forward_mode,
         batch_size=bs,
         num_padding=pad,
+        rids=fb.rids,  # what kvstrata's hook on build_replay_fb_view adds to SGLang's replay view
         req_pool_indices=padded(fb.req_pool_indices, 0),
         seq_lens=padded(fb.seq_lens, 1),
         seq_lens_cpu=padded(fb.seq_lens_cpu, 1),
