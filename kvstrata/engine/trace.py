@@ -15,10 +15,11 @@ environment on) and every step writes one JSON line:
 
 ``loop`` lines carry the event loop's lag (``lag``: how late a 5 ms timer fired), written by the server
 (`kvstrata.server.app`) through `loop_lag`; ``gc`` lines each collection of the older generations
-(``gen`` 1 or 2, ``ms``; `gc.callbacks`, any thread: every thread waits for it). `summarize` turns a
-file into totals per step kind, medians of the decode steps, stalled steps, collections and the idle
-gaps; ``benchmarks/step_timeline.py`` prints it. The cost when on: a dict and two CUDA events per step;
-off (the default) nothing runs.
+(``gen`` 1 or 2, ``ms``; `gc.callbacks`, any thread: every thread waits for it); a ``mark`` line
+(``name`` `WARMUP_DONE`) the end of the engine's start-up warm-up. `summarize` turns a file into
+totals per step kind, medians of the decode steps, stalled steps, collections and the idle gaps, from
+the warm-up mark on; ``benchmarks/step_timeline.py`` prints it. The cost when on: a dict and two
+CUDA events per step; off (the default) nothing runs.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ import torch
 
 TRACE_ENV = "KVSTRATA_STEP_TRACE"
 HOST_PARTS = ("plan", "launch", "flush", "wait", "post")
+WARMUP_DONE = "warm-up done"  # the engine's mark after its start-up warm-up (`summarize` starts there)
+NOT_STEPS = ("loop", "gc", "mark")
 
 
 def step_kind(decoding: list[bool]) -> str:
@@ -146,6 +149,10 @@ class StepTrace:
         while self._collections:
             self._write(self._collections.pop(0))
 
+    def mark(self, name: str) -> None:
+        """A named point of the timeline (a ``mark`` line): the engine marks the warm-up's end."""
+        self._write({"t": round(time.perf_counter() - self._origin, 6), "kind": "mark", "name": name})
+
     def loop_lag(self, lag_s: float) -> None:
         self._write({"t": round(time.perf_counter() - self._origin, 6), "kind": "loop", "lag": lag_s * 1e3})
 
@@ -191,6 +198,7 @@ class Timeline:
     # (t, kind, batch, tokens, wall ms). On CUDA mostly Triton compiling a kernel variant on first use.
     stalls: list[tuple[float, str, int, int, float]] = field(default_factory=list)
     gc_ms: dict[int, tuple[int, float, float]] = field(default_factory=dict)  # gen -> count, total, max
+    warmup_steps: int = 0  # steps before the warm-up mark, left out of everything above
 
 
 STALL_FACTOR, STALL_MS = 5.0, 100.0
@@ -206,8 +214,14 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 def summarize(records: list[dict[str, Any]]) -> Timeline:
-    """Totals per step kind, medians of the decode steps, engine idle time and the loop's lag."""
-    steps = [r for r in records if r["kind"] not in ("loop", "gc")]
+    """Totals per step kind, medians of the decode steps, engine idle time and the loop's lag, from
+    the last warm-up mark on (a step resolved after it may be written after it: compared by time)."""
+    since = max((r["t"] for r in records if r["kind"] == "mark" and r["name"] == WARMUP_DONE), default=None)
+    warmup_steps = 0
+    if since is not None:
+        warmup_steps = sum(1 for r in records if r["kind"] not in NOT_STEPS and r["t"] < since)
+        records = [r for r in records if r["t"] >= since]
+    steps = [r for r in records if r["kind"] not in NOT_STEPS]
     first, last = (steps[0]["t"], steps[-1]["t"] + steps[-1]["wall"] / 1e3) if steps else (0.0, 0.0)
     # the loop's lag while steps ran (all of it when the file has no step)
     lags = [r["lag"] for r in records if r["kind"] == "loop" and (not steps or first <= r["t"] <= last)]
@@ -259,12 +273,14 @@ def summarize(records: list[dict[str, Any]]) -> Timeline:
             "max": max(lags, default=0.0),
         },
         loop_samples=len(lags),
+        warmup_steps=warmup_steps,
     )
 
 
 def format_timeline(t: Timeline) -> str:
+    warmup = f" (after the warm-up: its {t.warmup_steps} steps left out)" if t.warmup_steps else ""
     rows = [
-        f"span {t.span_s:.2f} s; engine thread waiting for work {t.engine_idle_s:.2f} s",
+        f"span {t.span_s:.2f} s{warmup}; engine thread waiting for work {t.engine_idle_s:.2f} s",
         "",
         "| steps | count | tokens | wall s | GPU s | GPU idle s | plan | launch | flush | wait | post (s) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",

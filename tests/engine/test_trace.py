@@ -13,7 +13,16 @@ import torch
 from prompt_texts import PROMPT_TEXTS
 
 from kvstrata.engine.engine import Engine
-from kvstrata.engine.trace import TRACE_ENV, StepTrace, format_timeline, read_trace, step_kind, summarize
+from kvstrata.engine.trace import (
+    NOT_STEPS,
+    TRACE_ENV,
+    WARMUP_DONE,
+    StepTrace,
+    format_timeline,
+    read_trace,
+    step_kind,
+    summarize,
+)
 from kvstrata.server.app import watch_loop_lag
 
 NEW = [5, 9, 1, 12]
@@ -36,7 +45,7 @@ def test_trace_counts_every_step(default_model, tmp_path, monkeypatch, overlap: 
         engine.shutdown()
     assert [len(o["output_ids"]) for o in outs] == NEW
     records = read_trace(path.read_text().splitlines())
-    steps = [r for r in records if r["kind"] not in ("loop", "gc")]
+    steps = [r for r in records if r["kind"] not in NOT_STEPS]
     # every prompt token once, every generated token but the last fed back once (a step that an
     # overlapped request's finish dropped from its batch still ran its token: counted, at most one each)
     fed = sum(len(p) for p in prompts) + sum(n - 1 for n in NEW)
@@ -109,6 +118,32 @@ def test_stalls_are_steps_far_above_their_kinds_median() -> None:
     timeline = summarize(records)
     assert [(s[0], s[1], s[4]) for s in timeline.stalls] == [(1.0, "decode", 1900.0)]
     assert "stalled steps" in format_timeline(timeline)
+
+
+def test_summary_starts_at_the_warmup_mark() -> None:
+    """Steps, lags and collections before the warm-up mark are left out, by time: a step whose CUDA
+    events resolved after the mark is written after it but started before."""
+
+    def step(t: float, tokens: int) -> dict[str, Any]:
+        parts = dict.fromkeys(("plan", "launch", "flush", "wait"), 0.0)
+        return {"t": t, "kind": "decode", "batch": 1, "tokens": tokens, **parts, "post": 5.0, "wall": 5.0,
+                "deferred": False}  # fmt: skip
+
+    records = [
+        step(0.0, 100),
+        step(0.5, 200),
+        {"t": 1.0, "kind": "mark", "name": WARMUP_DONE},
+        step(0.9, 300),
+    ]
+    records += [{"t": 0.2, "kind": "loop", "lag": 50.0}, {"t": 0.3, "kind": "gc", "gen": 2, "ms": 400.0}]
+    records += [step(2.0, 4), step(2.1, 6), {"t": 2.05, "kind": "loop", "lag": 1.0}]
+    timeline = summarize(records)
+    assert timeline.warmup_steps == 3 and timeline.kinds["decode"].steps == 2
+    assert timeline.kinds["decode"].tokens == 10 and timeline.gc_ms == {}
+    assert timeline.loop_samples == 1 and timeline.loop_lag_ms["max"] == 1.0
+    assert timeline.span_s == pytest.approx(0.105)
+    assert "its 3 steps left out" in format_timeline(timeline)
+    assert summarize(records[:2]).warmup_steps == 0  # no mark: everything counts
 
 
 def test_collections_are_recorded(tmp_path) -> None:
