@@ -40,6 +40,13 @@ def test_rounds_fit_a_small_pool_and_context() -> None:
         assert all(len(p) + n <= limit for p, n in zip(r.prompts, r.max_new, strict=True))
 
 
+@pytest.mark.parametrize("context", [8, 16, 17, 20, 40])
+def test_rounds_never_send_an_empty_prompt(context: int) -> None:
+    rounds = warmup_rounds(batch=4, page_size=16, capacity=10_000, context=context, vocab=50)
+    assert all(p and len(p) + n <= context for r in rounds for p, n in zip(r.prompts, r.max_new, strict=True))
+    assert bool(rounds) is (context > 16)  # too short a context for any prompt and its output: none
+
+
 @pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
 def test_warm_engine_serves_like_a_cold_one(default_model, kv: str, tmp_path, monkeypatch) -> None:
     prompts = [default_model.tokenizer.encode(t) for t in PROMPT_TEXTS[:3]]
