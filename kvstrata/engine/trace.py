@@ -11,7 +11,8 @@ environment on) and every step writes one JSON line:
   appending tokens, stop checks, deltas, finishing), ``wall`` (all of it);
 - on CUDA, from events around the queued work: ``gpu`` (the step's first queued kernel to its last,
   bubbles inside included) and ``idle`` (the previous step's last kernel to this one's first: the
-  device waiting for the host). They are read once the device has passed them, never by waiting.
+  device waiting for the host; none on a step after the engine waited for work). They are read
+  once the device has passed them, never by waiting.
 
 ``loop`` lines carry the event loop's lag (``lag``: how late a 5 ms timer fired), written by the server
 (`kvstrata.server.app`) through `loop_lag`; ``gc`` lines each collection of the older generations
@@ -61,7 +62,8 @@ class StepTrace:
         self._origin = time.perf_counter()
         self._open: dict[str, Any] | None = None
         self._events: tuple[Any, Any] | None = None
-        self._pending: deque[tuple[dict[str, Any], Any, Any]] = deque()  # waiting for their events
+        # steps waiting for their events; None where the engine waited for work between two steps
+        self._pending: deque[tuple[dict[str, Any], Any, Any] | None] = deque()
         self._last_end: Any = None  # the previous step's end event
         self._marks: dict[str, float] = {}
         self._gc_start = 0.0
@@ -120,9 +122,22 @@ class StepTrace:
         else:
             self._write(rec)
 
+    def waiting(self) -> None:
+        """The engine has no work: the device's wait until the next step is for requests, not for
+        the host, so that step has no ``idle``."""
+        if not self._pending:
+            self._last_end = None
+        elif self._pending[-1] is not None:
+            self._pending.append(None)
+
     def _resolve(self, block: bool) -> None:
         while self._pending:
-            rec, start, end = self._pending[0]
+            head = self._pending[0]
+            if head is None:
+                self._pending.popleft()
+                self._last_end = None
+                continue
+            rec, start, end = head
             if not block and not end.query():
                 return
             end.synchronize()

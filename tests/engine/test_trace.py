@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import statistics
+import time
 from typing import Any
 
 import pytest
@@ -144,6 +145,57 @@ def test_summary_starts_at_the_warmup_mark() -> None:
     assert timeline.span_s == pytest.approx(0.105)
     assert "its 3 steps left out" in format_timeline(timeline)
     assert summarize(records[:2]).warmup_steps == 0  # no mark: everything counts
+
+
+class FakeEvent:
+    """A CUDA event stand-in: recorded at the next of ``times`` (s), passed once ``ready[0]``."""
+
+    def __init__(self, times: list[float], ready: list[bool], **_: Any) -> None:
+        self.times, self.ready, self.t = times, ready, 0.0
+
+    def record(self) -> None:
+        self.t = self.times.pop(0)
+
+    def query(self) -> bool:
+        return self.ready[0]
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, later: FakeEvent) -> float:
+        return (later.t - self.t) * 1e3
+
+
+def test_no_gpu_idle_across_a_wait_for_work(tmp_path, monkeypatch) -> None:
+    """``idle`` is the device waiting for the host between steps: none on the step after the engine
+    waited for requests, also when the steps' events resolve after that wait."""
+    times = [0.0, 0.010, 0.012, 0.020, 5.0, 5.010, 5.011, 5.020]  # start, end of four steps
+    ready = [False]
+    monkeypatch.setattr(torch.cuda, "Event", lambda **kw: FakeEvent(times, ready, **kw))
+    trace = StepTrace(str(tmp_path / "t.jsonl"), torch.device("cpu"))
+    trace.cuda = True  # the fake events above; no GPU here
+
+    def step() -> None:
+        trace.begin(time.perf_counter(), [1], [True])
+        trace.launched()
+        trace.end(0.0, 0.0, deferred=False)
+
+    step()
+    step()
+    trace.waiting()  # their events not passed yet: the wait is queued behind them
+    trace.waiting()
+    step()
+    ready[0] = True
+    step()
+    trace.close()
+    records = read_trace((tmp_path / "t.jsonl").read_text().splitlines())
+    assert [r["gpu"] for r in records] == pytest.approx([10.0, 8.0, 10.0, 9.0])
+    assert [r.get("idle") for r in records] == [None, pytest.approx(2.0), None, pytest.approx(1.0)]
+    trace = StepTrace(str(tmp_path / "t2.jsonl"), torch.device("cpu"))
+    trace._last_end = FakeEvent([], ready)
+    trace.waiting()  # nothing pending: forgotten at once
+    assert trace._last_end is None
+    trace.close()
 
 
 def test_collections_are_recorded(tmp_path) -> None:
