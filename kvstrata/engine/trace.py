@@ -74,8 +74,15 @@ class StepTrace:
 
     @classmethod
     def from_env(cls, device: torch.device) -> StepTrace | None:
+        """The timeline ``KVSTRATA_STEP_TRACE`` asks for, else None; ValueError when it cannot be
+        written (`kvstrata serve` reports it as an engine start-up error)."""
         path = os.environ.get(TRACE_ENV)
-        return cls(path, device) if path else None
+        if not path:
+            return None
+        try:
+            return cls(path, device)
+        except OSError as exc:
+            raise ValueError(f"{TRACE_ENV}={path}: cannot write the step timeline ({exc})") from exc
 
     # --- the engine thread --------------------------------------------------------------------------
     def begin(self, started: float, n_new: list[int], decoding: list[bool]) -> None:

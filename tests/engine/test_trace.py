@@ -84,6 +84,14 @@ def test_trace_off_by_default(default_model, monkeypatch) -> None:
         engine.shutdown()
 
 
+def test_unwritable_trace_path_is_a_clear_error(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(TRACE_ENV, str(tmp_path / "no-such-dir" / "t.jsonl"))
+    with pytest.raises(ValueError, match=f"{TRACE_ENV}=.*no-such-dir.*cannot write"):
+        StepTrace.from_env(torch.device("cpu"))
+    monkeypatch.setenv(TRACE_ENV, "")
+    assert StepTrace.from_env(torch.device("cpu")) is None
+
+
 def test_loop_lag_lines(tmp_path) -> None:
     trace = StepTrace(str(tmp_path / "t.jsonl"), torch.device("cpu"))
 
