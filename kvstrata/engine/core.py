@@ -250,6 +250,8 @@ class EngineCore:
         if self.scheduler.has_work() or self._inflight is not None:
             return self._step()
         self._flush_outbox()  # what the inbox's commands delivered goes out before the wait
+        if self.trace is not None:
+            self.trace.waiting()
         self._wake.wait(timeout=1.0)
         self._wake.clear()
         return False

@@ -28,6 +28,7 @@ from kvstrata.engine.options import EngineArgs, image_hosts
 from kvstrata.engine.request import Request
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.engine.stats import EngineEvent, EngineStats
+from kvstrata.engine.trace import WARMUP_DONE
 from kvstrata.engine.warmup import warmup_rounds
 
 log = logging.getLogger("kvstrata.engine")
@@ -79,7 +80,8 @@ class Engine:
 
     def _warm_up(self) -> None:
         """Run the warm-up workload (`kvstrata/engine/warmup.py`), then forget it: the prefix cache is
-        emptied and the request statistics start from zero (the cache's own page counters keep it)."""
+        emptied, the request statistics start from zero (the cache's own page counters keep it) and the
+        step timeline, when on, gets a mark its summary starts from."""
         start = time.perf_counter()
         rounds = warmup_rounds(
             self.args.max_running_requests,
@@ -102,6 +104,8 @@ class Engine:
         else:
             raise RuntimeError("warm-up: the engine did not become idle")
         self.stats.reset()
+        if self.core.trace is not None:
+            self.core.trace.mark(WARMUP_DONE)  # the timeline's summary starts here
         log.info(
             "warm-up: %d requests in %.1f s", sum(len(r.prompts) for r in rounds), time.perf_counter() - start
         )

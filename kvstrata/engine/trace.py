@@ -11,14 +11,16 @@ environment on) and every step writes one JSON line:
   appending tokens, stop checks, deltas, finishing), ``wall`` (all of it);
 - on CUDA, from events around the queued work: ``gpu`` (the step's first queued kernel to its last,
   bubbles inside included) and ``idle`` (the previous step's last kernel to this one's first: the
-  device waiting for the host). They are read once the device has passed them, never by waiting.
+  device waiting for the host; none on a step after the engine waited for work). They are read
+  once the device has passed them, never by waiting.
 
 ``loop`` lines carry the event loop's lag (``lag``: how late a 5 ms timer fired), written by the server
 (`kvstrata.server.app`) through `loop_lag`; ``gc`` lines each collection of the older generations
-(``gen`` 1 or 2, ``ms``; `gc.callbacks`, any thread: every thread waits for it). `summarize` turns a
-file into totals per step kind, medians of the decode steps, stalled steps, collections and the idle
-gaps; ``benchmarks/step_timeline.py`` prints it. The cost when on: a dict and two CUDA events per step;
-off (the default) nothing runs.
+(``gen`` 1 or 2, ``ms``; `gc.callbacks`, any thread: every thread waits for it); a ``mark`` line
+(``name`` `WARMUP_DONE`) the end of the engine's start-up warm-up. `summarize` turns a file into
+totals per step kind, medians of the decode steps, stalled steps, collections and the idle gaps, from
+the warm-up mark on; ``benchmarks/step_timeline.py`` prints it. The cost when on: a dict and two
+CUDA events per step; off (the default) nothing runs.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ import torch
 
 TRACE_ENV = "KVSTRATA_STEP_TRACE"
 HOST_PARTS = ("plan", "launch", "flush", "wait", "post")
+WARMUP_DONE = "warm-up done"  # the engine's mark after its start-up warm-up (`summarize` starts there)
+NOT_STEPS = ("loop", "gc", "mark")
 
 
 def step_kind(decoding: list[bool]) -> str:
@@ -58,7 +62,8 @@ class StepTrace:
         self._origin = time.perf_counter()
         self._open: dict[str, Any] | None = None
         self._events: tuple[Any, Any] | None = None
-        self._pending: deque[tuple[dict[str, Any], Any, Any]] = deque()  # waiting for their events
+        # steps waiting for their events; None where the engine waited for work between two steps
+        self._pending: deque[tuple[dict[str, Any], Any, Any] | None] = deque()
         self._last_end: Any = None  # the previous step's end event
         self._marks: dict[str, float] = {}
         self._gc_start = 0.0
@@ -69,8 +74,15 @@ class StepTrace:
 
     @classmethod
     def from_env(cls, device: torch.device) -> StepTrace | None:
+        """The timeline ``KVSTRATA_STEP_TRACE`` asks for, else None; ValueError when it cannot be
+        written (`kvstrata serve` reports it as an engine start-up error)."""
         path = os.environ.get(TRACE_ENV)
-        return cls(path, device) if path else None
+        if not path:
+            return None
+        try:
+            return cls(path, device)
+        except OSError as exc:
+            raise ValueError(f"{TRACE_ENV}={path}: cannot write the step timeline ({exc})") from exc
 
     # --- the engine thread --------------------------------------------------------------------------
     def begin(self, started: float, n_new: list[int], decoding: list[bool]) -> None:
@@ -117,9 +129,22 @@ class StepTrace:
         else:
             self._write(rec)
 
+    def waiting(self) -> None:
+        """The engine has no work: the device's wait until the next step is for requests, not for
+        the host, so that step has no ``idle``."""
+        if not self._pending:
+            self._last_end = None
+        elif self._pending[-1] is not None:
+            self._pending.append(None)
+
     def _resolve(self, block: bool) -> None:
         while self._pending:
-            rec, start, end = self._pending[0]
+            head = self._pending[0]
+            if head is None:
+                self._pending.popleft()
+                self._last_end = None
+                continue
+            rec, start, end = head
             if not block and not end.query():
                 return
             end.synchronize()
@@ -145,6 +170,10 @@ class StepTrace:
     def _write_collections(self) -> None:
         while self._collections:
             self._write(self._collections.pop(0))
+
+    def mark(self, name: str) -> None:
+        """A named point of the timeline (a ``mark`` line): the engine marks the warm-up's end."""
+        self._write({"t": round(time.perf_counter() - self._origin, 6), "kind": "mark", "name": name})
 
     def loop_lag(self, lag_s: float) -> None:
         self._write({"t": round(time.perf_counter() - self._origin, 6), "kind": "loop", "lag": lag_s * 1e3})
@@ -191,6 +220,7 @@ class Timeline:
     # (t, kind, batch, tokens, wall ms). On CUDA mostly Triton compiling a kernel variant on first use.
     stalls: list[tuple[float, str, int, int, float]] = field(default_factory=list)
     gc_ms: dict[int, tuple[int, float, float]] = field(default_factory=dict)  # gen -> count, total, max
+    warmup_steps: int = 0  # steps before the warm-up mark, left out of everything above
 
 
 STALL_FACTOR, STALL_MS = 5.0, 100.0
@@ -206,8 +236,14 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 def summarize(records: list[dict[str, Any]]) -> Timeline:
-    """Totals per step kind, medians of the decode steps, engine idle time and the loop's lag."""
-    steps = [r for r in records if r["kind"] not in ("loop", "gc")]
+    """Totals per step kind, medians of the decode steps, engine idle time and the loop's lag, from
+    the last warm-up mark on (a step resolved after it may be written after it: compared by time)."""
+    since = max((r["t"] for r in records if r["kind"] == "mark" and r["name"] == WARMUP_DONE), default=None)
+    warmup_steps = 0
+    if since is not None:
+        warmup_steps = sum(1 for r in records if r["kind"] not in NOT_STEPS and r["t"] < since)
+        records = [r for r in records if r["t"] >= since]
+    steps = [r for r in records if r["kind"] not in NOT_STEPS]
     first, last = (steps[0]["t"], steps[-1]["t"] + steps[-1]["wall"] / 1e3) if steps else (0.0, 0.0)
     # the loop's lag while steps ran (all of it when the file has no step)
     lags = [r["lag"] for r in records if r["kind"] == "loop" and (not steps or first <= r["t"] <= last)]
@@ -259,12 +295,14 @@ def summarize(records: list[dict[str, Any]]) -> Timeline:
             "max": max(lags, default=0.0),
         },
         loop_samples=len(lags),
+        warmup_steps=warmup_steps,
     )
 
 
 def format_timeline(t: Timeline) -> str:
+    warmup = f" (after the warm-up: its {t.warmup_steps} steps left out)" if t.warmup_steps else ""
     rows = [
-        f"span {t.span_s:.2f} s; engine thread waiting for work {t.engine_idle_s:.2f} s",
+        f"span {t.span_s:.2f} s{warmup}; engine thread waiting for work {t.engine_idle_s:.2f} s",
         "",
         "| steps | count | tokens | wall s | GPU s | GPU idle s | plan | launch | flush | wait | post (s) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",

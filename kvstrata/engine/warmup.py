@@ -48,6 +48,8 @@ def warmup_rounds(
         return [rng.randrange(vocab) for _ in range(n)]
 
     limit = min(capacity, context) - 16  # per sequence: prompt + output below the context and pool
+    if limit < 1:
+        return []  # no prompt fits with its output: nothing to warm up
     lengths = [min(limit, page_size * (2 + i % 24) + i % page_size) for i in range(batch)]
     while sum(lengths) + 8 * batch > capacity and len(lengths) > 1:
         lengths.pop()

@@ -7,6 +7,7 @@ unset (``None``) are not passed to ``kvstrata.Engine``, so the engine's own defa
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -53,6 +54,15 @@ def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0.0:
         raise argparse.ArgumentTypeError(f"must be > 0: {text}")
+    return value
+
+
+def _switch_interval(text: str) -> float:
+    """`sys.setswitchinterval`'s seconds: it keeps whole microseconds, so a value under one (or not
+    finite) would silently become 0."""
+    value = float(text)
+    if not 1e-6 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 1e-6: {text}")
     return value
 
 
@@ -259,7 +269,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("drift_raise_share", _fraction, None, "share of the cold pool's bytes for the raised pool", True),
     Flag(
         "switch_interval",
-        _positive_float,
+        _switch_interval,
         None,
         "seconds a thread may hold the GIL while another waits (sys.setswitchinterval; Python's 0.005): "
         "the engine thread and the HTTP event loop share it",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import statistics
+import time
 from typing import Any
 
 import pytest
@@ -13,7 +14,16 @@ import torch
 from prompt_texts import PROMPT_TEXTS
 
 from kvstrata.engine.engine import Engine
-from kvstrata.engine.trace import TRACE_ENV, StepTrace, format_timeline, read_trace, step_kind, summarize
+from kvstrata.engine.trace import (
+    NOT_STEPS,
+    TRACE_ENV,
+    WARMUP_DONE,
+    StepTrace,
+    format_timeline,
+    read_trace,
+    step_kind,
+    summarize,
+)
 from kvstrata.server.app import watch_loop_lag
 
 NEW = [5, 9, 1, 12]
@@ -36,7 +46,7 @@ def test_trace_counts_every_step(default_model, tmp_path, monkeypatch, overlap: 
         engine.shutdown()
     assert [len(o["output_ids"]) for o in outs] == NEW
     records = read_trace(path.read_text().splitlines())
-    steps = [r for r in records if r["kind"] not in ("loop", "gc")]
+    steps = [r for r in records if r["kind"] not in NOT_STEPS]
     # every prompt token once, every generated token but the last fed back once (a step that an
     # overlapped request's finish dropped from its batch still ran its token: counted, at most one each)
     fed = sum(len(p) for p in prompts) + sum(n - 1 for n in NEW)
@@ -74,6 +84,14 @@ def test_trace_off_by_default(default_model, monkeypatch) -> None:
         engine.shutdown()
 
 
+def test_unwritable_trace_path_is_a_clear_error(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(TRACE_ENV, str(tmp_path / "no-such-dir" / "t.jsonl"))
+    with pytest.raises(ValueError, match=f"{TRACE_ENV}=.*no-such-dir.*cannot write"):
+        StepTrace.from_env(torch.device("cpu"))
+    monkeypatch.setenv(TRACE_ENV, "")
+    assert StepTrace.from_env(torch.device("cpu")) is None
+
+
 def test_loop_lag_lines(tmp_path) -> None:
     trace = StepTrace(str(tmp_path / "t.jsonl"), torch.device("cpu"))
 
@@ -109,6 +127,83 @@ def test_stalls_are_steps_far_above_their_kinds_median() -> None:
     timeline = summarize(records)
     assert [(s[0], s[1], s[4]) for s in timeline.stalls] == [(1.0, "decode", 1900.0)]
     assert "stalled steps" in format_timeline(timeline)
+
+
+def test_summary_starts_at_the_warmup_mark() -> None:
+    """Steps, lags and collections before the warm-up mark are left out, by time: a step whose CUDA
+    events resolved after the mark is written after it but started before."""
+
+    def step(t: float, tokens: int) -> dict[str, Any]:
+        parts = dict.fromkeys(("plan", "launch", "flush", "wait"), 0.0)
+        return {"t": t, "kind": "decode", "batch": 1, "tokens": tokens, **parts, "post": 5.0, "wall": 5.0,
+                "deferred": False}  # fmt: skip
+
+    records = [
+        step(0.0, 100),
+        step(0.5, 200),
+        {"t": 1.0, "kind": "mark", "name": WARMUP_DONE},
+        step(0.9, 300),
+    ]
+    records += [{"t": 0.2, "kind": "loop", "lag": 50.0}, {"t": 0.3, "kind": "gc", "gen": 2, "ms": 400.0}]
+    records += [step(2.0, 4), step(2.1, 6), {"t": 2.05, "kind": "loop", "lag": 1.0}]
+    timeline = summarize(records)
+    assert timeline.warmup_steps == 3 and timeline.kinds["decode"].steps == 2
+    assert timeline.kinds["decode"].tokens == 10 and timeline.gc_ms == {}
+    assert timeline.loop_samples == 1 and timeline.loop_lag_ms["max"] == 1.0
+    assert timeline.span_s == pytest.approx(0.105)
+    assert "its 3 steps left out" in format_timeline(timeline)
+    assert summarize(records[:2]).warmup_steps == 0  # no mark: everything counts
+
+
+class FakeEvent:
+    """A CUDA event stand-in: recorded at the next of ``times`` (s), passed once ``ready[0]``."""
+
+    def __init__(self, times: list[float], ready: list[bool], **_: Any) -> None:
+        self.times, self.ready, self.t = times, ready, 0.0
+
+    def record(self) -> None:
+        self.t = self.times.pop(0)
+
+    def query(self) -> bool:
+        return self.ready[0]
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, later: FakeEvent) -> float:
+        return (later.t - self.t) * 1e3
+
+
+def test_no_gpu_idle_across_a_wait_for_work(tmp_path, monkeypatch) -> None:
+    """``idle`` is the device waiting for the host between steps: none on the step after the engine
+    waited for requests, also when the steps' events resolve after that wait."""
+    times = [0.0, 0.010, 0.012, 0.020, 5.0, 5.010, 5.011, 5.020]  # start, end of four steps
+    ready = [False]
+    monkeypatch.setattr(torch.cuda, "Event", lambda **kw: FakeEvent(times, ready, **kw))
+    trace = StepTrace(str(tmp_path / "t.jsonl"), torch.device("cpu"))
+    trace.cuda = True  # the fake events above; no GPU here
+
+    def step() -> None:
+        trace.begin(time.perf_counter(), [1], [True])
+        trace.launched()
+        trace.end(0.0, 0.0, deferred=False)
+
+    step()
+    step()
+    trace.waiting()  # their events not passed yet: the wait is queued behind them
+    trace.waiting()
+    step()
+    ready[0] = True
+    step()
+    trace.close()
+    records = read_trace((tmp_path / "t.jsonl").read_text().splitlines())
+    assert [r["gpu"] for r in records] == pytest.approx([10.0, 8.0, 10.0, 9.0])
+    assert [r.get("idle") for r in records] == [None, pytest.approx(2.0), None, pytest.approx(1.0)]
+    trace = StepTrace(str(tmp_path / "t2.jsonl"), torch.device("cpu"))
+    trace._last_end = FakeEvent([], ready)
+    trace.waiting()  # nothing pending: forgotten at once
+    assert trace._last_end is None
+    trace.close()
 
 
 def test_collections_are_recorded(tmp_path) -> None:

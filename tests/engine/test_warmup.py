@@ -1,5 +1,6 @@
 """The start-up warm-up (`kvstrata/engine/warmup.py`): its workload's shapes, and an engine that ran
-it is indistinguishable from one that did not (same greedy tokens, empty prefix cache, zero counters)."""
+it is indistinguishable from one that did not (same greedy tokens, empty prefix cache, zero counters,
+a step timeline summarized from after it)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from prompt_texts import PROMPT_TEXTS
 
 from kvstrata.engine.engine import Engine
 from kvstrata.engine.options import EngineArgs
+from kvstrata.engine.trace import TRACE_ENV, WARMUP_DONE, read_trace, summarize
 from kvstrata.engine.warmup import EXTEND_TOKENS, warmup_rounds
 from kvstrata.server.config import ServerConfig
 
@@ -38,8 +40,15 @@ def test_rounds_fit_a_small_pool_and_context() -> None:
         assert all(len(p) + n <= limit for p, n in zip(r.prompts, r.max_new, strict=True))
 
 
+@pytest.mark.parametrize("context", [8, 16, 17, 20, 40])
+def test_rounds_never_send_an_empty_prompt(context: int) -> None:
+    rounds = warmup_rounds(batch=4, page_size=16, capacity=10_000, context=context, vocab=50)
+    assert all(p and len(p) + n <= context for r in rounds for p, n in zip(r.prompts, r.max_new, strict=True))
+    assert bool(rounds) is (context > 16)  # too short a context for any prompt and its output: none
+
+
 @pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
-def test_warm_engine_serves_like_a_cold_one(default_model, kv: str) -> None:
+def test_warm_engine_serves_like_a_cold_one(default_model, kv: str, tmp_path, monkeypatch) -> None:
     prompts = [default_model.tokenizer.encode(t) for t in PROMPT_TEXTS[:3]]
     params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
     opts = dict(
@@ -48,6 +57,8 @@ def test_warm_engine_serves_like_a_cold_one(default_model, kv: str) -> None:
     )  # fmt: skip
     outs = {}
     for warm in (False, True):
+        trace = tmp_path / f"trace_{warm}.jsonl"
+        monkeypatch.setenv(TRACE_ENV, str(trace))
         engine = Engine(model=default_model, warmup="on" if warm else "off", **opts)
         try:
             stats = engine.check_invariants()
@@ -58,6 +69,13 @@ def test_warm_engine_serves_like_a_cold_one(default_model, kv: str) -> None:
             assert engine.get_stats().requests_received_total == len(prompts)
         finally:
             engine.shutdown()
+        # the timeline's summary starts after the warm-up: only the served prompts' steps and tokens
+        records = read_trace(trace.read_text().splitlines())
+        assert [r["name"] for r in records if r["kind"] == "mark"] == ([WARMUP_DONE] if warm else [])
+        timeline = summarize(records)
+        assert (timeline.warmup_steps > 0) is warm
+        fed = sum(len(p) for p in prompts) + len(prompts) * (params["max_new_tokens"] - 1)
+        assert sum(k.tokens for k in timeline.kinds.values()) == fed  # CPU: no overlap, exact
     assert outs[True] == outs[False]
 
 

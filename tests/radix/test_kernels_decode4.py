@@ -75,11 +75,22 @@ LAUNCHES = {
 }
 
 
-def _use(monkeypatch, launch: dict, asm: bool) -> None:
-    from kvstrata.radix.kernels import attend
+def _use(monkeypatch, launch: dict, asm: bool) -> list[tuple]:
+    """Set the 4-bit decode launch; returns the grids `launch_decode4` ran (attention dispatched
+    elsewhere would otherwise pass these tests unnoticed: the other kernels read 4-bit codes too)."""
+    from kvstrata.radix.kernels import attend, decode4
 
     for key, value in {"module": "decode4", "asm": asm, **launch}.items():
         monkeypatch.setitem(attend.DECODE_LAUNCH[True], key, value)
+    grids: list[tuple] = []
+    launch_decode4 = decode4.launch_decode4
+
+    def counted(grid, *args, **meta) -> None:
+        grids.append(grid)
+        launch_decode4(grid, *args, **meta)
+
+    monkeypatch.setattr(decode4, "launch_decode4", counted)
+    return grids
 
 
 @pytest.mark.parametrize("launch", list(LAUNCHES))
@@ -90,9 +101,10 @@ def test_decode4_float32(codec, launch, monkeypatch):
     reference read of the same codes."""
     from test_kernels_attend import check_steps, make_cache
 
-    _use(monkeypatch, LAUNCHES[launch], False)
+    grids = _use(monkeypatch, LAUNCHES[launch], False)
     cache = make_cache(codec, DEVICE, sinks=True)
     assert check_steps(cache, [9, 70, 300], steps=2, n_new=1, tol=2e-5, splits=3) == 6
+    assert grids and all(g[2] == 3 for g in grids)  # every decode pass ran it, with the splits asked
 
 
 @pytest.mark.parametrize("asm", ASM)
@@ -102,9 +114,10 @@ def test_decode4_bfloat16(codec, asm, monkeypatch):
     (the kernel writes the output directly) and with the split heuristic: BF16-level error."""
     from test_kernels_attend import check_steps, make_cache
 
-    _use(monkeypatch, LAUNCHES["4 blocks, prefetch"], asm)
+    grids = _use(monkeypatch, LAUNCHES["4 blocks, prefetch"], asm)
     cache = make_cache(codec, DEVICE, dtype=torch.bfloat16)
     check_steps(cache, [12, 50, 299], steps=2, n_new=1, tol=1.5e-2, dtype=torch.bfloat16)
+    assert grids
 
 
 def test_applies_only_to_4bit_layers():

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import re
+from pathlib import Path
 
 import pytest
 
@@ -45,6 +47,13 @@ def test_every_flag_and_its_variable() -> None:
     assert set(ISSUE_FLAGS) <= {s for a in sub._actions for s in a.option_strings}
 
 
+def test_docs_list_every_flag_with_its_variable() -> None:
+    """docs/server.md's configuration table: one row per flag, ``| `--flag` | `KVSTRATA_...` |``."""
+    text = (Path(__file__).parents[2] / "docs" / "server.md").read_text(encoding="utf-8")
+    rows = dict(re.findall(r"^\| `(--[a-z0-9-]+)` \| `(KVSTRATA_[A-Z0-9_]+)` \|", text, re.MULTILINE))
+    assert rows == {f.option: f.env for f in FLAGS}
+
+
 def test_defaults() -> None:
     cfg = parse([])
     assert cfg == ServerConfig()
@@ -82,12 +91,20 @@ def test_environment_and_precedence() -> None:
         ([], {"KVSTRATA_PORT": "eighty"}),
         ([], {"KVSTRATA_PROTECT_METRICS": "maybe"}),
         ([], {"KVSTRATA_MAX_REQUEST_BYTES": "-1"}),
+        (["--switch-interval", "0"], {}),
+        (["--switch-interval", "inf"], {}),
+        (["--switch-interval", "1e-7"], {}),  # Python keeps whole microseconds: it would become 0
     ],
 )
 def test_bad_values_exit_with_usage_error(argv: list[str], env: dict[str, str]) -> None:
     with pytest.raises(SystemExit) as exc:
         parse(argv, env)
     assert exc.value.code == 2
+
+
+def test_switch_interval_is_not_an_engine_option() -> None:
+    cfg = parse(["--switch-interval", "0.0005"])
+    assert cfg.switch_interval == 0.0005 and cfg.engine_kwargs() == {}
 
 
 def test_chunked_prefill_size_reaches_the_engine() -> None:

@@ -18,6 +18,7 @@ import torch
 from kvstrata.radix.plan import NullRows, StepBatch, build_step
 from kvstrata.radix.sequence import Sequence
 
+Ints = list[int] | torch.Tensor  # host integers: a list, or a CPU tensor (read without a copy)
 PADDING_ROW = 0  # SGLang's ReqToTokenPool never gives row 0 to a request; padded batches use it
 
 
@@ -143,7 +144,7 @@ class RingBook:
         self.length[index] = np.add(prefix_lens, extend_lens)
         return batch
 
-    def plan_decode(self, rows, generations, prefix_lens) -> DecodePlan:
+    def plan_decode(self, rows: Ints, generations: Ints, prefix_lens: Ints) -> DecodePlan:
         """Plan a decode step (one new token per entry; request rows, their generations and cached
         prefix lengths as int sequences or CPU tensors) as `DecodePlan` and record the rings as
         they will be after it, exactly as `plan` does for the same batch."""
@@ -180,7 +181,7 @@ class RingBook:
         )
 
 
-def _int64(values) -> np.ndarray:
+def _int64(values: Ints) -> np.ndarray:
     """A host int64 array of a sequence or a CPU tensor (a tensor's memory is shared, not copied)."""
     if isinstance(values, torch.Tensor):
         return values.to(torch.long).numpy()
