@@ -226,10 +226,12 @@ class EngineCore:
                     self._fail(list(self.scheduler.running), exc)
                 if not (stepped and self.flush_at_sync and self.scheduler.has_work()):
                     self._flush_outbox()  # else the next step's sampler flushes, before its read-back
-            self._abort_all("engine shut down")
-            self._flush_outbox()
-            if self.trace is not None:
-                self.trace.close()
+            try:
+                self._abort_all("engine shut down")
+                self._flush_outbox()
+            finally:  # the trace's gc callback and file close even if the shutdown work raised
+                if self.trace is not None:
+                    self.trace.close()
 
     def _iterate(self) -> bool:
         """Drain the inbox, then run one step (True when its forward pass ran) or wait for work."""
