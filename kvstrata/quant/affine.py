@@ -1,8 +1,9 @@
 """Integer grids shared by the `int8` and `int4` codecs: symmetric and asymmetric (min/max) affine maps.
 
-Decoding is ``codes * scale`` (symmetric) or ``codes * scale + offset`` (asymmetric), with
-``scale``/``offset`` stored as float32 in the scale shape so decoding is a broadcast multiply-add.
-A scale of 0 (an all-zero or constant group) decodes every element to exactly ``offset``.
+Decoding is ``codes * scale`` (symmetric) or ``codes * scale + offset`` (asymmetric), with ``scale`` and
+``offset`` in the scale shape so decoding is a broadcast multiply-add (`int8` stores them as float32;
+`int4` derives them from 16-bit words and uses `min_max` and `affine_codes` only). A scale of 0 (an
+all-zero or constant group) decodes every element to exactly ``offset``.
 """
 
 from __future__ import annotations
