@@ -7,6 +7,7 @@ real data are relative RMSE per layer, averaged over layers (layers differ in ma
 
     .venv/bin/python benchmarks/quant_error.py            # full table (needs the model package)
     .venv/bin/python benchmarks/quant_error.py --no-model # synthetic columns only
+    .venv/bin/python benchmarks/quant_error.py --codecs int4,fp4_e2m1  # some codecs only
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--texts", type=int, default=4, help="Wikipedia summaries to run (default 4)")
     parser.add_argument("--max-tokens", type=int, default=256, help="tokens per text (default 256)")
     parser.add_argument("--no-model", action="store_true", help="skip the real K/V columns")
+    parser.add_argument("--codecs", default=None, help="comma-separated codecs (default: every codec)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
 
@@ -106,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     if real:
         header += ["K tok", "**K ch**", "K tok+H", "**V tok**", "V ch"]
     rows = []
-    for name in list_codecs():
+    for name in args.codecs.split(",") if args.codecs else list_codecs():
         row = [f"`{name}`", str(get_codec(name).bytes_per_token(HEADS, HEAD_DIM))]
         for granularity in ("token", "channel"):
             row.append(f"{relative_rmse(gauss, round_trip(name, gauss, granularity)):.4f}")

@@ -1,8 +1,9 @@
 """Integer grids shared by the `int8` and `int4` codecs: symmetric and asymmetric (min/max) affine maps.
 
-Decoding is ``codes * scale`` (symmetric) or ``codes * scale + offset`` (asymmetric), with
-``scale``/``offset`` stored as float32 in the scale shape so decoding is a broadcast multiply-add.
-A scale of 0 (an all-zero or constant group) decodes every element to exactly ``offset``.
+Decoding is ``codes * scale`` (symmetric) or ``codes * scale + offset`` (asymmetric), with ``scale`` and
+``offset`` in the scale shape so decoding is a broadcast multiply-add (`int8` stores them as float32;
+`int4` derives them from 16-bit words and uses `min_max` and `affine_codes` only). A scale of 0 (an
+all-zero or constant group) decodes every element to exactly ``offset``.
 """
 
 from __future__ import annotations
@@ -33,18 +34,24 @@ def symmetric_encode(p: Prepared, qmax: int) -> tuple[torch.Tensor, torch.Tensor
     return codes, scale
 
 
+def min_max(p: Prepared, granularity: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The range ``(lo, hi)`` of each scale group: from the data (dynamic scales) or
+    ``[-absmax, absmax]`` (static ones)."""
+    if p.static:
+        return -p.absmax, p.absmax
+    dim = reduce_dim(granularity)
+    return amin(p.x, dim), amax(p.x, dim)
+
+
+def affine_codes(x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, levels: int) -> torch.Tensor:
+    """Codes in ``[0, levels]`` (float, rounded half to even) of ``x ~ codes * scale + offset``."""
+    return torch.round((x - offset) / safe_divisor(scale)).clamp_(0, levels)
+
+
 def asymmetric_encode(
     p: Prepared, granularity: str, levels: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Codes in ``[0, levels]``, scale ``(hi - lo) / levels`` and offset ``lo``.
-
-    Dynamic scales take ``lo``/``hi`` from the data; static ones use ``[-absmax, absmax]``.
-    """
-    if p.static:
-        lo, hi = -p.absmax, p.absmax
-    else:
-        dim = reduce_dim(granularity)
-        lo, hi = amin(p.x, dim), amax(p.x, dim)
+    """Codes in ``[0, levels]``, scale ``(hi - lo) / levels`` and offset ``lo`` (see `min_max`)."""
+    lo, hi = min_max(p, granularity)
     scale = div(hi - lo, levels)
-    codes = torch.round((p.x - lo) / safe_divisor(scale)).clamp_(0, levels)
-    return codes, scale, lo
+    return affine_codes(p.x, scale, lo, levels), scale, lo

@@ -15,12 +15,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kvstrata.quant import int4
 from kvstrata.quant.codec import Codec
 
 # Format ids: 0 raw values (bf16/fp32); 1/2 FP8 E4M3/E5M2 codes with an E8M0 scale exponent (per token,
-# or per page and head for keys); 3 int8
-# codes * scale; 4 int8_asym and 5 int4 (nibbles) codes * scale + offset; 6 E2M1 nibbles * E4M3 block
-# scale (32 channels of a token, or 16 tokens of a channel) * BF16 global scale.
+# or per page and head for keys); 3 int8 codes * scale; 4 int8_asym codes * scale + offset; 5 int4
+# (nibbles) codes * scale + offset from one int16 word per group (`int4_key_scale`, `int4_value_scale`);
+# 6 E2M1 nibbles * E4M3 block scale (32 channels of a token, or 16 tokens of a channel) * BF16 global scale.
 _FORMATS: dict[str, tuple[int, tuple[str, ...]]] = {
     "bf16": (0, ("values",)),
     "fp32": (0, ("values",)),
@@ -28,9 +29,19 @@ _FORMATS: dict[str, tuple[int, tuple[str, ...]]] = {
     "fp8_e5m2": (2, ("codes", "scale_exp")),
     "int8": (3, ("codes", "scale")),
     "int8_asym": (4, ("codes", "scale", "offset")),
-    "int4": (5, ("codes", "scale", "offset")),
+    "int4": (5, ("codes", "scale")),
     "fp4_e2m1": (6, ("codes", "block_scale", "global_scale")),
 }
+
+
+# int4's scale words (`kvstrata.quant.int4`), as compile-time constants of the kernels.
+INT4_KEY_M = tl.constexpr(int4.KEY_SCALE.mantissa_bits)
+INT4_KEY_EMIN = tl.constexpr(int4.KEY_SCALE.emin)
+INT4_VALUE_M = tl.constexpr(int4.VALUE_SCALE.mantissa_bits)
+INT4_VALUE_EMIN = tl.constexpr(int4.VALUE_SCALE.emin)
+INT4_VALUE_BITS = tl.constexpr(int4.VALUE_SCALE.bits)
+INT4_VALUE_MASK = tl.constexpr((1 << int4.VALUE_SCALE.bits) - 1)
+INT4_ZERO_STEP = tl.constexpr(1.0 / int4.ZERO_STEPS)
 
 
 def kernel_format(codec: Codec) -> tuple[int, tuple[str, ...]]:
@@ -74,6 +85,44 @@ def nibble_value(c):
     """Integer codes 0..15 (int32) as float32 without an int-to-float conversion: placed in the
     mantissa of 2**23, then 2**23 subtracted (exact)."""
     return (c | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def minifloat_value(code, M: tl.constexpr, EMIN: tl.constexpr):
+    """float32 value of int32 `MiniFloat` codes (``M`` mantissa bits, normal binades from ``2**EMIN``),
+    built from bits as `MiniFloat.decode` does (exact)."""
+    field = code >> M
+    n = code - ((field - tl.minimum(field, 1)) << M)  # the mantissa with its implicit bit
+    e = tl.maximum(field, 1) - 1 + EMIN - M
+    return n.to(tl.float32) * ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def bf16_bits_value(bits):
+    """float32 value of BF16 bits held in an int16."""
+    return ((bits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def int4_key_scale(word, unit):
+    """int4 key ``(scale, offset)`` (float32) of int32 scale words (int16 loads: the zero point's sign
+    extends) and their page-head unit."""
+    scale = minifloat_value(word & 255, INT4_KEY_M, INT4_KEY_EMIN) * unit
+    return scale, (word >> 8).to(tl.float32) * unit
+
+
+@triton.jit
+def int4_value_scale(word):
+    """int4 value ``(scale, offset)`` (float32) of int32 scale words."""
+    w = word & 0xFFFF
+    scale = minifloat_value(w & INT4_VALUE_MASK, INT4_VALUE_M, INT4_VALUE_EMIN)
+    return scale, -((w >> INT4_VALUE_BITS).to(tl.float32) * scale) * INT4_ZERO_STEP
+
+
+@triton.jit
+def int4_key_words(page, h, H, D: tl.constexpr):
+    """Offset of a page-head's key scale words (``[.., 1, H, D + 1]`` int16: the unit's BF16 bits last)."""
+    return (page * H + h) * (D + 1)
 
 
 @triton.jit
@@ -121,14 +170,19 @@ def load_decoded(
             x = x * pow2_scale(tl.load(p1 + page * H + h, mask=row_ok, other=127))
         else:
             x = x * pow2_scale(tl.load(p1 + row, mask=row_ok, other=127))
-    elif FMT == 3 or FMT == 4 or FMT == 5:
-        if FMT == 5:  # noqa: SIM108  (c exists only for the packed formats)
-            x = c.to(tl.float32)
-        else:
-            x = tl.load(p0 + row * D + d, mask=valid, other=0).to(tl.float32)
+    elif FMT == 3 or FMT == 4:
+        x = tl.load(p0 + row * D + d, mask=valid, other=0).to(tl.float32)
         x = x * tl.load(p1 + srow, mask=s_ok, other=0.0)
-        if FMT != 3:
+        if FMT == 4:
             x = x + tl.load(p2 + srow, mask=s_ok, other=0.0)
+    elif FMT == 5:
+        if CHANNEL:
+            w0 = int4_key_words(page, h, H, D)
+            unit = bf16_bits_value(tl.load(p1 + w0 + D, mask=row_ok, other=0))
+            s, o = int4_key_scale(tl.load(p1 + w0 + d, mask=valid, other=0).to(tl.int32), unit)
+        else:
+            s, o = int4_value_scale(tl.load(p1 + row, mask=row_ok, other=0).to(tl.int32))
+        x = c.to(tl.float32) * s + o
     else:
         v = e2m1_value(c.to(tl.int32))
         if CHANNEL:
@@ -192,14 +246,20 @@ def key_block_scales(
         s0, s1 = fp4_key_block_scales(p1, page, tok0, h, c0, c1, c_ok, H, P, D)
         s0 = s0 * g
         s1 = s1 * g
+    elif FMT == 5:  # a word per channel, the page-head unit after them
+        w0 = int4_key_words(page, h, H, D)
+        unit = bf16_bits_value(tl.load(p1 + w0 + D))
+        s0, o0 = int4_key_scale(tl.load(p1 + w0 + c0, mask=c_ok, other=0).to(tl.int32), unit)
+        s1, o1 = int4_key_scale(tl.load(p1 + w0 + c1, mask=c_ok, other=0).to(tl.int32), unit)
     else:
         s0 = tl.load(p1 + srow + c0, mask=c_ok, other=0.0).to(tl.float32)
         s1 = tl.load(p1 + srow + c1, mask=c_ok, other=0.0).to(tl.float32)
-    o0 = tl.zeros(s0.shape, tl.float32)
-    o1 = o0
-    if FMT == 4 or FMT == 5:
-        o0 = tl.load(p2 + srow + c0, mask=c_ok, other=0.0).to(tl.float32)
-        o1 = tl.load(p2 + srow + c1, mask=c_ok, other=0.0).to(tl.float32)
+    if FMT != 5:
+        o0 = tl.zeros(s0.shape, tl.float32)
+        o1 = o0
+        if FMT == 4:
+            o0 = tl.load(p2 + srow + c0, mask=c_ok, other=0.0).to(tl.float32)
+            o1 = tl.load(p2 + srow + c1, mask=c_ok, other=0.0).to(tl.float32)
     return s0, s1, o0, o1
 
 
@@ -212,9 +272,11 @@ def value_tile_scales(p1, p2, row, FMT: tl.constexpr):
         s = pow2_scale(tl.load(p1 + row))
     elif FMT == 6:
         s = tl.load(p2 + row).to(tl.float32)
+    elif FMT == 5:
+        s, o = int4_value_scale(tl.load(p1 + row).to(tl.int32))
     else:
         s = tl.load(p1 + row).to(tl.float32)
-        if FMT == 4 or FMT == 5:
+        if FMT == 4:
             o = tl.load(p2 + row).to(tl.float32)
     return s, o
 

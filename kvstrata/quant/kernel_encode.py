@@ -16,7 +16,27 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvstrata.quant.kernel_decode import fp8_value
+from kvstrata.quant import int4
+from kvstrata.quant.kernel_decode import (
+    INT4_KEY_EMIN,
+    INT4_KEY_M,
+    INT4_VALUE_BITS,
+    INT4_VALUE_EMIN,
+    INT4_VALUE_M,
+    INT4_ZERO_STEP,
+    bf16_bits_value,
+    fp8_value,
+    int4_key_words,
+    minifloat_value,
+)
+
+INT4_KEY_EMAX = tl.constexpr(int4.KEY_SCALE.emax)
+INT4_KEY_MAX = tl.constexpr(int4.KEY_SCALE.max)
+INT4_VALUE_EMAX = tl.constexpr(int4.VALUE_SCALE.emax)
+INT4_VALUE_MAX = tl.constexpr(int4.VALUE_SCALE.max)
+INT4_UNIT_STEPS = tl.constexpr(float(int4.UNIT_STEPS))
+INT4_ZERO_STEPS = tl.constexpr(float(int4.ZERO_STEPS))
+INT4_ZERO_MAX = tl.constexpr(float(int4.ZERO_MAX))
 
 
 @triton.jit
@@ -123,6 +143,79 @@ def _pow2(e):
 
 
 @triton.jit
+def _minifloat_code(r, M: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr, RMAX: tl.constexpr):
+    """int32 `MiniFloat` code nearest ``r`` (clamped to ``[0, RMAX]``), as `MiniFloat.encode` computes it."""
+    r = tl.minimum(tl.maximum(r, 0.0), RMAX)
+    e = tl.minimum(tl.maximum((r.to(tl.int32, bitcast=True) >> 23) - 127, EMIN), EMAX)
+    n = _rint(r * ((-e + (127 + M)) << 23).to(tl.float32, bitcast=True)).to(tl.int32)
+    # Exponent field e - EMIN + 1 and mantissa n - 2**M of a normal binade, which sum to this; a carry
+    # (n = 2**(M+1)) lands on the next binade by itself and the lowest binade's n < 2**M is subnormal.
+    return ((e - EMIN) << M) + n
+
+
+@triton.jit
+def _int4_codes(x, offset, scale):
+    """int32 codes in [0, 15] of ``x ~ code * scale + offset`` (`affine.affine_codes`)."""
+    c = _rint(tl.math.div_rn(x - offset, _safe(scale) + 0.0 * x))
+    return tl.minimum(tl.maximum(c, 0.0), 15.0).to(tl.int32)
+
+
+@triton.jit
+def _int4_key_word(lo, hi, unit):
+    """A channel's int4 key scale word (int32), scale and offset, from its range and page-head unit."""
+    su = _safe(unit)
+    zero = tl.minimum(tl.maximum(_rint(tl.math.div_rn(lo, su + 0.0 * lo)), -128.0), 127.0)
+    offset = zero * unit
+    ratio = tl.math.div_rn(tl.math.div_rn(hi - offset, tl.full(hi.shape, 15.0, tl.float32)), su + 0.0 * hi)
+    code = _minifloat_code(ratio, INT4_KEY_M, INT4_KEY_EMIN, INT4_KEY_EMAX, INT4_KEY_MAX)
+    scale = minifloat_value(code, INT4_KEY_M, INT4_KEY_EMIN) * unit
+    return code | (zero.to(tl.int32) << 8), scale, offset
+
+
+@triton.jit
+def _encode_int4(
+    xe, xo, ok, p0, p1, row, page, h, H, tok, i, P: tl.constexpr, D: tl.constexpr, CHANNEL: tl.constexpr
+):
+    """`kvstrata.quant.int4` with dynamic scales: codes and scale words (keys: one per channel and the
+    page-head unit; values: one per token)."""
+    de = 2 * i
+    lo_e, lo_o = _amin2(tl.where(ok, xe, float("inf")), tl.where(ok, xo, float("inf")), CHANNEL)
+    hi_e, hi_o = _amax2(tl.where(ok, xe, float("-inf")), tl.where(ok, xo, float("-inf")), CHANNEL)
+    if CHANNEL:
+        amax = tl.max(tl.maximum(tl.maximum(-lo_e, hi_e), tl.maximum(-lo_o, hi_o)), 1)[:, None]  # [1, 1]
+        unit = tl.math.div_rn(amax, tl.full(amax.shape, INT4_UNIT_STEPS, tl.float32))
+        unit_bits = to_storage(unit, tl.int16)  # BF16, rounded to nearest even
+        unit = bf16_bits_value(unit_bits)
+        we, se, oe = _int4_key_word(lo_e, hi_e, unit)
+        wo, so, oo = _int4_key_word(lo_o, hi_o, unit)
+        w0 = int4_key_words(page, h, H, D)
+        w_ok = (de < D) & (tok == 0)
+        tl.store(p1 + w0 + de + 0 * tok, we.to(tl.int16) + 0 * tok.to(tl.int16), mask=w_ok)
+        tl.store(p1 + w0 + de + 1 + 0 * tok, wo.to(tl.int16) + 0 * tok.to(tl.int16), mask=w_ok)
+        tl.store(p1 + w0 + D + 0 * tok, unit_bits + 0 * tok.to(tl.int16), mask=tok == 0)
+    else:  # values: the token's range widened to include 0; both halves share the token's word
+        lo = tl.minimum(lo_e, 0.0)
+        hi = tl.maximum(hi_e, 0.0)
+        code = _minifloat_code(
+            tl.math.div_rn(hi - lo, tl.full(hi.shape, 15.0, tl.float32)),
+            INT4_VALUE_M,
+            INT4_VALUE_EMIN,
+            INT4_VALUE_EMAX,
+            INT4_VALUE_MAX,
+        )
+        se = minifloat_value(code, INT4_VALUE_M, INT4_VALUE_EMIN)
+        zero = _rint(tl.math.div_rn(-lo, _safe(se)) * INT4_ZERO_STEPS)
+        zero = tl.minimum(tl.maximum(zero, 0.0), INT4_ZERO_MAX)
+        oe = -(zero * se) * INT4_ZERO_STEP
+        so = se
+        oo = oe
+        tl.store(p1 + row, (code | (zero.to(tl.int32) << INT4_VALUE_BITS)).to(tl.int16), mask=tok < P)
+    ce = _int4_codes(xe, oe, se)
+    co = _int4_codes(xo, oo, so)
+    tl.store(p0 + row * (D // 2) + i, (ce | (co << 4)).to(tl.uint8), mask=ok)
+
+
+@triton.jit
 def _e2m1_codes(y):
     """E2M1 code of each element of ``y`` (within ±6): index = midpoints strictly below |y|, sign bit 3."""
     a = tl.abs(y)
@@ -223,11 +316,10 @@ def encode_store(
         tl.store(p1 + se_off, se + 0.0 * tok, mask=s_ok_e)
         if CHANNEL:
             tl.store(p1 + so_off, so + 0.0 * tok, mask=s_ok_e)
-    elif FMT == 4 or FMT == 5:
-        if FMT == 5:
-            levels: tl.constexpr = 15.0
-        else:
-            levels: tl.constexpr = 255.0
+    elif FMT == 5:
+        _encode_int4(xe, xo, ok, p0, p1, row, page, h, H, tok, i, P, D, CHANNEL)
+    elif FMT == 4:
+        levels: tl.constexpr = 255.0
         # Rows/channels past the page would join the min/max: take them from the page's own data.
         lo_e, lo_o = _amin2(tl.where(ok, xe, float("inf")), tl.where(ok, xo, float("inf")), CHANNEL)
         hi_e, hi_o = _amax2(tl.where(ok, xe, float("-inf")), tl.where(ok, xo, float("-inf")), CHANNEL)
@@ -237,11 +329,8 @@ def encode_store(
         co = _rint(tl.math.div_rn(xo - lo_o, _safe(so) + 0.0 * xo))
         ce = tl.minimum(tl.maximum(ce, 0.0), levels).to(tl.int32)
         co = tl.minimum(tl.maximum(co, 0.0), levels).to(tl.int32)
-        if FMT == 5:
-            tl.store(p0 + row * (D // 2) + i, (ce | (co << 4)).to(tl.uint8), mask=ok)
-        else:
-            tl.store(p0 + row * D + de, ce.to(tl.uint8), mask=ok)
-            tl.store(p0 + row * D + de + 1, co.to(tl.uint8), mask=ok)
+        tl.store(p0 + row * D + de, ce.to(tl.uint8), mask=ok)
+        tl.store(p0 + row * D + de + 1, co.to(tl.uint8), mask=ok)
         tl.store(p1 + se_off, se + 0.0 * tok, mask=s_ok_e)
         tl.store(p2 + se_off, lo_e + 0.0 * tok, mask=s_ok_e)
         if CHANNEL:

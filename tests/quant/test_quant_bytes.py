@@ -17,7 +17,7 @@ EXPECTED_BYTES_PER_TOKEN = {
     "fp8_e5m2": H * D + H,
     "int8": H * D + 4 * H,
     "int8_asym": H * D + 8 * H,  # scale + offset
-    "int4": H * D // 2 + 8 * H,  # scale + offset
+    "int4": H * D // 2 + 2 * H,  # one int16 scale word (scale + zero point) per token-head
     "fp4_e2m1": H * D // 2 + H * D // 32 + 2 * H,  # e4m3 per 32 elements + bf16 per token-head
 }
 
@@ -43,7 +43,7 @@ def test_bytes_per_token_budgets():
     assert per_elem["fp8_e4m3"] == 1.0078125 and per_elem["int8"] == 1.03125
     for name in ("int4", "fp4_e2m1"):
         assert per_elem[name] <= 0.6, name
-    assert per_elem["int4"] == 0.5625 and per_elem["fp4_e2m1"] == 0.546875
+    assert per_elem["int4"] == 0.515625 and per_elem["fp4_e2m1"] == 0.546875
 
 
 @pytest.mark.parametrize("granularity", ["token", "channel"])
@@ -84,5 +84,15 @@ def test_channel_page_bytes_at_page_16():
     bytes_ = {n: get_codec(n).page_bytes(16, H, D, "channel") for n in list_codecs()}
     assert bytes_["fp8_e4m3"] == 16 * H * D + H  # one E8M0 byte per page and head
     assert bytes_["int8"] == 16 * H * D + 4 * H * D
-    assert bytes_["int4"] == 16 * H * D // 2 + 8 * H * D
+    assert bytes_["int4"] == 16 * H * D // 2 + 2 * H * (D + 1)  # an int16 word per channel + the unit
     assert bytes_["fp4_e2m1"] == 16 * H * D // 2 + H * D + 2 * H  # e4m3 per 16 tokens + bf16 per head
+
+
+def test_int4_page_head_fits_three_and_a_half_times_bf16():
+    """Issue 11: int4 history holds >= 3.5x the tokens of BF16 history. A 16-token page of one head,
+    K and V, head_dim 128: codes 2,048 bytes + 256 + 2 (keys: a word per channel, a BF16 unit) + 32
+    (values: a word per token) = 2,338 bytes against 8,192 in BF16."""
+    codec, bf16 = get_codec("int4"), get_codec("bf16")
+    page = sum(codec.page_bytes(16, 1, D, g) for g in ("channel", "token"))
+    assert page == 2338
+    assert sum(bf16.page_bytes(16, 1, D, g) for g in ("channel", "token")) / page >= 3.5

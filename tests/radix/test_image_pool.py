@@ -124,7 +124,7 @@ def test_image_tier_bytes_and_pins_count_image_pages_at_their_size():
 
 
 def test_image_pool_evicts_its_own_leaves_and_refuses_when_pinned():
-    cache = image_cache("bf16", image_pages=4, num_pages=32)
+    cache = image_cache("bf16", image_pages=4, num_pages=32, pin_budget_bytes=10**6)  # not about budgets
 
     def prefill(tokens: list[int]):
         seq = cache.admit(tokens)

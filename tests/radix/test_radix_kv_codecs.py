@@ -19,7 +19,8 @@ def test_split_names_and_their_bytes() -> None:
             split_layer_codec(bad)
     k = get_codec("int4").page_bytes(16, 2, 64, "channel")
     v = get_codec("fp4_e2m1").page_bytes(16, 2, 64, "token")
-    assert cold_page_bytes(["int4/fp4_e2m1"], 16, 2, 64) == k + v == 2048 + 1152
+    # int4 keys: codes 1,024 + an int16 word per channel and the page-head unit (2 heads x 65 x 2 bytes)
+    assert cold_page_bytes(["int4/fp4_e2m1"], 16, 2, 64) == k + v == 1284 + 1152
     assert cold_page_bytes(["fp4_e2m1", "int4/fp4_e2m1"], 16, 2, 64) == (
         cold_page_bytes(["fp4_e2m1"], 16, 2, 64) + k + v
     )
