@@ -261,7 +261,8 @@ def _write_pages(
 
 def write_ring(layer: int, batch: StepBatch, k: torch.Tensor, v: torch.Tensor, ring: HotRing) -> None:
     """Put the step's new tokens that stay recent into their ring rows (after completed pages read
-    the ring)."""
+    the ring). When every new token stays (decode), ``k``/``v`` are copied without a gather."""
     w = batch.write
-    ring.k[layer].index_copy_(0, w.ring_dst, k.index_select(0, w.ring_src).to(ring.k.dtype))
-    ring.v[layer].index_copy_(0, w.ring_dst, v.index_select(0, w.ring_src).to(ring.v.dtype))
+    every_row = w.ring_src.numel() == k.shape[0]  # ring_src ascends: then it is every row (decode)
+    for buf, new in ((ring.k[layer], k), (ring.v[layer], v)):
+        buf.index_copy_(0, w.ring_dst, (new if every_row else new.index_select(0, w.ring_src)).to(buf.dtype))
