@@ -10,18 +10,26 @@ flush, the ring write, the encoder counts).
 Geometry of Llama-3-8B (32 query / 8 KV heads, head_dim 128) with fewer layers (the per-layer work does
 not depend on the layer count), FP8 history with the shipped defaults (128-token window, sinks), B
 sequences of about ``--context`` tokens whose lengths are staggered so that B/16 of them complete a page
-each step, as in steady serving. Prints per-layer microseconds of the current code and of the baseline
-in the same run: ``--baseline`` the per-layer path without the per-step launch plan (the code before
-it). ``python benchmarks/attention_host.py --batch 256 --context 2048 --layers 4 --profile``
+each step, as in steady serving. Prints the median microseconds of a layer's call (the first layer of
+a step apart: it works out the step's launches) and the torch operators it dispatches (each a launch
+or an allocation on a GPU), for this code and for ``--baseline`` (another checkout, measured the same
+way in a subprocess of the same run). CPU torch ops do their (small) work, so the microseconds are
+this machine's, not a GPU host's: compare the ratio and the operator counts.
+
+    python benchmarks/attention_host.py --baseline /path/to/main/checkout [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import json
 import math
+import os
 import pstats
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -99,15 +107,54 @@ def decode_step(cache: StratifiedKVCache, seqs: list, layers: int) -> Callable[[
     return run
 
 
-def measure(run: Callable[[], list[float]], repeats: int) -> tuple[float, float]:
-    """Median microseconds of the first layer and of the others over ``repeats`` steps."""
+def aten_ops(run: Callable[[], list[float]]) -> float:
+    """Torch operators a layer dispatches (each one a launch or an allocation on a GPU): one step's
+    count over its layers."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        layers = len(run())
+    return Count.n / layers
+
+
+def measure(run: Callable[[], list[float]], repeats: int) -> dict[str, float]:
+    """Median microseconds of the first layer and of the others over ``repeats`` steps, and torch
+    operators per layer."""
     run()
     firsts, rest = [], []
     for _ in range(repeats):
         times = run()
         firsts.append(times[0])
         rest.extend(times[1:])
-    return statistics.median(firsts) * 1e6, statistics.median(rest) * 1e6
+    return {
+        "first": statistics.median(firsts) * 1e6,
+        "other": statistics.median(rest) * 1e6,
+        "ops": aten_ops(run),
+    }
+
+
+def baseline(args: argparse.Namespace) -> dict[str, float]:
+    """The same measurement of the code under ``args.baseline`` (a checkout), in a subprocess."""
+    argv = [sys.executable, __file__, "--json"]
+    for name in ("batch", "context", "layers", "codec", "device", "repeats"):
+        argv += [f"--{name}", str(getattr(args, name))]
+    env = dict(os.environ, PYTHONPATH=args.baseline)
+    done = subprocess.run(argv, env=env, check=True, capture_output=True, text=True)
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def report(name: str, r: dict[str, float]) -> None:
+    print(
+        f"{name:10s} first layer {r['first']:8.1f} us   other layers {r['other']:7.1f} us"
+        f"   torch ops a layer {r['ops']:5.1f}"
+    )
 
 
 def main() -> None:
@@ -116,35 +163,35 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--codec", default="fp8_e4m3")
-    ap.add_argument("--device", default="meta", help="meta: torch ops do no work (as CUDA's async launches)")
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--profile", action="store_true", help="cProfile the current code's steps")
+    ap.add_argument("--baseline", help="a checkout whose kvstrata is measured the same way, first")
+    ap.add_argument("--profile", action="store_true", help="cProfile this code's steps")
+    ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    base = baseline(args) if args.baseline else None
     tune_malloc()
     torch.set_num_threads(1)
     cache, seqs = build(args.batch, args.context, args.layers, args.codec, args.device)
     run = decode_step(cache, seqs, args.layers)
-    print(f"B={args.batch}, context ~{args.context}, {args.codec}, {args.layers} layers, launches off")
     with no_launches():
-        results = {}
-        for name, per_step in (("baseline (plan per layer)", False), ("current", True)):
-            attend.PER_STEP_LAUNCH = per_step
-            results[name] = measure(run, args.repeats)
-        for name, (first, other) in results.items():
-            per_layer_32 = (first + 31 * other) / 32
-            print(
-                f"{name:28s} first layer {first:8.1f} us  other layers {other:7.1f} us"
-                f"  (32-layer step: {per_layer_32 * 32 / 1e3:6.2f} ms)"
-            )
-        (_, base), (_, cur) = results.values()
-        print(f"other layers: current / baseline = {cur / base:.3f}")
+        got = measure(run, args.repeats)
+        if args.json:
+            print(json.dumps(got))
+            return
+        print(f"B={args.batch}, context ~{args.context}, {args.codec}, {args.layers} layers, launches off")
+        if base is not None:
+            report("baseline", base)
+        report("this code", got)
+        if base is not None:
+            print(f"other layers: this code / baseline = {got['other'] / base['other']:.3f}")
         if args.profile:
             prof = cProfile.Profile()
             prof.enable()
             for _ in range(args.repeats):
                 run()
             prof.disable()
-            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+            pstats.Stats(prof).sort_stats("tottime").print_stats(30)
 
 
 if __name__ == "__main__":

@@ -111,6 +111,7 @@ class StratifiedKVCache:
         # The Triton encoder's counts stay on the device, [layer, (absmax, NaN/Inf), (K, V)], until
         # one of the three properties below is read: a step waits for nothing to account for them.
         self._device_counts: torch.Tensor | None = None
+        self._device_count_rows: list[tuple[torch.Tensor, ...]] = []
         self._device_counts_dirty = False
 
     @property
@@ -133,12 +134,14 @@ class StratifiedKVCache:
     def _add_device_counts(self, layer: int, counts: torch.Tensor) -> None:
         """Accumulate one layer's ``[2, 2]`` encoder counts (`page_quantize.quantize_pages`) on the
         device, in float64 so that NaN/Inf counts stay exact."""
-        acc = self._device_counts
-        if acc is None:
+        if self._device_counts is None:
             acc = torch.zeros((self.cfg.num_layers, 2, 2), dtype=torch.float64, device=counts.device)
             self._device_counts = acc
-        torch.maximum(acc[layer, 0], counts[0], out=acc[layer, 0])
-        acc[layer, 1] += counts[1]
+            self._device_count_rows = [tuple(rows.unbind(0)) for rows in acc.unbind(0)]  # views, made once
+        absmax, bad = self._device_count_rows[layer]
+        top, found = counts.unbind(0)
+        torch.maximum(absmax, top, out=absmax)
+        bad += found  # in place, into the view
         self._device_counts_dirty = True
 
     def _fold_device_counts(self) -> None:

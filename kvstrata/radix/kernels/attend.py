@@ -47,6 +47,7 @@ from kvstrata.quant.kernel_decode import (
     tile_codes,
     value_tile_scales,
 )
+from kvstrata.radix.attention import layer_kv
 from kvstrata.radix.kernels.jit import jit_unspecialized
 from kvstrata.radix.plan import GroupPlan, StepBatch
 from kvstrata.radix.pool import ColdPool, as_raw
@@ -789,6 +790,7 @@ class PassLaunch(NamedTuple):
     scalars: tuple
     options: dict[str, Any]
     g: GroupPlan
+    lengths: tuple[torch.Tensor, ...]  # the rows of ``g.kernel_lengths``: cold pages, ring rows, sinks
     splits: int
     direct: bool
     partial: bool
@@ -808,22 +810,21 @@ class PassLaunch(NamedTuple):
     ) -> Partials | None:
         """Launch over ``layer``'s tensors; writes ``out`` when the pass does not split (returns None),
         else returns the split partials."""
-        g = self.g
-        lengths = g.kernel_lengths
+        g, (cold_len, ring_len, sink_len) = self.g, self.lengths
         po = pl = out
         if self.partial:
             rows, hq, d = q.shape
             po = torch.empty((rows, hq, self.splits, d), dtype=torch.float32, device=q.device)
             pl = torch.empty((rows, hq, self.splits), dtype=torch.float32, device=q.device)
+        ring_k, ring_v = layer_kv(ring, layer)
         if self.sinks:
             assert sinks is not None and g.sink_table is not None
-            sink_args = (g.sink_table, lengths[2], sinks.k[layer], sinks.v[layer])
+            sink_args = (g.sink_table, sink_len, *layer_kv(sinks, layer))
         else:
-            sink_args = (lengths[2], lengths[2], ring.k[layer], ring.v[layer])
+            sink_args = (sink_len, sink_len, ring_k, ring_v)
         self.kernel[self.grid](
-            q, k, v, out if self.direct else po, po, pl, g.page_table, lengths[0], *kp, *vp,
-            *sink_args, g.ring_rows, lengths[1], ring.k[layer], ring.v[layer], *self.scalars,
-            **self.options,
+            q, k, v, out if self.direct else po, po, pl, g.page_table, cold_len, *kp, *vp,
+            *sink_args, g.ring_rows, ring_len, ring_k, ring_v, *self.scalars, **self.options,
         )  # fmt: skip
         return Partials(po, pl) if self.partial else None
 
@@ -935,7 +936,8 @@ def pass_launch(
             num_warps=launch["num_warps"],
             num_stages=launch["num_stages"],
         )
-    return PassLaunch(kernel, grid, scalars, options, g, splits, direct, partial, has_sinks)
+    lengths = tuple(g.kernel_lengths.unbind(0))
+    return PassLaunch(kernel, grid, scalars, options, g, lengths, splits, direct, partial, has_sinks)
 
 
 def _take(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:

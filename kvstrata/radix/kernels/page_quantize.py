@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from kvstrata.quant.kernel_encode import encode_store, to_storage
-from kvstrata.radix.attention import write_ring
+from kvstrata.radix.attention import layer_kv, write_ring
 from kvstrata.radix.kernels.jit import jit_unspecialized
 from kvstrata.radix.plan import StepBatch, WritePlan
 from kvstrata.radix.pool import ColdPool, WriteCounts, as_raw
@@ -261,8 +261,7 @@ def _quantize(
     sk, sv = (as_bits(sinks.k[layer]), as_bits(sinks.v[layer])) if has_sinks and sinks is not None else (k, v)
     stats = torch.empty((n, H, 4), dtype=torch.float32, device=k.device)
     _page_quantize_kernel[(n, H)](
-        ring.k[layer],
-        ring.v[layer],
+        *layer_kv(ring, layer),
         k.contiguous(),
         v.contiguous(),
         src,
