@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import inspect
 import json
 import math
 import os
@@ -87,27 +88,38 @@ def build(batch: int, context: int, layers: int, codec: str, device: str) -> tup
     return cache, seqs
 
 
-def decode_step(cache: StratifiedKVCache, seqs: list, layers: int) -> Callable[[], list[float]]:
-    """One decode step (begin, every layer's attention, cancel): seconds per layer call."""
+def decode_step(cache: StratifiedKVCache, seqs: list, layers: int) -> Callable[..., list[float]]:
+    """One decode step (begin, every layer's attention as the decode graphs call it, cancel): seconds
+    per layer call."""
     n = len(seqs)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(n, h, D, generator=g).bfloat16().to(cache.device) for h in (HQ, HKV, HKV))
     scale = 1 / math.sqrt(D)
+    attn_out = torch.empty_like(q)  # the decode graphs' static output buffer
+    writes_out = "out" in inspect.signature(cache.attention).parameters  # else: the engine copies
 
-    def run() -> list[float]:
+    def run(profile: cProfile.Profile | None = None) -> list[float]:
+        """``profile``: enabled around the calls of every layer but the first."""
         step = cache.begin_step(seqs, [1] * n)
         times = []
         for layer in range(layers):
+            if profile is not None and layer:
+                profile.enable()
             start = time.perf_counter()
-            cache.attention(layer, step, q, k, v, scale, kernels=True)
+            if writes_out:
+                cache.attention(layer, step, q, k, v, scale, kernels=True, out=attn_out)
+            else:
+                attn_out.copy_(cache.attention(layer, step, q, k, v, scale, kernels=True))
             times.append(time.perf_counter() - start)
+            if profile is not None:
+                profile.disable()
         cache.cancel_step(step)  # the lengths stay put between repeats
         return times
 
     return run
 
 
-def aten_ops(run: Callable[[], list[float]]) -> float:
+def aten_ops(run: Callable[..., list[float]]) -> float:
     """Torch operators a layer dispatches (each one a launch or an allocation on a GPU): one step's
     count over its layers."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -124,9 +136,24 @@ def aten_ops(run: Callable[[], list[float]]) -> float:
     return Count.n / layers
 
 
-def measure(run: Callable[[], list[float]], repeats: int) -> dict[str, float]:
-    """Median microseconds of the first layer and of the others over ``repeats`` steps, and torch
-    operators per layer."""
+def python_us(run: Callable[..., list[float]], repeats: int, layers: int) -> tuple[float, pstats.Stats]:
+    """Microseconds a layer (past the first) spends in Python outside torch's operators, by cProfile
+    (its own overhead included; the same for both codes), and the profile."""
+    prof = cProfile.Profile()
+    for _ in range(repeats):
+        run(prof)
+    stats = pstats.Stats(prof)
+    total = ops = 0.0
+    for (file, _, name), (_, _, tottime, _, _) in stats.stats.items():  # type: ignore[attr-defined]
+        total += tottime
+        if file == "~" and ("torch" in name or "TensorBase" in name):
+            ops += tottime
+    return (total - ops) / (repeats * (layers - 1)) * 1e6, stats
+
+
+def measure(run: Callable[..., list[float]], repeats: int, layers: int) -> dict[str, float]:
+    """Median microseconds of the first layer and of the others over ``repeats`` steps, their Python
+    part outside torch's operators, and torch operators per layer."""
     run()
     firsts, rest = [], []
     for _ in range(repeats):
@@ -136,6 +163,7 @@ def measure(run: Callable[[], list[float]], repeats: int) -> dict[str, float]:
     return {
         "first": statistics.median(firsts) * 1e6,
         "other": statistics.median(rest) * 1e6,
+        "python": python_us(run, repeats, layers)[0],
         "ops": aten_ops(run),
     }
 
@@ -153,7 +181,7 @@ def baseline(args: argparse.Namespace) -> dict[str, float]:
 def report(name: str, r: dict[str, float]) -> None:
     print(
         f"{name:10s} first layer {r['first']:8.1f} us   other layers {r['other']:7.1f} us"
-        f"   torch ops a layer {r['ops']:5.1f}"
+        f"   of which Python {r['python']:6.1f} us   torch ops a layer {r['ops']:5.1f}"
     )
 
 
@@ -175,7 +203,7 @@ def main() -> None:
     cache, seqs = build(args.batch, args.context, args.layers, args.codec, args.device)
     run = decode_step(cache, seqs, args.layers)
     with no_launches():
-        got = measure(run, args.repeats)
+        got = measure(run, args.repeats, args.layers)
         if args.json:
             print(json.dumps(got))
             return
@@ -184,14 +212,10 @@ def main() -> None:
             report("baseline", base)
         report("this code", got)
         if base is not None:
-            print(f"other layers: this code / baseline = {got['other'] / base['other']:.3f}")
+            for key, what in (("other", "other layers"), ("python", "their Python")):
+                print(f"{what}: this code / baseline = {got[key] / base[key]:.3f}")
         if args.profile:
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(args.repeats):
-                run()
-            prof.disable()
-            pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+            python_us(run, args.repeats, args.layers)[1].sort_stats("tottime").print_stats(30)
 
 
 if __name__ == "__main__":

@@ -462,11 +462,14 @@ class StratifiedKVCache:
         v: torch.Tensor,
         scale: float,
         kernels: bool = False,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal attention of the new tokens over cold pages + sinks + ring + themselves; then
         stores k/v (ring, and completed pages quantized once). Returns ``[T, Hq, D]``.
 
-        ``kernels``: the Triton kernels of `kvstrata.radix.kernels` instead of the torch reference."""
+        ``kernels``: the Triton kernels of `kvstrata.radix.kernels` instead of the torch reference.
+        ``out``: a contiguous ``[T, Hq, D]`` tensor of q's dtype that receives the result and is
+        returned (the kernels write it directly)."""
         if batch.closed:
             raise ValueError("attention: the step has ended")
         if layer in batch.layers_done:
@@ -479,17 +482,22 @@ class StratifiedKVCache:
                 f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit "
                 f"{T} tokens, {H} kv heads, head_dim {D}"
             )
+        if out is not None and (out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous()):
+            raise ValueError(
+                f"attention: out must be a contiguous {q.dtype} tensor of shape {tuple(q.shape)}"
+            )
         if self._rotate is not None:
             q, k, v = self._rotate(q), self._rotate(k), self._rotate(v)
         if kernels:
             from kvstrata.radix.kernels import attend as kernel_attend
 
-            out = kernel_attend.attend(
+            into = out if self._rotate is None else None
+            got = kernel_attend.attend(
                 layer, batch, q, k, v, scale, self.pool, self.ring, self.sinks, self.image_pool,
-                raised_pool=self.raised_pool,
+                raised_pool=self.raised_pool, out=into,
             )  # fmt: skip
         else:
-            out = attention.attend(
+            got = attention.attend(
                 layer,
                 batch,
                 q,
@@ -531,8 +539,12 @@ class StratifiedKVCache:
                 self._absmax[kind][layer] = top
         batch.layers_done.add(layer)
         if self._rotate is not None:
-            out = self._rotate(out)  # V was rotated; the normalised transform is its own inverse
-        return out.to(q.dtype)
+            got = self._rotate(got)  # V was rotated; the normalised transform is its own inverse
+        if out is None:
+            return got.to(q.dtype)
+        if got is not out:
+            out.copy_(got)
+        return out
 
     def end_step(self, batch: StepBatch, drop: Collection[int] = ()) -> None:
         """Commit the step: lengths += n_new; the ring keeps [ring_start, length).

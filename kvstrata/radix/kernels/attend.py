@@ -727,16 +727,19 @@ def attend_group(
     image_pool: ColdPool | None = None,
     raised_pool: ColdPool | None = None,
     launches: LaunchCache | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[B*T, Hq, D]`` outputs (q's dtype) of one group: q ``[B*T, Hq, D]``, k/v ``[B*T, H, D]`` (the
     group's rows, contiguous). ``splits`` overrides the split-KV heuristic of every pass (tests).
     ``launches``: the step's `PassLaunch` of each pass, filled by the first layer and reused by the
     others (None: worked out for this call only, as when the launch table changes between calls).
+    ``out``: where the outputs go (a new tensor if None).
 
     One kernel pass per cold pool (`_cold_passes`); a single pass without splits writes the output
     directly, otherwise every pass writes split partials and `merge_partials` combines them."""
     passes = _cold_passes(g, pool, image_pool, raised_pool)
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
     direct = len(passes) == 1
     parts: list[Partials] = []
     for i, (plan, cold) in enumerate(passes):
@@ -980,25 +983,28 @@ def attend(
     sinks: SinkStore | None,
     image_pool: ColdPool | None = None,
     raised_pool: ColdPool | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the step's new tokens over each sequence's strata: ``[T, Hq, D]`` in q's
     dtype, as `kvstrata.radix.attention.attend` computes it (same plan, same keys; image pages from
     ``image_pool`` when the plan has them). Groups of prompts with no history (`prompt_only`) take
-    torch SDPA (`causal_sdpa`), the others the kernel."""
+    torch SDPA (`causal_sdpa`), the others the kernel. ``out``: a tensor like q (not one of q, k, v)
+    the kernel may write the result into (the caller copies it there if the result is another)."""
 
     launches = _STEP_LAUNCHES.setdefault(batch, {})
 
-    def group_out(g: GroupPlan) -> torch.Tensor:
+    def group_out(g: GroupPlan, into: torch.Tensor | None = None) -> torch.Tensor:
         gq, gk, gv = _take(q, g.rows), _take(k, g.rows), _take(v, g.rows)
         if prompt_only(g):
             return causal_sdpa(g, gq, gk, gv, scale)
         return attend_group(
-            layer, g, gq, gk, gv, scale, pool, ring, sinks, None, image_pool, raised_pool, launches
+            layer, g, gq, gk, gv, scale, pool, ring, sinks, None, image_pool, raised_pool, launches, into
         )
 
     if len(batch.groups) == 1 and batch.groups[0].rows is None:
-        return group_out(batch.groups[0])
-    out = torch.empty_like(q)
+        return group_out(batch.groups[0], out)
+    if out is None:
+        out = torch.empty_like(q)
     for g in batch.groups:
         out.index_copy_(0, g.rows, group_out(g))
     return out
