@@ -111,7 +111,7 @@ class StratifiedKVCache:
         # The Triton encoder's counts stay on the device, [layer, (absmax, NaN/Inf), (K, V)], until
         # one of the three properties below is read: a step waits for nothing to account for them.
         self._device_counts: torch.Tensor | None = None
-        self._device_count_rows: list[tuple[torch.Tensor, ...]] = []
+        self._pending_counts: list[tuple[int, torch.Tensor]] = []  # (layer, encoder rows) of this step
         self._device_counts_dirty = False
 
     @property
@@ -131,21 +131,41 @@ class StratifiedKVCache:
         self._fold_device_counts()
         return self._absmax
 
-    def _add_device_counts(self, layer: int, counts: torch.Tensor) -> None:
-        """Accumulate one layer's ``[2, 2]`` encoder counts (`page_quantize.quantize_pages`) on the
-        device, in float64 so that NaN/Inf counts stay exact."""
-        if self._device_counts is None:
-            acc = torch.zeros((self.cfg.num_layers, 2, 2), dtype=torch.float64, device=counts.device)
-            self._device_counts = acc
-            self._device_count_rows = [tuple(rows.unbind(0)) for rows in acc.unbind(0)]  # views, made once
-        absmax, bad = self._device_count_rows[layer]
-        top, found = counts.unbind(0)
-        torch.maximum(absmax, top, out=absmax)
-        bad += found  # in place, into the view
+    def _add_device_counts(self, layer: int, stats: torch.Tensor) -> None:
+        """Keep one layer's encoder rows (`page_quantize.quantize_pages`); the step's last layer reduces
+        the step's layers at once (`_reduce_device_counts`), as does a read of the counts."""
+        pending = self._pending_counts
+        if pending and pending[-1][1].shape != stats.shape:  # a step that did not reach its last layer
+            self._reduce_device_counts()
+        self._pending_counts.append((layer, stats))
         self._device_counts_dirty = True
+        if layer == self.cfg.num_layers - 1:
+            self._reduce_device_counts()
+
+    def _reduce_device_counts(self) -> None:
+        """Accumulate the kept rows into the ``[layer, (absmax, NaN/Inf), (K, V)]`` device counts, in
+        float64 so that NaN/Inf counts stay exact: a few operations a step, not a few a layer."""
+        from kvstrata.radix.kernels.page_quantize import reduce_counts
+
+        pending, self._pending_counts = self._pending_counts, []
+        if not pending:
+            return
+        counts = reduce_counts(torch.stack([stats for _, stats in pending])).double()
+        if self._device_counts is None:
+            shape = (self.cfg.num_layers, 2, 2)
+            self._device_counts = torch.zeros(shape, dtype=torch.float64, device=counts.device)
+        acc, layers = self._device_counts, [layer for layer, _ in pending]
+        if layers == list(range(layers[0], layers[0] + len(layers))):  # the usual case: a run of layers
+            runs = [(acc[layers[0] : layers[0] + len(layers)], counts)]
+        else:
+            runs = [(acc[layer], counts[i]) for i, layer in enumerate(layers)]
+        for rows, got in runs:
+            torch.maximum(rows[..., 0, :], got[..., 0, :], out=rows[..., 0, :])
+            rows[..., 1, :].add_(got[..., 1, :])
 
     def _fold_device_counts(self) -> None:
         """Move the device counts into the host totals (one read back) and zero them."""
+        self._reduce_device_counts()
         if not self._device_counts_dirty or self._device_counts is None:
             return
         for layer, ((absmax_k, absmax_v), (bad_k, bad_v)) in enumerate(self._device_counts.tolist()):
