@@ -28,16 +28,21 @@ class TorchCacheAttention:
     """PyTorch reference backend over cold pages + ring (CPU and GPU): ``cache.attention``."""
 
     name = "torch"
+    kernels = False  # `StratifiedKVCache.attention`'s ``kernels``
 
     def __init__(self, cache: Any, scale: float) -> None:
         self.cache = cache
         self.scale = scale
 
     def bind(self, batch: Any) -> AttnFn:
-        attention, scale = self.cache.attention, self.scale
+        """The layer callback; it also takes ``out=``, a buffer the layer's output is written to (the
+        decode graphs' static one: no copy of the output a layer)."""
+        attention, scale, kernels = self.cache.attention, self.scale, self.kernels
 
-        def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return attention(layer, batch, q, k, v, scale)
+        def attn(
+            layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None
+        ) -> torch.Tensor:
+            return attention(layer, batch, q, k, v, scale, kernels=kernels, out=out)
 
         return attn
 
@@ -47,14 +52,7 @@ class TritonCacheAttention(TorchCacheAttention):
     no dequantized copy of the history. On CPU it needs ``TRITON_INTERPRET=1`` (slow; for tests)."""
 
     name = "triton"
-
-    def bind(self, batch: Any) -> AttnFn:
-        attention, scale = self.cache.attention, self.scale
-
-        def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return attention(layer, batch, q, k, v, scale, kernels=True)
-
-        return attn
+    kernels = True
 
 
 BACKENDS: dict[str, type[TorchCacheAttention]] = {

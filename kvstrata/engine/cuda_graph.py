@@ -216,10 +216,13 @@ class DecodeGraphs:
         positions: Sequence[int],
         attn: AttnFn,
         fill: Callable[[Tensor], None] | None = None,
+        writes_out: bool = False,
     ) -> Tensor:
         """One decode step of ``len(ids)`` <= max_bs sequences (one new token each): float32 logits
         ``[n, V]``, a view of the static buffer valid until the next step. ``fill`` writes the ids
-        that are still on the device into the step's id buffer (overlap scheduling)."""
+        that are still on the device into the step's id buffer (overlap scheduling). ``writes_out``:
+        ``attn`` takes ``out=``, the static attention output, and writes it (the cache backends of
+        `kvstrata.engine.attention`), else its result is copied there."""
         n = len(ids)
         bs = self.bucket(n)
         if bs is None:
@@ -238,7 +241,10 @@ class DecodeGraphs:
         q, k, v, attn_out = self.q[:n], self.k[:n], self.v[:n], self.attn_out[:n]
         pieces[0]()
         for layer in range(self.pieces.num_layers):
-            attn_out.copy_(attn(layer, q, k, v))
+            if writes_out:
+                attn(layer, q, k, v, out=attn_out)  # type: ignore[call-arg]
+            else:
+                attn_out.copy_(attn(layer, q, k, v))
             pieces[layer + 1]()
         self.replayed_steps += 1
         return self.logits[:n]

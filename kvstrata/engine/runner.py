@@ -107,7 +107,8 @@ class StepRunner:
                 sampled.append(req)
         fill = self._filler(on_device, from_row, before)
         if self.graphs is not None and not images and self._graph_step(plan, sampled):
-            return self.graphs.run(ids, positions, self.backend.bind(plan.batch), fill), sampled
+            attn = self.backend.bind(plan.batch)
+            return self.graphs.run(ids, positions, attn, fill, writes_out=True), sampled
         dev = self.device
         input_ids = host_to_device(ids, torch.long, dev)
         if fill is not None:

@@ -20,6 +20,9 @@ finite: one sequence's NaN/Inf never reaches another sequence of its batch.
 
 from __future__ import annotations
 
+from typing import Any
+from weakref import WeakKeyDictionary
+
 import torch
 import torch.nn.functional as F
 
@@ -229,7 +232,7 @@ def store(
     if n:
         P, (_, _, hkv, d) = pool.page_size, ring.k.shape
         pages_kv = []
-        for buf, new in ((ring.k[layer], k), (ring.v[layer], v)):
+        for buf, new in zip(layer_kv(ring, layer), (k, v), strict=True):
             pages = torch.empty((n * P, hkv, d), dtype=COMPUTE, device=k.device)
             pages.index_copy_(0, w.from_ring[0], buf.index_select(0, w.from_ring[1]).to(COMPUTE))
             pages.index_copy_(0, w.from_new[0], new.index_select(0, w.from_new[1]).to(COMPUTE))
@@ -259,9 +262,24 @@ def _write_pages(
     return pool.write(layer, page_ids, k_pages, v_pages, *clips)
 
 
+_LAYER_VIEWS: WeakKeyDictionary[Any, tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]] = (
+    WeakKeyDictionary()
+)
+
+
+def layer_kv(store: HotRing | SinkStore, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(store.k[layer], store.v[layer])``: views made once per store (while its ``k`` is the same
+    tensor), as a decode step's per-layer calls would otherwise make them again in every layer."""
+    got = _LAYER_VIEWS.get(store)
+    if got is None or got[0] is not store.k:
+        got = _LAYER_VIEWS[store] = (store.k, list(zip(store.k.unbind(0), store.v.unbind(0), strict=True)))
+    return got[1][layer]
+
+
 def write_ring(layer: int, batch: StepBatch, k: torch.Tensor, v: torch.Tensor, ring: HotRing) -> None:
     """Put the step's new tokens that stay recent into their ring rows (after completed pages read
-    the ring)."""
+    the ring). When every new token stays (decode), ``k``/``v`` are copied without a gather."""
     w = batch.write
-    ring.k[layer].index_copy_(0, w.ring_dst, k.index_select(0, w.ring_src).to(ring.k.dtype))
-    ring.v[layer].index_copy_(0, w.ring_dst, v.index_select(0, w.ring_src).to(ring.v.dtype))
+    every_row = w.ring_src.numel() == k.shape[0]  # ring_src ascends: then it is every row (decode)
+    for buf, new in zip(layer_kv(ring, layer), (k, v), strict=True):
+        buf.index_copy_(0, w.ring_dst, (new if every_row else new.index_select(0, w.ring_src)).to(buf.dtype))

@@ -111,6 +111,7 @@ class StratifiedKVCache:
         # The Triton encoder's counts stay on the device, [layer, (absmax, NaN/Inf), (K, V)], until
         # one of the three properties below is read: a step waits for nothing to account for them.
         self._device_counts: torch.Tensor | None = None
+        self._pending_counts: list[tuple[int, torch.Tensor]] = []  # (layer, encoder rows) of this step
         self._device_counts_dirty = False
 
     @property
@@ -130,19 +131,41 @@ class StratifiedKVCache:
         self._fold_device_counts()
         return self._absmax
 
-    def _add_device_counts(self, layer: int, counts: torch.Tensor) -> None:
-        """Accumulate one layer's ``[2, 2]`` encoder counts (`page_quantize.quantize_pages`) on the
-        device, in float64 so that NaN/Inf counts stay exact."""
-        acc = self._device_counts
-        if acc is None:
-            acc = torch.zeros((self.cfg.num_layers, 2, 2), dtype=torch.float64, device=counts.device)
-            self._device_counts = acc
-        torch.maximum(acc[layer, 0], counts[0], out=acc[layer, 0])
-        acc[layer, 1] += counts[1]
+    def _add_device_counts(self, layer: int, stats: torch.Tensor) -> None:
+        """Keep one layer's encoder rows (`page_quantize.quantize_pages`); the step's last layer reduces
+        the step's layers at once (`_reduce_device_counts`), as does a read of the counts."""
+        pending = self._pending_counts
+        if pending and pending[-1][1].shape != stats.shape:  # a step that did not reach its last layer
+            self._reduce_device_counts()
+        self._pending_counts.append((layer, stats))
         self._device_counts_dirty = True
+        if layer == self.cfg.num_layers - 1:
+            self._reduce_device_counts()
+
+    def _reduce_device_counts(self) -> None:
+        """Accumulate the kept rows into the ``[layer, (absmax, NaN/Inf), (K, V)]`` device counts, in
+        float64 so that NaN/Inf counts stay exact: a few operations a step, not a few a layer."""
+        from kvstrata.radix.kernels.page_quantize import reduce_counts
+
+        pending, self._pending_counts = self._pending_counts, []
+        if not pending:
+            return
+        counts = reduce_counts(torch.stack([stats for _, stats in pending])).double()
+        if self._device_counts is None:
+            shape = (self.cfg.num_layers, 2, 2)
+            self._device_counts = torch.zeros(shape, dtype=torch.float64, device=counts.device)
+        acc, layers = self._device_counts, [layer for layer, _ in pending]
+        if layers == list(range(layers[0], layers[0] + len(layers))):  # the usual case: a run of layers
+            runs = [(acc[layers[0] : layers[0] + len(layers)], counts)]
+        else:
+            runs = [(acc[layer], counts[i]) for i, layer in enumerate(layers)]
+        for rows, got in runs:
+            torch.maximum(rows[..., 0, :], got[..., 0, :], out=rows[..., 0, :])
+            rows[..., 1, :].add_(got[..., 1, :])
 
     def _fold_device_counts(self) -> None:
         """Move the device counts into the host totals (one read back) and zero them."""
+        self._reduce_device_counts()
         if not self._device_counts_dirty or self._device_counts is None:
             return
         for layer, ((absmax_k, absmax_v), (bad_k, bad_v)) in enumerate(self._device_counts.tolist()):
@@ -459,11 +482,14 @@ class StratifiedKVCache:
         v: torch.Tensor,
         scale: float,
         kernels: bool = False,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal attention of the new tokens over cold pages + sinks + ring + themselves; then
         stores k/v (ring, and completed pages quantized once). Returns ``[T, Hq, D]``.
 
-        ``kernels``: the Triton kernels of `kvstrata.radix.kernels` instead of the torch reference."""
+        ``kernels``: the Triton kernels of `kvstrata.radix.kernels` instead of the torch reference.
+        ``out``: a contiguous ``[T, Hq, D]`` tensor of q's dtype that receives the result and is
+        returned (the kernels write it directly)."""
         if batch.closed:
             raise ValueError("attention: the step has ended")
         if layer in batch.layers_done:
@@ -476,17 +502,22 @@ class StratifiedKVCache:
                 f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit "
                 f"{T} tokens, {H} kv heads, head_dim {D}"
             )
+        if out is not None and (out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous()):
+            raise ValueError(
+                f"attention: out must be a contiguous {q.dtype} tensor of shape {tuple(q.shape)}"
+            )
         if self._rotate is not None:
             q, k, v = self._rotate(q), self._rotate(k), self._rotate(v)
         if kernels:
             from kvstrata.radix.kernels import attend as kernel_attend
 
-            out = kernel_attend.attend(
+            into = out if self._rotate is None else None
+            got = kernel_attend.attend(
                 layer, batch, q, k, v, scale, self.pool, self.ring, self.sinks, self.image_pool,
-                raised_pool=self.raised_pool,
+                raised_pool=self.raised_pool, out=into,
             )  # fmt: skip
         else:
-            out = attention.attend(
+            got = attention.attend(
                 layer,
                 batch,
                 q,
@@ -528,8 +559,12 @@ class StratifiedKVCache:
                 self._absmax[kind][layer] = top
         batch.layers_done.add(layer)
         if self._rotate is not None:
-            out = self._rotate(out)  # V was rotated; the normalised transform is its own inverse
-        return out.to(q.dtype)
+            got = self._rotate(got)  # V was rotated; the normalised transform is its own inverse
+        if out is None:
+            return got.to(q.dtype)
+        if got is not out:
+            out.copy_(got)
+        return out
 
     def end_step(self, batch: StepBatch, drop: Collection[int] = ()) -> None:
         """Commit the step: lengths += n_new; the ring keeps [ring_start, length).

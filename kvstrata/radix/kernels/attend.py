@@ -29,7 +29,8 @@ in `_cold_passes` (`GroupPlan.raised_plan`), read the same way.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
+from weakref import WeakKeyDictionary
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +47,7 @@ from kvstrata.quant.kernel_decode import (
     tile_codes,
     value_tile_scales,
 )
+from kvstrata.radix.attention import layer_kv
 from kvstrata.radix.kernels.jit import jit_unspecialized
 from kvstrata.radix.plan import GroupPlan, StepBatch
 from kvstrata.radix.pool import ColdPool, as_raw
@@ -70,7 +72,7 @@ LOG2E = 1.4426950408889634
 # kernel, the same loop; H200, FP8 at B=64, 32K: 1.684 against 1.690 ms in one run). ``min_pages``:
 # the fewest cold pages a split reads (H200, FP8 at B=1, 32K: splits of 32 pages 0.046 ms, of 16
 # pages 0.061; B=64 keeps its 2 splits: 1.684 ms against 1.854 unsplit). ``swap_ab``, ``halves``
-# and ``maxnreg``: see `decode.launch_decode` (``swap_ab`` and ``halves`` slower on the H200,
+# and ``maxnreg``: see `decode.decode_options` (``swap_ab`` and ``halves`` slower on the H200,
 # `attention_sweep.py`). ``maxnreg`` 168 (8-bit codes only): 3 programs an SM instead of 2 despite
 # spills (H200, FP8: B=64 at 32K 1.562 ms against 1.602 uncapped, B=256 at 2K 0.418 against 0.483,
 # B=1 at 32K 0.045 against 0.043; docs/kernels-h200.md, pass 6).
@@ -708,6 +710,9 @@ def merge_partials(parts: list[Partials], out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+LaunchCache = dict[tuple, "PassLaunch"]
+
+
 def attend_group(
     layer: int,
     g: GroupPlan,
@@ -721,57 +726,135 @@ def attend_group(
     splits: int | None = None,
     image_pool: ColdPool | None = None,
     raised_pool: ColdPool | None = None,
+    launches: LaunchCache | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[B*T, Hq, D]`` outputs (q's dtype) of one group: q ``[B*T, Hq, D]``, k/v ``[B*T, H, D]`` (the
     group's rows, contiguous). ``splits`` overrides the split-KV heuristic of every pass (tests).
+    ``launches``: the step's `PassLaunch` of each pass, filled by the first layer and reused by the
+    others (None: worked out for this call only, as when the launch table changes between calls).
+    ``out``: where the outputs go (a new tensor if None).
 
     One kernel pass per cold pool (`_cold_passes`); a single pass without splits writes the output
     directly, otherwise every pass writes split partials and `merge_partials` combines them."""
     passes = _cold_passes(g, pool, image_pool, raised_pool)
-    out = torch.empty_like(q)
-    direct = out if len(passes) == 1 else None
+    if out is None:
+        out = torch.empty_like(q)
+    direct = len(passes) == 1
     parts: list[Partials] = []
     for i, (plan, cold) in enumerate(passes):
         tail = i == 0  # the first pass also reads the sink page, ring rows and new tokens
-        got = _attend_pass(
-            layer, plan, q, k, v, scale, cold, ring, sinks if tail else None, splits, direct, tail
-        )
+        k_fmt, kp, v_fmt, vp = layer_parts(cold, layer)
+        key = (plan, k_fmt, v_fmt, tail, splits, direct, q.dtype, k.dtype, v.dtype, scale)
+        launch = launches.get(key) if launches is not None else None
+        if launch is None:
+            launch = pass_launch(
+                plan, k_fmt, v_fmt, q, k, v, scale, ring, sinks if tail else None, splits, direct, tail
+            )
+            if launches is not None:
+                launches[key] = launch
+        got = launch.run(layer, q, k, v, kp, vp, ring, sinks, out)
         if got is not None:
             parts.append(got)
     return merge_partials(parts, out) if parts else out
 
 
-def _attend_pass(
-    layer: int,
+# The launches of each step's passes, worked out by its first layer (`attend_group`'s ``launches``).
+_STEP_LAUNCHES: WeakKeyDictionary[StepBatch, LaunchCache] = WeakKeyDictionary()
+_LAYER_PARTS: WeakKeyDictionary[ColdPool, dict[int, tuple]] = WeakKeyDictionary()
+
+
+def layer_parts(pool: ColdPool, layer: int) -> tuple[int, list[torch.Tensor], int, list[torch.Tensor]]:
+    """``(key format, key parts, value format, value parts)`` of ``layer`` in ``pool`` as the kernels
+    take them (`kernel_format`; raw views, the first part repeated up to three), worked out once per
+    pool and layer: the pool's tensors are allocated with it and written in place."""
+    parts = _LAYER_PARTS.setdefault(pool, {})
+    got = parts.get(layer)
+    if got is None:
+        # A layer may store keys and values in different codecs (a precision plan's "int4/fp4_e2m1").
+        k_fmt, k_names = kernel_format(pool.k_codecs[layer])
+        v_fmt, v_names = kernel_format(pool.v_codecs[layer])
+        kp = [as_raw(pool.k[layer][name]) for name in k_names]
+        vp = [as_raw(pool.v[layer][name]) for name in v_names]
+        kp += [kp[0]] * (3 - len(kp))
+        vp += [vp[0]] * (3 - len(vp))
+        got = parts[layer] = (k_fmt, kp, v_fmt, vp)
+    return got
+
+
+class PassLaunch(NamedTuple):
+    """One pass's kernel launch without the layer's tensors: the same in every layer of a step whose
+    layers share codecs, so a decode step works it out once and each layer only launches.
+    ``scalars``: the runtime arguments after the tensors; ``options`` the constexprs and launch options;
+    ``sinks``: the pass reads the sink page; ``partial``: it writes split partials."""
+
+    kernel: Any
+    grid: tuple[int, int, int]
+    scalars: tuple
+    options: dict[str, Any]
+    g: GroupPlan
+    lengths: tuple[torch.Tensor, ...]  # the rows of ``g.kernel_lengths``: cold pages, ring rows, sinks
+    splits: int
+    direct: bool
+    partial: bool
+    sinks: bool
+
+    def run(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kp: list[torch.Tensor],
+        vp: list[torch.Tensor],
+        ring: HotRing,
+        sinks: SinkStore | None,
+        out: torch.Tensor,
+    ) -> Partials | None:
+        """Launch over ``layer``'s tensors; writes ``out`` when the pass does not split (returns None),
+        else returns the split partials."""
+        g, (cold_len, ring_len, sink_len) = self.g, self.lengths
+        po = pl = out
+        if self.partial:
+            rows, hq, d = q.shape
+            po = torch.empty((rows, hq, self.splits, d), dtype=torch.float32, device=q.device)
+            pl = torch.empty((rows, hq, self.splits), dtype=torch.float32, device=q.device)
+        ring_k, ring_v = layer_kv(ring, layer)
+        if self.sinks:
+            assert sinks is not None and g.sink_table is not None
+            sink_args = (g.sink_table, sink_len, *layer_kv(sinks, layer))
+        else:
+            sink_args = (sink_len, sink_len, ring_k, ring_v)
+        self.kernel[self.grid](
+            q, k, v, out if self.direct else po, po, pl, g.page_table, cold_len, *kp, *vp,
+            *sink_args, g.ring_rows, ring_len, ring_k, ring_v, *self.scalars, **self.options,
+        )  # fmt: skip
+        return Partials(po, pl) if self.partial else None
+
+
+def pass_launch(
     g: GroupPlan,
+    k_fmt: int,
+    v_fmt: int,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     scale: float,
-    pool: ColdPool,
     ring: HotRing,
     sinks: SinkStore | None,
     splits: int | None,
-    out: torch.Tensor | None,
+    direct: bool,
     tail: bool,
-) -> Partials | None:
-    """One launch over ``g.page_table``'s pages of ``pool``; ``tail``: also the sink page, ring rows and
-    new tokens (in the last split). Writes ``out`` when given and the pass has one split (returns
-    None), else returns the split partials."""
+) -> PassLaunch:
+    """The launch of one pass over ``g.page_table``'s pages of a pool whose layer has formats ``k_fmt``/
+    ``v_fmt``; ``tail``: it also reads the sink page, ring rows and new tokens (in the last split).
+    ``direct``: it writes the output itself when it has one split."""
     B, T = g.batch, g.tokens
     _, hq, d = q.shape
     h = k.shape[1]
     group = hq // h
-    # A layer may store keys and values in different codecs (a precision plan's "int4/fp4_e2m1").
-    k_fmt, k_names = kernel_format(pool.k_codecs[layer])
-    v_fmt, v_names = kernel_format(pool.v_codecs[layer])
-    kp = [as_raw(pool.k[layer][name]) for name in k_names]
-    vp = [as_raw(pool.v[layer][name]) for name in v_names]
-    kp += [kp[0]] * (3 - len(kp))
-    vp += [vp[0]] * (3 - len(vp))
-    lengths = g.kernel_lengths
     n_pages = g.page_table.shape[1]
-    page = pool.page_size
+    page = g.page_size
     # Cold tiles of whole 16-token blocks (one key-scale vector each) need pages of a multiple of 16
     # tokens; other page sizes read keys across pages (`_cold_tile`).
     four_bit = k_fmt in HALF_FORMATS or v_fmt in HALF_FORMATS
@@ -798,15 +881,8 @@ def _attend_pass(
         ):
             splits += 1  # the tail in a split of its own, past the cold pages (see DECODE_LAUNCH)
     splits = splits or 1
-    partial = out is None or splits > 1
-    po = pl = out
-    if partial:
-        po = torch.empty((B * T, hq, splits, d), dtype=torch.float32, device=q.device)
-        pl = torch.empty((B * T, hq, splits), dtype=torch.float32, device=q.device)
-    if sinks is not None and g.sink_table is not None:
-        sink_args = (g.sink_table, lengths[2], sinks.k[layer], sinks.v[layer])
-    else:
-        sink_args = (lengths[2], lengths[2], ring.k[layer], ring.v[layer])
+    partial = not direct or splits > 1
+    has_sinks = sinks is not None and g.sink_table is not None
     block_d = triton.next_power_of_2(d)
     interpreted = q.device.type == "cpu"
     # FP16 dot operands for 8-bit codes (``f16_codes``): BF16 models only (a float32 model keeps its
@@ -814,8 +890,6 @@ def _attend_pass(
     f16 = launch["f16_codes"] and q.dtype == torch.bfloat16 and not fold
     # The interpreter's BF16 dot is wrong (Triton 3.9): on CPU the operands go float32.
     dot_dtype = tl.float32 if interpreted else _DOT_DTYPES[q.dtype]
-    tensors = (q, k, v, po if out is None else out, po, pl, g.page_table, lengths[0], *kp, *vp, *sink_args)
-    tensors += (g.ring_rows, lengths[1], ring.k[layer], ring.v[layer])
     tail_split = splits - 1 if tail else -1
     strides = (g.page_table.stride(0), g.ring_rows.stride(0), pages_per_split, splits, tail_split)
     meta = dict(
@@ -824,49 +898,49 @@ def _attend_pass(
         P=page,
         K_FMT=k_fmt,
         V_FMT=v_fmt,
-        HAS_SINKS=sinks is not None and g.sink_table is not None,
+        HAS_SINKS=has_sinks,
         SPLIT=partial,
         DOT_PREC="ieee" if q.dtype == torch.float32 or interpreted else "tf32",
         DOT_DTYPE=dot_dtype,
         CODE_DTYPE=tl.float16 if f16 and not interpreted else dot_dtype,
         NORM_W=f16,
     )
+    kernel, grid, scalars = _attend_kernel, (B * m_blocks, h, splits), (scale * LOG2E, T, h, *strides)
+    options: dict[str, Any] | None = None
     if T == 1 and launch.get("module") == "decode4":
         from kvstrata.radix.kernels import decode4
 
         if decode4.applies(k_fmt, v_fmt, d, page):
-            grid = (B, h, splits)
-            args = (*tensors, scale * LOG2E, h, *strides)
-            decode4.launch_decode4(grid, args, group, launch, interpreted, **meta)
-            return Partials(po, pl) if partial else None
-    if T == 1 and not fold and launch.get("module", "decode") == "decode":
+            kernel, options = (
+                decode4._decode4_kernel,
+                decode4.decode4_options(group, launch, interpreted, meta),
+            )
+    elif T == 1 and not fold and launch.get("module", "decode") == "decode":
         from kvstrata.radix.kernels import decode  # it imports this module's tile functions
 
-        one_dtype = len({k.dtype, v.dtype, ring.k.dtype, sink_args[2].dtype, sink_args[3].dtype}) == 1
-        args = (*tensors, scale * LOG2E, h, *strides)
-        decode.launch_decode((B, h, splits), args, group, launch, one_dtype, **meta)
-        return Partials(po, pl) if partial else None
-    _attend_kernel[(B * m_blocks, h, splits)](
-        *tensors,
-        scale * LOG2E,
-        T,
-        h,
-        *strides,
-        GROUP=group,
-        BLOCK_M=block_m,
-        BLOCK_N=launch["block_n"],
-        FOLD=fold,
-        BLOCKS=launch["blocks"],
-        PREFETCH=launch["prefetch"],
-        HALF_K=half_k,
-        HALF_V=half_v,
-        BLOCK_DK=max(16, block_d // 2) if half_k else block_d,
-        BLOCK_DV=max(16, block_d // 2) if half_v else block_d,
-        num_warps=launch["num_warps"],
-        num_stages=launch["num_stages"],
-        **meta,
-    )
-    return Partials(po, pl) if partial else None
+        sink_kv = (sinks.k, sinks.v) if has_sinks and sinks is not None else (ring.k, ring.v)
+        one_dtype = len({k.dtype, v.dtype, ring.k.dtype, *(t.dtype for t in sink_kv)}) == 1
+        kernel, options = decode._decode_kernel, decode.decode_options(group, launch, one_dtype, meta)
+    if options is not None:  # the decode kernels: one program per (sequence, KV head, split), no T
+        grid, scalars = (B, h, splits), (scale * LOG2E, h, *strides)
+    else:
+        options = dict(
+            meta,
+            GROUP=group,
+            BLOCK_M=block_m,
+            BLOCK_N=launch["block_n"],
+            FOLD=fold,
+            BLOCKS=launch["blocks"],
+            PREFETCH=launch["prefetch"],
+            HALF_K=half_k,
+            HALF_V=half_v,
+            BLOCK_DK=max(16, block_d // 2) if half_k else block_d,
+            BLOCK_DV=max(16, block_d // 2) if half_v else block_d,
+            num_warps=launch["num_warps"],
+            num_stages=launch["num_stages"],
+        )
+    lengths = tuple(g.kernel_lengths.unbind(0))
+    return PassLaunch(kernel, grid, scalars, options, g, lengths, splits, direct, partial, has_sinks)
 
 
 def _take(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
@@ -909,23 +983,28 @@ def attend(
     sinks: SinkStore | None,
     image_pool: ColdPool | None = None,
     raised_pool: ColdPool | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the step's new tokens over each sequence's strata: ``[T, Hq, D]`` in q's
     dtype, as `kvstrata.radix.attention.attend` computes it (same plan, same keys; image pages from
     ``image_pool`` when the plan has them). Groups of prompts with no history (`prompt_only`) take
-    torch SDPA (`causal_sdpa`), the others the kernel."""
+    torch SDPA (`causal_sdpa`), the others the kernel. ``out``: a tensor like q (not one of q, k, v)
+    the kernel may write the result into (the caller copies it there if the result is another)."""
 
-    def group_out(g: GroupPlan) -> torch.Tensor:
+    launches = _STEP_LAUNCHES.setdefault(batch, {})
+
+    def group_out(g: GroupPlan, into: torch.Tensor | None = None) -> torch.Tensor:
         gq, gk, gv = _take(q, g.rows), _take(k, g.rows), _take(v, g.rows)
         if prompt_only(g):
             return causal_sdpa(g, gq, gk, gv, scale)
         return attend_group(
-            layer, g, gq, gk, gv, scale, pool, ring, sinks, image_pool=image_pool, raised_pool=raised_pool
+            layer, g, gq, gk, gv, scale, pool, ring, sinks, None, image_pool, raised_pool, launches, into
         )
 
     if len(batch.groups) == 1 and batch.groups[0].rows is None:
-        return group_out(batch.groups[0])
-    out = torch.empty_like(q)
+        return group_out(batch.groups[0], out)
+    if out is None:
+        out = torch.empty_like(q)
     for g in batch.groups:
         out.index_copy_(0, g.rows, group_out(g))
     return out

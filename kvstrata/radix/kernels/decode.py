@@ -325,21 +325,16 @@ def halves_apply(meta: dict) -> bool:
     return meta["V_FMT"] in (1, 2, 3, 4) and meta["BLOCK_D"] == meta["D"] >= 32
 
 
-def launch_decode(
-    grid: tuple[int, int, int], args: tuple, group: int, launch: dict, one_dtype: bool, **meta
-) -> None:
-    """Launch `_decode_kernel` over ``grid`` (sequences, KV heads, splits): ``args`` are
-    `_attend_kernel`'s runtime arguments without ``T`` (tensors, softmax scale, KV heads, strides,
-    split arguments), ``meta`` the constexprs both kernels share; ``launch`` the `DECODE_LAUNCH` entry
-    (``block_n``, ``num_warps``, ``num_stages``, ``prefetch``, ``swap_ab``, ``halves``: value codes in
-    `_codes`' channel-pair layout where `halves_apply`, ``maxnreg``: a register cap per thread for
-    coded history, so more programs fit an SM, or None; ``merged_tail``: the sink page, ring rows
-    and new key as one run of tiles, where ``one_dtype``: the step's K/V, the ring and the sinks
-    share a dtype)."""
-    if launch.get("maxnreg") and (meta["K_FMT"], meta["V_FMT"]) != (0, 0):  # coded history only
-        meta["maxnreg"] = launch["maxnreg"]
-    _decode_kernel[grid](
-        *args,
+def decode_options(group: int, launch: dict, one_dtype: bool, meta: dict) -> dict:
+    """`_decode_kernel`'s keyword arguments: ``meta`` the constexprs it shares with `_attend_kernel`;
+    ``launch`` the `DECODE_LAUNCH` entry (``block_n``, ``num_warps``, ``num_stages``, ``prefetch``,
+    ``swap_ab``, ``halves``: value codes in `_codes`' channel-pair layout where `halves_apply`,
+    ``maxnreg``: a register cap per thread for coded history, so more programs fit an SM, or None;
+    ``merged_tail``: the sink page, ring rows and new key as one run of tiles, where ``one_dtype``:
+    the step's K/V, the ring and the sinks share a dtype). The kernel's runtime arguments are
+    `_attend_kernel`'s without ``T``, its grid (sequences, KV heads, splits)."""
+    options = dict(
+        meta,
         GROUP=group,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_N=launch["block_n"],
@@ -349,5 +344,7 @@ def launch_decode(
         MERGED_TAIL=launch.get("merged_tail", True) and one_dtype,
         num_warps=launch["num_warps"],
         num_stages=launch["num_stages"],
-        **meta,
     )
+    if launch.get("maxnreg") and (meta["K_FMT"], meta["V_FMT"]) != (0, 0):  # coded history only
+        options["maxnreg"] = launch["maxnreg"]
+    return options

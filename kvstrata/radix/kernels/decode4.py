@@ -313,20 +313,16 @@ def _decode4_kernel(
     tl.store(o_at + c1[None, :], (acc1 * inv[:, None]).to(o_at.dtype.element_ty), mask=row_ok[:, None])
 
 
-def launch_decode4(
-    grid: tuple[int, int, int], args: tuple, group: int, launch: dict, interpreted: bool, **meta
-) -> None:
-    """Launch `_decode4_kernel` over ``grid`` (sequences, KV heads, splits) with `decode.launch_decode`'s
-    ``args`` and ``meta``; ``launch`` the `DECODE_LAUNCH` entry (``blocks``: 16-token blocks a tile,
-    ``num_warps``, ``num_stages``, ``asm``: packed PTX decoding where the operands are FP16,
-    ``maxnreg``: a register cap per thread, or None).
+def decode4_options(group: int, launch: dict, interpreted: bool, meta: dict) -> dict:
+    """`_decode4_kernel`'s keyword arguments, with `decode.decode_options`' ``meta`` (its runtime
+    arguments and grid are those of `_decode_kernel`); ``launch`` the `DECODE_LAUNCH` entry
+    (``blocks``: 16-token blocks a tile, ``num_warps``, ``num_stages``, ``asm``: packed PTX decoding
+    where the operands are FP16, ``maxnreg``: a register cap per thread, or None).
     Operands are FP16 for 16-bit models on a GPU, else float32 (``interpreted``, float32 models)."""
     f16 = not interpreted and meta["DOT_DTYPE"] in (tl.bfloat16, tl.float16)
-    meta["CODE_DTYPE"] = tl.float16 if f16 else tl.float32
-    if launch.get("maxnreg"):
-        meta["maxnreg"] = launch["maxnreg"]
-    _decode4_kernel[grid](
-        *args,
+    options = dict(
+        meta,
+        CODE_DTYPE=tl.float16 if f16 else tl.float32,
         GROUP=group,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCKS=launch["blocks"],
@@ -334,5 +330,7 @@ def launch_decode4(
         ASM=bool(launch.get("asm")) and f16,
         num_warps=launch["num_warps"],
         num_stages=launch["num_stages"],
-        **meta,
     )
+    if launch.get("maxnreg"):
+        options["maxnreg"] = launch["maxnreg"]
+    return options

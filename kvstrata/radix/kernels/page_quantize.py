@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from kvstrata.quant.kernel_encode import encode_store, to_storage
-from kvstrata.radix.attention import write_ring
+from kvstrata.radix.attention import layer_kv, write_ring
 from kvstrata.radix.kernels.jit import jit_unspecialized
 from kvstrata.radix.plan import StepBatch, WritePlan
 from kvstrata.radix.pool import ColdPool, WriteCounts, as_raw
@@ -207,9 +207,9 @@ def quantize_pages(
     (``w.image_split``) go to ``image_pool`` and raised pages (``w.raised_split``) to ``raised_pool``,
     one launch per pool.
 
-    Returns what the encoder counted as a ``[2, 2]`` float32 tensor on the device, rows (finite
-    absmax, NaN/Inf elements), columns (K, V), read by nobody until the caller wants it (no host
-    sync per layer); None when no page completes."""
+    Returns what the encoder counted, one ``[H, 4]`` float32 row per page (`reduce_counts` makes
+    them ``[2, 2]``), on the device and read by nobody until the caller wants it (no host sync and
+    no reduction per layer); None when no page completes."""
     P = pool.page_size
     src, sink_slots = w.kernel_sources(P), w.kernel_sink_slots
     has_sinks = sinks is not None and w.sink_pages.numel() > 0
@@ -225,10 +225,16 @@ def quantize_pages(
 
 
 def _merge_counts(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
-    """The device counts of two launches: absmax by max, NaN/Inf counts by sum."""
+    """The device counts of two launches: their pages' rows together."""
     if a is None or b is None:
         return b if a is None else a
-    return torch.stack((torch.maximum(a[0], b[0]), a[1] + b[1]))
+    return torch.cat((a, b))
+
+
+def reduce_counts(stats: torch.Tensor) -> torch.Tensor:
+    """``[..., 2, 2]`` of `quantize_pages`' rows ``[..., pages, H, 4]``: rows (finite absmax, NaN/Inf
+    elements), columns (K, V), over the pages and heads."""
+    return torch.stack((stats[..., 0::2].amax(dim=(-3, -2)), stats[..., 1::2].sum(dim=(-3, -2))), dim=-2)
 
 
 def _quantize(
@@ -261,8 +267,7 @@ def _quantize(
     sk, sv = (as_bits(sinks.k[layer]), as_bits(sinks.v[layer])) if has_sinks and sinks is not None else (k, v)
     stats = torch.empty((n, H, 4), dtype=torch.float32, device=k.device)
     _page_quantize_kernel[(n, H)](
-        ring.k[layer],
-        ring.v[layer],
+        *layer_kv(ring, layer),
         k.contiguous(),
         v.contiguous(),
         src,
@@ -282,14 +287,14 @@ def _quantize(
         V_FMT=v_fmt,
         HAS_SINKS=has_sinks,
     )
-    return torch.stack((stats[..., 0::2].amax(dim=(0, 1)), stats[..., 1::2].sum(dim=(0, 1))))
+    return stats
 
 
 def write_counts(stats: torch.Tensor | None) -> WriteCounts:
     """`WriteCounts` of `quantize_pages`' device counts (reads them back: a host sync)."""
     if stats is None:
         return WriteCounts()
-    (absmax_k, absmax_v), (bad_k, bad_v) = stats.tolist()
+    (absmax_k, absmax_v), (bad_k, bad_v) = reduce_counts(stats).tolist()
     return WriteCounts(0, 0, int(bad_k), int(bad_v), absmax_k, absmax_v)
 
 
