@@ -76,20 +76,21 @@ LAUNCHES = {
 
 
 def _use(monkeypatch, launch: dict, asm: bool) -> list[tuple]:
-    """Set the 4-bit decode launch; returns the grids `launch_decode4` ran (attention dispatched
+    """Set the 4-bit decode launch; returns the grids `_decode4_kernel` ran with (attention dispatched
     elsewhere would otherwise pass these tests unnoticed: the other kernels read 4-bit codes too)."""
     from kvstrata.radix.kernels import attend, decode4
 
     for key, value in {"module": "decode4", "asm": asm, **launch}.items():
         monkeypatch.setitem(attend.DECODE_LAUNCH[True], key, value)
     grids: list[tuple] = []
-    launch_decode4 = decode4.launch_decode4
+    kernel = decode4._decode4_kernel
 
-    def counted(grid, *args, **meta) -> None:
-        grids.append(grid)
-        launch_decode4(grid, *args, **meta)
+    class Counted:  # `kernel[grid](...)`, recording the grid
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
 
-    monkeypatch.setattr(decode4, "launch_decode4", counted)
+    monkeypatch.setattr(decode4, "_decode4_kernel", Counted())
     return grids
 
 
