@@ -202,7 +202,10 @@ def test_replay_view_hook_adds_the_request_ids():
     from sglang.srt.model_executor.runner import decode_cuda_graph_runner as runner
     from sglang.srt.plugins import load_plugins
 
+    from kvstrata.integrations.sglang import register
+
     load_plugins()
+    register()  # idempotent; where kvstrata runs from a path, not installed, no entry point found it
     fb = MagicMock(rids=["a", "b"], seq_lens_sum=None)
     args = {name: MagicMock() for name in inspect.signature(runner.build_replay_fb_view).parameters}
     args.update(
