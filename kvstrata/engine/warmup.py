@@ -12,7 +12,8 @@ measured run. The warm-up meets the same shapes through the engine itself, with 
 1. ``batch`` prompts of 2 to 25 pages (plus part of a page), packed into prefill steps (prompts
    continued across chunks among them), generating 1 to 8 tokens each: decode steps from
    B = ``batch`` down to ``batch / 8``;
-2. prompts that extend a cached one by 2 ... 300 tokens (prefill over history, every query block),
+2. prompts that extend a cached one by 2 ... 300 tokens (prefill over history, every query block,
+   token counts on and off multiples of 16: ``EXTEND_TOKENS``),
    then decode at B = 8 down to 1 over short histories (one split);
 3. one request at a time over 32, 64, 128 ... pages and the longest context the pool and the model
    hold, two tokens each: decode alone over long histories, split across programs (the split kernel
@@ -27,7 +28,11 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-EXTEND_TOKENS = (2, 5, 9, 17, 33, 65, 129, 300)  # new tokens behind a cached prefix, one query block each
+# New tokens behind a cached prefix: every query block of the extend kernel, each with a token count
+# that is a multiple of 16 and one that is not (Triton specializes the kernel's integer T on it: on one
+# H200 a fresh fp8 server warmed up without 16 and 32 still compiled for 4.4 s on a 16-token extend in
+# the measured run, and a BF16 one 1.5 s on a 1,536 + 16-token step).
+EXTEND_TOKENS = (2, 5, 9, 16, 17, 32, 33, 65, 129, 300)
 MIN_SPLIT_PAGES = 32  # the shortest history whose decode splits (kvstrata/radix/kernels/attend.py)
 
 
