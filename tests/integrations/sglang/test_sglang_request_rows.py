@@ -23,16 +23,15 @@ CONTEXT = 64
 BUCKET = 4
 
 
-def meta_world():
-    """Backend (Triton kernels' graph contract, no kernel launched) over a pool and request rows whose
-    device tensors live on the meta device; the host tensors (``req_generation``) stay on the CPU."""
+def make_backend(req_device: str, pool_device: str, ring_device: str, **pool_kwargs):
+    """Backend (the Triton kernels' graph contract) over SGLang's request rows on ``req_device`` and a
+    stratified pool made on ``pool_device`` whose ring and step buffers go to ``ring_device``."""
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
     from kvstrata.integrations.sglang.attention_backend import KvstrataAttnBackend
     from kvstrata.integrations.sglang.kernels import TritonStrataKernels
 
-    req_pool = ReqToTokenPool(size=8, max_context_len=CONTEXT, device="meta", enable_memory_saver=False)
-    assert req_pool.req_generation.device.type == "cpu"
+    req_pool = ReqToTokenPool(size=8, max_context_len=CONTEXT, device=req_device, enable_memory_saver=False)
     pool = pool_class(PluginOptions(codec="fp8_e4m3", recent_window=WINDOW))(
         size=8 * CONTEXT,
         page_size=PAGE,
@@ -40,12 +39,22 @@ def meta_world():
         head_num=KV_HEADS,
         head_dim=HEAD_DIM,
         layer_num=LAYERS,
-        device="cpu",  # SGLang's pool asks torch for a device module, which meta has not
+        device=pool_device,
         enable_memory_saver=False,
+        **pool_kwargs,
     )
-    pool.device = "meta"  # the ring and the step buffers the backend makes; the cold pages are not read
+    pool.device = ring_device
     runner = SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=req_pool)
     return KvstrataAttnBackend(runner, TritonStrataKernels())
+
+
+def meta_world():
+    """`make_backend` with its device tensors on the meta device (no kernel launched; the cold pages
+    are not read); the host tensors (``req_generation``) stay on the CPU. The pool itself is made on
+    the CPU: SGLang's pool asks torch for a device module, which meta has not."""
+    backend = make_backend("meta", "cpu", "meta")
+    assert backend.pool.req_to_token_pool.req_generation.device.type == "cpu"
+    return backend
 
 
 def meta_decode_batch(rids: list[str], prefix_lens: list[int], bs: int):
@@ -234,25 +243,8 @@ def test_metadata_preparation_refuses_capture(monkeypatch):
 def test_gather_and_row_check_replay_in_a_cuda_graph():
     """On a GPU: the device half of a decode step, row check included, captured once and replayed with
     each step's host plan; the replayed page tables and ring lengths are the requests' own."""
-    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-
-    from kvstrata.integrations.sglang.attention_backend import KvstrataAttnBackend
-    from kvstrata.integrations.sglang.kernels import TritonStrataKernels
-
-    req_pool = ReqToTokenPool(size=8, max_context_len=CONTEXT, device="cuda", enable_memory_saver=False)
-    pool = pool_class(PluginOptions(codec="fp8_e4m3", recent_window=WINDOW))(
-        size=8 * CONTEXT,
-        page_size=PAGE,
-        dtype=torch.bfloat16,
-        head_num=KV_HEADS,
-        head_dim=HEAD_DIM,
-        layer_num=LAYERS,
-        device="cuda",
-        enable_memory_saver=False,
-        enable_alt_stream=False,
-    )
-    runner = SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=req_pool)
-    backend = KvstrataAttnBackend(runner, TritonStrataKernels())
+    backend = make_backend("cuda", "cuda", "cuda", enable_alt_stream=False)
+    req_pool = backend.pool.req_to_token_pool
     rows = [alloc_row(req_pool) for _ in range(2)]
     for row in rows:
         req_pool.req_to_token[row] = torch.arange(row * CONTEXT, (row + 1) * CONTEXT, dtype=torch.int32)
