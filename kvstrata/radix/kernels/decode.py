@@ -150,6 +150,53 @@ def _tail_tile(
     return acc, m_i, l_i
 
 
+@triton.jit
+def _decode_cold_tile(
+    qd,
+    qc,
+    acc,
+    m_i,
+    l_i,
+    page,
+    K0,
+    K1,
+    K2,
+    V0,
+    V1,
+    V2,
+    j,
+    end,
+    d,
+    h,
+    H,
+    P: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    K_FMT: tl.constexpr,
+    V_FMT: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    CODE_DTYPE: tl.constexpr,
+    NORM_W: tl.constexpr,
+    HALVES: tl.constexpr,
+    SWAP: tl.constexpr,
+):
+    """One cold tile of the decode loop: `_cold_tile_t` (``SWAP``) or `_cold_tile` with the decode
+    module's value scales (its last argument), so the full tiles and the masked last one share a call."""
+    if SWAP:
+        acc, m_i, l_i = _cold_tile_t(
+            qd, qc, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, j, end, d, h,
+            H, P, D, BLOCK_D, K_FMT, V_FMT, MASKED, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES,
+        )  # fmt: skip
+    else:
+        acc, m_i, l_i = _cold_tile(
+            qd, qc, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, j, end, d, h,
+            H, P, D, BLOCK_D, K_FMT, V_FMT, MASKED, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES, True,
+        )  # fmt: skip
+    return acc, m_i, l_i
+
+
 @jit_unspecialized(  # the per-step arguments, as `attend._attend_kernel`'s
     ints=("pt_stride", "rr_stride", "pages_per_split", "num_splits", "tail_split"),
     pointers=("PT", "COLD_LEN", "ST", "SINK_OK", "RR", "RING_LEN"),
@@ -240,31 +287,19 @@ def _decode_kernel(
             page_ahead = tl.load(pt + ahead // P, mask=ahead < end, other=0).to(tl.int64)
         else:
             page = tl.load(pt + (j0 + n) // P).to(tl.int64)
-        if SWAP:
-            acc, m_i, l_i = _cold_tile_t(
-                qd, qc, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, j0 + n, end, d, h,
-                H, P, D, BLOCK_D, K_FMT, V_FMT, False, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES,
-            )  # fmt: skip
-        else:
-            acc, m_i, l_i = _cold_tile(
-                qd, qc, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, j0 + n, end, d, h,
-                H, P, D, BLOCK_D, K_FMT, V_FMT, False, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES, True,
-            )  # fmt: skip
+        acc, m_i, l_i = _decode_cold_tile(
+            qd, qc, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, j0 + n, end, d, h,
+            H, P, D, BLOCK_D, K_FMT, V_FMT, False, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES, SWAP,
+        )  # fmt: skip
         if PREFETCH:
             page = page_ahead
     if full < end:
         if not PREFETCH:
             page = tl.load(pt + (full + n) // P, mask=full + n < end, other=0).to(tl.int64)
-        if SWAP:
-            acc, m_i, l_i = _cold_tile_t(
-                qd, qc, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, full + n, end, d, h,
-                H, P, D, BLOCK_D, K_FMT, V_FMT, True, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES,
-            )  # fmt: skip
-        else:
-            acc, m_i, l_i = _cold_tile(
-                qd, qc, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, full + n, end, d, h,
-                H, P, D, BLOCK_D, K_FMT, V_FMT, True, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES, True,
-            )  # fmt: skip
+        acc, m_i, l_i = _decode_cold_tile(
+            qd, qc, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, full + n, end, d, h,
+            H, P, D, BLOCK_D, K_FMT, V_FMT, True, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES, SWAP,
+        )  # fmt: skip
     if SWAP:
         acc = tl.trans(acc)
         qd = tl.trans(qd)
