@@ -408,6 +408,8 @@ class StratifiedKVCache:
         for seq, pages in zip(seqs, new_pages, strict=True):
             if pages:
                 del seq.page_ids[-len(pages) :]
+                if self.page_tables is not None:  # the next step may append other pages at these entries
+                    self.page_tables.invalidate(seq, len(seq.page_ids))
             self._free_pages(pages)
             seq.in_step = False
 

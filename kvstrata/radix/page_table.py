@@ -9,8 +9,9 @@ page exactly as the host build pads it.
 
 The host keeps, per slot, which sequence the row holds and how many leading entries are in sync. Pages
 are only appended to a running sequence (`StratifiedKVCache.begin_step`), cut from its end
-(`cancel_step`), or replaced in place when its prefix moves into the tree (`cache_prefix`, which calls
-`invalidate`); a new sequence in a slot starts from an empty row.
+(`cancel_step`), or replaced in place when its prefix moves into the tree (`cache_prefix`); the last
+two call `invalidate`, since a cut entry can come back as another page in the next step. A new
+sequence in a slot starts from an empty row.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class SlotPageTable:
                 rows.extend([slot] * (n - done))
                 cols.extend(range(done, n))
                 pages.extend(seq.page_ids[done:n])
-            self._synced[slot] = n  # a shorter list (pages cut) leaves entries that nothing reads
+            self._synced[slot] = n
             longest = max(longest, n)
         if longest > self.width:
             self._grow(longest)
