@@ -26,6 +26,7 @@ from deploy_helpers import (
     Prometheus,
     Server,
     Tools,
+    die_with_parent,
     free_port,
     kvstrata_command,
     load_yaml,
@@ -130,7 +131,9 @@ def kvstrata_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server
         "warning",
     ]
     with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, preexec_fn=die_with_parent
+        )
     try:
         _wait_http(f"http://127.0.0.1:{port}/health", proc, log, SERVER_START_TIMEOUT_S, "kvstrata serve")
         yield Server(url=f"http://127.0.0.1:{port}", port=port, log=log)
@@ -210,7 +213,9 @@ def prometheus(
         "--log.level=warn",
     ]
     with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=root)
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, cwd=root, preexec_fn=die_with_parent
+        )
     try:
         _wait_http(f"http://127.0.0.1:{port}/-/ready", proc, log, PROMETHEUS_START_TIMEOUT_S, "prometheus")
         yield Prometheus(url=f"http://127.0.0.1:{port}", config=config, log=log)

@@ -3,8 +3,10 @@ another directory's helpers)."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
+import signal
 import socket
 import sys
 from dataclasses import dataclass
@@ -16,6 +18,15 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 VENV_BIN = Path(sys.executable).parent
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """``preexec_fn`` for the fixtures' servers: the child gets SIGTERM when the test process dies, even
+    by a signal that skips the fixtures' teardown (a killed `make test` used to leave `kvstrata serve`
+    and Prometheus running)."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass(frozen=True)
