@@ -42,9 +42,9 @@ INT4_VALUE_EMIN = tl.constexpr(int4.VALUE_SCALE.emin)
 INT4_VALUE_BITS = tl.constexpr(int4.VALUE_SCALE.bits)
 INT4_VALUE_MASK = tl.constexpr((1 << int4.VALUE_SCALE.bits) - 1)
 INT4_ZERO_STEP = tl.constexpr(1.0 / int4.ZERO_STEPS)
-# A key scale code shifted under an FP16 exponent reads as the scale (in units) times 2**-KEY_F16_EXP.
+# A key scale code shifted under an FP16 exponent reads as the scale (in units) over INT4_KEY_F16_UNIT.
 INT4_KEY_F16_SHIFT = tl.constexpr(10 - int4.KEY_SCALE.mantissa_bits)
-INT4_KEY_F16_EXP = tl.constexpr(14 + int4.KEY_SCALE.emin)
+INT4_KEY_F16_UNIT = tl.constexpr(2.0 ** (14 + int4.KEY_SCALE.emin))
 
 
 def kernel_format(codec: Codec) -> tuple[int, tuple[str, ...]]:
@@ -117,7 +117,7 @@ def int4_key_scale(word, unit):
 @triton.jit
 def int4_key_scale_codes(word):
     """int4 key ``(scale, zero point)`` in units of the page-head's unit (float32) of int32 scale
-    words, the scale times ``2**-INT4_KEY_F16_EXP``: its code placed under an FP16 exponent (an E3M5
+    words, the scale over ``INT4_KEY_F16_UNIT``: its code placed under an FP16 exponent (an E3M5
     code is an FP16 with a smaller exponent bias; its subnormals are FP16 subnormals), no minifloat
     arithmetic."""
     bits = ((word & 255) << INT4_KEY_F16_SHIFT).to(tl.int16)

@@ -72,6 +72,9 @@ LAUNCHES = {
     "2 blocks": dict(blocks=2, prefetch=False),
     "4 blocks, prefetch": dict(blocks=4, prefetch=True),
     "8 blocks, 2 warps, prefetch": dict(blocks=8, num_warps=2, prefetch=True),
+    "4 blocks, folded key scales": dict(blocks=4, prefetch=False, fold_key_scales=True),
+    "2 blocks, folded, prefetch": dict(blocks=2, prefetch=True, fold_key_scales=True),
+    "8 blocks, folded, 2 warps": dict(blocks=8, num_warps=2, prefetch=False, fold_key_scales=True),
 }
 
 
@@ -108,17 +111,49 @@ def test_decode4_float32(codec, launch, monkeypatch):
     assert grids and all(g[2] == 3 for g in grids)  # every decode pass ran it, with the splits asked
 
 
+@pytest.mark.parametrize("launch", ["4 blocks, prefetch", "4 blocks, folded key scales"])
 @pytest.mark.parametrize("asm", ASM)
 @pytest.mark.parametrize("codec", ["int4", "fp4_e2m1", "int4/fp4_e2m1"])
-def test_decode4_bfloat16(codec, asm, monkeypatch):
+def test_decode4_bfloat16(codec, asm, launch, monkeypatch):
     """BF16 model (FP16 code operands on CUDA, through the PTX decoding with ``asm``), without splits
     (the kernel writes the output directly) and with the split heuristic: BF16-level error."""
     from test_kernels_attend import check_steps, make_cache
 
-    grids = _use(monkeypatch, LAUNCHES["4 blocks, prefetch"], asm)
+    grids = _use(monkeypatch, LAUNCHES[launch], asm)
     cache = make_cache(codec, DEVICE, dtype=torch.bfloat16)
     check_steps(cache, [12, 50, 299], steps=2, n_new=1, tol=1.5e-2, dtype=torch.bfloat16)
     assert grids
+
+
+@pytest.mark.parametrize("k_scale", [2.0**-12, 2.0**12])
+@pytest.mark.parametrize("codec", ["int4", "fp4_e2m1"])
+def test_decode4_folded_query_range(codec, k_scale, monkeypatch):
+    """Folded key scales with keys ``k_scale`` times a unit normal and queries ``1 / k_scale`` times
+    one (the scores as usual): the scales folded into q do not follow the keys' magnitude (int4 scale
+    codes up to 31, fp4 block scales up to 448, in units of a page-wide scale), so at 2**-12 q times
+    them would pass FP16's 65504 and at 2**12 fall to FP16 subnormals without the kernel's
+    power-of-two division of q. BF16 model (FP16 operands and the PTX decoding on CUDA)."""
+    from radix_helpers import rel_err
+    from test_kernels_attend import HKV, HQ, SCALE, D, make_cache
+
+    grids = _use(monkeypatch, LAUNCHES["4 blocks, folded key scales"], ASM[-1])
+    cache = make_cache(codec, DEVICE, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(12)
+
+    def qkv(tokens: int) -> list[torch.Tensor]:
+        q, k, v = (torch.randn(tokens, n, D, generator=g) for n in (HQ, HKV, HKV))
+        return [x.to(DEVICE, torch.bfloat16) for x in (q / k_scale, k * k_scale, v)]
+
+    lengths = [40, 300]
+    seqs = [cache.admit(list(range(1000 * i, 1000 * i + n + 64))) for i, n in enumerate(lengths)]
+    batch = cache.begin_step(seqs, lengths)
+    cache.attention(0, batch, *qkv(sum(lengths)), SCALE)  # the prompts, through the torch path
+    cache.end_step(batch)
+    batch = cache.begin_step(seqs, [1, 1])
+    q, k, v = qkv(2)
+    got = kernel_helpers.kernel_attend(cache, batch, q, k, v, SCALE)
+    assert torch.isfinite(got).all() and grids
+    assert rel_err(got.cpu(), kernel_helpers.reference_attend(cache, batch, q, k, v, SCALE)) < 1.5e-2
 
 
 def test_applies_only_to_4bit_layers():

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from kvstrata.quant.kernel_decode import (
-    INT4_KEY_F16_EXP,
+    INT4_KEY_F16_UNIT,
     bf16_bits_value,
     fp4_key_block_scales,
     fp8_value,
@@ -91,9 +91,9 @@ def _folded_query(
         w0 = int4_key_words(pb, h, H, D)
         s0, z0 = int4_key_scale_codes(tl.load(K1 + w0 + 2 * ck).to(tl.int32))
         s1, z1 = int4_key_scale_codes(tl.load(K1 + w0 + 2 * ck + 1).to(tl.int32))
-        bias = tl.reshape(tl.sum(a0 * z0 + a1 * z1, 2), [ROWS]) * (1.0 / (1 << INT4_KEY_F16_EXP))
+        bias = tl.reshape(tl.sum(a0 * z0 + a1 * z1, 2), [ROWS]) * (1.0 / INT4_KEY_F16_UNIT)
         unit = bf16_bits_value(tl.load(K1 + int4_key_words(pr, h, H, D) + D))
-        mult = unit * (q_mul * (1 << INT4_KEY_F16_EXP))
+        mult = unit * (q_mul * INT4_KEY_F16_UNIT)
     else:
         s0, s1 = fp4_key_block_scales(K1, pb, tb, h, 2 * ck, 2 * ck + 1, ck < HD, H, P, D)
         bias = 0.0
@@ -298,10 +298,10 @@ def _decode4_kernel(
     end = hi * P
     full = lo * P + tl.maximum(hi - lo, 0) * P // (BLOCKS * 16) * (BLOCKS * 16)
     pt = PT + b * pt_stride
-    if FOLD:  # float32 halves over 2**e so that q times a key scale (int4 < 32, read as 2**-12 of
-        # it: `int4_key_scale_codes`; fp4 <= 448) stays under 2**15 in FP16
+    if FOLD:  # float32 halves over 2**e, |q| <= 2**top: q times a key scale stays under 2**15 in FP16
+        # (int4 scale codes < 2**5, read over 2**12 by `int4_key_scale_codes`; fp4 block scales < 2**9)
         q_max = tl.maximum(tl.max(tl.abs(q0)), tl.max(tl.abs(q1)))
-        top = 10 + INT4_KEY_F16_EXP if K_FMT == 5 else 6
+        top = 22 if K_FMT == 5 else 6
         e = tl.minimum(tl.maximum(tl.ceil(tl.log2(q_max)) - top, -60.0), 60.0)
         e = e.to(tl.int32)
         q_mul = ((e + 127) << 23).to(tl.float32, bitcast=True)
