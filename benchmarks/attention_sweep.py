@@ -111,13 +111,15 @@ DECODE_INT8 = [
 # and 4.59. Second call (these shapes): 8 blocks, 3 stages, prefetch int4 2.52 (best for int4 at
 # B=64) but fp4 3.90 and B=1 0.11; 4 blocks at 128 registers 2.74-2.82 / fp4 3.13-3.19 / B=1 0.086-0.092
 # with or without prefetch or a third stage; 16 blocks with 8 warps 3.44 / 5.73. Docs: kernels-h200.md.
+# Pass 7: the keys' scales folded into the query per 16-token block (``fold_key_scales``), against the
+# pass-5 default (first); one warp a program wants more programs (4 times the splits).
 _D4 = dict(programs=1024, module="decode4")
+_D4_1W = dict(programs=4096, module="decode4")
 DECODE_4BIT: list[dict] = [
-    dict(shape(64, 32, 4, 3, True, 8, prefetch=True, **_D4), asm=True),
-    dict(shape(64, 32, 4, 3, True, 4, prefetch=True, maxnreg=128, **_D4), asm=True),
-    dict(shape(64, 32, 4, 2, True, 4, prefetch=True, maxnreg=128, **_D4), asm=True),
-    dict(shape(64, 32, 8, 3, True, 16, prefetch=True, **_D4), asm=True),
-    dict(shape(64, 32, 4, 2, True, 4, maxnreg=128, **_D4), asm=True),
+    dict(shape(64, 32, 4, 2, True, 4, maxnreg=128, **_D4), asm=True, fold_key_scales=False),
+    dict(shape(64, 32, 4, 2, True, 4, maxnreg=128, **_D4), asm=True, fold_key_scales=True),
+    dict(shape(64, 32, 1, 2, True, 2, **_D4_1W), asm=True, fold_key_scales=True),
+    dict(shape(64, 32, 1, 2, True, 2, maxnreg=128, **_D4_1W), asm=True, fold_key_scales=True),
 ]
 # SWEEP_KINDS (environment): the kinds swept, "decode,extend" by default.
 KINDS = os.environ.get("SWEEP_KINDS", "decode,extend").split(",")
@@ -263,6 +265,7 @@ def sweep() -> dict[tuple[str, bool | str], dict]:
         blocks += ", tail apart" if kind == "decode" and s.get("tail_apart") else ""
         blocks += f", int8 keys by {s['blocks']} blocks" if s.get("scaled_keys_by_blocks") else ""
         blocks += ", decode4" + (" asm" if s.get("asm") else "") if s.get("module") == "decode4" else ""
+        blocks += ", folded key scales" if s.get("fold_key_scales") else ""
         print(
             f"| {kind} | {batch} | {context} | {codec} | {s['block_m']} x {s['block_n']} | "
             f"{s['num_warps']} | "
