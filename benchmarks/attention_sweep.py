@@ -119,7 +119,7 @@ DECODE_4BIT: list[dict] = [
     dict(shape(64, 32, 4, 2, True, 4, maxnreg=128, **_D4), asm=True, fold_key_scales=False),
     dict(shape(64, 32, 4, 2, True, 4, maxnreg=128, **_D4), asm=True, fold_key_scales=True),
     dict(shape(64, 32, 1, 2, True, 2, **_D4_1W), asm=True, fold_key_scales=True),
-    dict(shape(64, 32, 1, 2, True, 2, maxnreg=128, **_D4_1W), asm=True, fold_key_scales=True),
+    dict(shape(64, 32, 1, 2, True, 4, **_D4_1W), asm=True, fold_key_scales=True),
 ]
 # SWEEP_KINDS (environment): the kinds swept, "decode,extend" by default.
 KINDS = os.environ.get("SWEEP_KINDS", "decode,extend").split(",")
