@@ -2,30 +2,40 @@
 
 The 4-bit twin of `kvstrata.radix.kernels.decode`, driven by the same plan, split-KV rule and launch
 table entry (``DECODE_LAUNCH[True]`` with ``module`` "decode4"): one program per (sequence, KV head,
-split), the GQA group's query heads padded to ``BLOCK_H`` rows. Cold tiles are ``BLOCKS`` 16-token
-blocks, each inside one page, read as whole bytes ``[BLOCKS, 16, D/2]``: the low nibbles are the even
-channels and the high ones the odd channels, so q is split once per program into its even and odd
-channels (scores = two K = D/2 products) and the output accumulates in even and odd halves, put back
-in order only by the final store. Codes become FP16 dot operands (`nibble_pairs`; ``ASM``: packed
-PTX, eight codes an instance, no float32 round trip):
+split). Cold tiles are ``BLOCKS`` 16-token blocks, each inside one page, read as whole bytes
+``[BLOCKS, 16, D/2]``: the low nibbles are the even channels and the high ones the odd channels, so
+q is split once per program into its even and odd channels (scores = two K = D/2 products) and the
+output accumulates in even and odd halves, put back in order only by the final store. Codes become
+FP16 dot operands (`nibble_pairs`; ``ASM``: packed PTX, eight codes an instance, no float32 round
+trip).
 
-- int4 keys: ``code * s + o`` in FP16 with the block's per-channel scale and offset
-  (`key_block_scales`, loaded once per block and broadcast over its 16 tokens).
-- fp4 keys: E2M1 times the block's per-channel E4M3 scale (exact in FP16, times 2**-14); the page's
-  global scale (times 2**14) multiplies the score columns.
-- values: the codes alone (int4) or times their 32-channel block scale (fp4, exact); the per-token
-  scale (int4 ``s``, fp4 global times 2**14) folds into the softmax weights, divided by the tile's
-  largest so the FP16 weights stay normal, and int4's per-token offset adds ``sum(p * o)``.
+Keys, ``FOLD`` (the default, ``fold_key_scales``): a key's per-channel scales (int4: scale and zero
+point per page-head; fp4: E4M3 per 16-token block) are the same for the 16 keys of a block, so they
+are folded into the query once per block instead of applied to every key byte: ``q . (s * code +
+o) = (q * s) . code + q . o``. The tile's rows are ``BLOCKS`` slots of ``SLOT_R`` rows (the GQA
+group padded, at least 16 rows in all); slot b holds the query times block b's scales
+(`_folded_query`) and sees only block b's keys, so one product of the whole tile scores every block
+against its own scaled query (the other blocks' scores are masked), the codes going in raw (int4
+0..15, fp4 E2M1 times 2**-14, exact in FP16). Each slot keeps its own softmax state over the blocks
+it sees; the slots merge once, after the last tile. q is divided by a power of two per program so
+that q times a scale stays within FP16 (int4 scale codes < 32, fp4 block scales <= 448). Without
+``FOLD`` (pass 5): one slot, the GQA group padded to ``BLOCK_H`` rows, int4 keys decoded as ``code *
+s + o`` in FP16 per byte (`key_block_scales`), fp4 keys as E2M1 times the block scale, the page's
+global scale on the score columns.
+
+Values: the codes alone (int4) or times their 32-channel block scale (fp4, exact); the per-token
+scale (int4 ``s``, fp4 global times 2**14) folds into the softmax weights, divided by the tile's
+largest so the FP16 weights stay normal, and int4's per-token offset adds ``sum(p * o)``.
 
 FP16 rather than BF16 operands: 11-bit significands (E2M1 and E4M3 products are exact in it), at the
-cost of range: an int4 key or a scaled query beyond 65504 would overflow (model activations are far
-below that; a scale under 2**-14 is an FP16 subnormal, off by under 2**-25: under 5e-7 on a key).
-A float32 model (and the interpreter) keeps float32 operands (``CODE_DTYPE``). The sink page, ring
-rows and the new key (BF16/float32) are read by `attend._raw_tile` in the same channel halves, in
-tiles of ``TAIL_N`` keys; the cold blocks a split has past its last whole tile one block at a time
-(a split's cold keys are whole pages of whole blocks: no tile is ever masked). ``PREFETCH`` loads
-the page-table entries and the scales Triton's pipeliner leaves in the loop (`_side_scales`) a tile
-ahead. Measured on the H200: docs/kernels-h200.md, pass 5.
+cost of range (hence the power of two on q; a product under 2**-14 is an FP16 subnormal, off by under
+2**-25 of q's largest element). A float32 model (and the interpreter) keeps float32 operands
+(``CODE_DTYPE``). The sink page, ring rows and the new key (BF16/float32) are read by
+`attend._raw_tile` in the same channel halves, in tiles of ``TAIL_N`` keys, by slot 0's rows; the
+cold blocks a split has past its last whole tile one block at a time (slot 0; a split's cold keys
+are whole pages of whole blocks: no tile is ever masked). ``PREFETCH`` loads the page-table entries
+and the scales Triton's pipeliner leaves in the loop (`_side_scales`) a tile ahead. Measured on the
+H200: docs/kernels-h200.md, passes 5 and 7.
 """
 
 from __future__ import annotations
@@ -417,7 +427,9 @@ def decode4_options(group: int, launch: dict, interpreted: bool, meta: dict) -> 
     """`_decode4_kernel`'s keyword arguments, with `decode.decode_options`' ``meta`` (its runtime
     arguments and grid are those of `_decode_kernel`); ``launch`` the `DECODE_LAUNCH` entry
     (``blocks``: 16-token blocks a tile, ``num_warps``, ``num_stages``, ``asm``: packed PTX decoding
-    where the operands are FP16, ``maxnreg``: a register cap per thread, or None).
+    where the operands are FP16, ``maxnreg``: a register cap per thread, or None, ``fold_key_scales``:
+    the keys' scales folded into the query per block, ``SLOT_R`` rows a block: the group padded to
+    a power of two, and to 16 rows over the tile's blocks).
     Operands are FP16 for 16-bit models on a GPU, else float32 (``interpreted``, float32 models)."""
     f16 = not interpreted and meta["DOT_DTYPE"] in (tl.bfloat16, tl.float16)
     fold = bool(launch.get("fold_key_scales"))
