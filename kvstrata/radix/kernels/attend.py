@@ -108,7 +108,9 @@ DECODE_LAUNCH = {
     # 16-token blocks a tile, packed PTX nibble decoding (``asm``), the keys' scales folded into the
     # query once per block (``fold_key_scales``), one warp a program and four times the programs
     # (H200, B=64, 32K: int4 1.79 ms and fp4 1.99 against 3.37 / 3.13 for pass 5's 4 warps at 128
-    # registers without folding, 2.51 / 2.36 folded with 4 warps; docs/kernels-h200.md pass 7).
+    # registers without folding, 2.51 / 2.36 folded with 4 warps), the tail in a split of its own
+    # where the programs allow (B=1: 32K 0.066 ms against 0.073-0.077, 2K 0.048 against 0.062-0.065;
+    # splits of 8 or 4 pages were slower at 32K); docs/kernels-h200.md pass 7.
     True: dict(
         block_m=64,
         block_n=32,
@@ -125,13 +127,14 @@ DECODE_LAUNCH = {
         module="decode4",
         min_pages=16,
         merged_tail=True,
+        tail_apart=True,
         asm=True,
         fold_key_scales=True,
     ),
 }
 # 4-bit decode layers `decode4` does not read (one side 8/16-bit, or head_dim not a power of two): the
 # shape this kernel had by blocks before pass 7 (4 warps, 128 registers; one warp is tuned for decode4).
-OTHER_4BIT_DECODE = dict(blocks=4, num_warps=4, programs=1024, maxnreg=128)
+OTHER_4BIT_DECODE = dict(blocks=4, num_warps=4, programs=1024, maxnreg=128, tail_apart=False)
 # Extend, by the layer's codes (`extend_kind`): 128 query rows a tile. BF16/FP32 history ("raw"): 64
 # keys a tile, 4 pipeline stages, page-table entries a tile ahead (`prefetch`: three tiles of K/V
 # copies in flight; H200, 2K chunk over 30K: 2.692 ms against 3.101 for the 8-bit shape, 0.66x SDPA
