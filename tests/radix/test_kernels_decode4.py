@@ -12,7 +12,8 @@ import triton
 import triton.language as tl
 
 from kvstrata.quant.fp4 import _table
-from kvstrata.quant.kernel_decode import nibble_pairs
+from kvstrata.quant.int4 import KEY_SCALE, key_words
+from kvstrata.quant.kernel_decode import INT4_KEY_F16_UNIT, int4_key_scale_codes, nibble_pairs
 from kvstrata.quant.nibbles import unpack
 
 DEVICE = kernel_helpers.DEVICES[0]
@@ -66,6 +67,25 @@ def test_fp4_pairs_times_block_scales_exact(asm):
     for half in range(2):
         want = table[codes[half::2]] * s[half].double() * 2**-14
         assert torch.equal(got[half].double(), want), half
+
+
+@triton.jit
+def _key_codes_kernel(W, S, Z):
+    i = tl.arange(0, 256)
+    s, z = int4_key_scale_codes(tl.load(W + i).to(tl.int32))
+    tl.store(S + i, s)
+    tl.store(Z + i, z)
+
+
+def test_int4_key_scale_codes_exact():
+    """Every int4 key scale code, read as FP16 bits, is its E3M5 value over INT4_KEY_F16_UNIT exactly
+    (subnormal codes too), beside a zero point from -128 to 127 in the word's high byte."""
+    code = torch.arange(256, dtype=torch.int32)
+    zero = torch.randperm(256, generator=torch.Generator().manual_seed(7)).to(torch.int32) - 128
+    out = [torch.empty(256, device=DEVICE) for _ in range(2)]
+    _key_codes_kernel[(1,)](key_words(code, zero).to(DEVICE), *out)
+    assert torch.equal(out[0].cpu() * INT4_KEY_F16_UNIT.value, KEY_SCALE.decode(code))
+    assert torch.equal(out[1].cpu(), zero.float())
 
 
 LAUNCHES = {
