@@ -116,7 +116,7 @@ DECODE_INT8 = [
 # (``fold_key_scales``) 2.510 / 0.079 / 0.943 and 2.356 / 0.076 / 0.906; folded with one warp a program
 # (4096 programs) and 2 blocks 1.788 / 0.074 / 0.752 and 1.994 / 0.078 / 0.803 (the default), 4 blocks
 # 1.910 / 0.079 / 0.777 and 2.196 / 0.081 / 0.859. Below (second call, int4 at B=1 32K / 2K): the
-# default's split sizes, 16 / 8 / 4 pages at least 0.073 / 0.058, 0.113 / 0.058, 0.183 / 0.054 ms, and the
+# default's split sizes, 16 / 8 / 4 pages at least 0.073 / 0.062, 0.113 / 0.058, 0.183 / 0.054 ms, and the
 # decode tail in a split of its own 0.066 / 0.048 (now the default; fp4 the same within 0.01 ms).
 _D4 = dict(shape(64, 32, 1, 2, True, 2, programs=4096, module="decode4"), asm=True, fold_key_scales=True)
 DECODE_4BIT: list[dict] = [
