@@ -111,18 +111,27 @@ DECODE_INT8 = [
 # and 4.59. Second call (these shapes): 8 blocks, 3 stages, prefetch int4 2.52 (best for int4 at
 # B=64) but fp4 3.90 and B=1 0.11; 4 blocks at 128 registers 2.74-2.82 / fp4 3.13-3.19 / B=1 0.086-0.092
 # with or without prefetch or a third stage; 16 blocks with 8 warps 3.44 / 5.73. Docs: kernels-h200.md.
-_D4 = dict(programs=1024, module="decode4")
+# Pass 7, first call (H200, B=64 32K / B=1 32K / B=256 2K, int4 then fp4): pass 5's shape 3.368 / 0.090
+# / 1.153 and 3.127 / 0.090 / 1.113 ms; the same with the keys' scales folded into the query per block
+# (``fold_key_scales``) 2.510 / 0.079 / 0.943 and 2.356 / 0.076 / 0.906; folded with one warp a program
+# (4096 programs) and 2 blocks 1.788 / 0.074 / 0.752 and 1.994 / 0.078 / 0.803 (the default), 4 blocks
+# 1.910 / 0.079 / 0.777 and 2.196 / 0.081 / 0.859. Below (second call, int4 at B=1 32K / 2K): the
+# default's split sizes, 16 / 8 / 4 pages at least 0.073 / 0.062, 0.113 / 0.058, 0.183 / 0.054 ms, and the
+# decode tail in a split of its own 0.066 / 0.048 (now the default; fp4 the same within 0.01 ms).
+_D4 = dict(shape(64, 32, 1, 2, True, 2, programs=4096, module="decode4"), asm=True, fold_key_scales=True)
 DECODE_4BIT: list[dict] = [
-    dict(shape(64, 32, 4, 3, True, 8, prefetch=True, **_D4), asm=True),
-    dict(shape(64, 32, 4, 3, True, 4, prefetch=True, maxnreg=128, **_D4), asm=True),
-    dict(shape(64, 32, 4, 2, True, 4, prefetch=True, maxnreg=128, **_D4), asm=True),
-    dict(shape(64, 32, 8, 3, True, 16, prefetch=True, **_D4), asm=True),
-    dict(shape(64, 32, 4, 2, True, 4, maxnreg=128, **_D4), asm=True),
+    _D4,
+    dict(_D4, min_pages=8),
+    dict(_D4, min_pages=4),
+    dict(_D4, tail_apart=True),
+    dict(_D4, min_pages=4, tail_apart=True),
 ]
 # SWEEP_KINDS (environment): the kinds swept, "decode,extend" by default.
 KINDS = os.environ.get("SWEEP_KINDS", "decode,extend").split(",")
 # Decode cases (batch, context): the 32K long-context pair and the serving step (B=256, 2K).
 DECODE_CASES = [(64, CONTEXT), (1, CONTEXT), (256, 2048)]
+if os.environ.get("SWEEP_CASES"):  # e.g. "1x2048,1x32768": these (batch, context) cases instead
+    DECODE_CASES = [(int(b), int(n)) for b, n in (c.split("x") for c in os.environ["SWEEP_CASES"].split(","))]
 
 # (kind, codec, batch, context, launch shape)
 VARIANTS = [("extend", c, 1, CONTEXT, s) for c in ("bf16", "fp8_e4m3") for s in EXTEND]
@@ -263,6 +272,7 @@ def sweep() -> dict[tuple[str, bool | str], dict]:
         blocks += ", tail apart" if kind == "decode" and s.get("tail_apart") else ""
         blocks += f", int8 keys by {s['blocks']} blocks" if s.get("scaled_keys_by_blocks") else ""
         blocks += ", decode4" + (" asm" if s.get("asm") else "") if s.get("module") == "decode4" else ""
+        blocks += ", folded key scales" if s.get("fold_key_scales") else ""
         print(
             f"| {kind} | {batch} | {context} | {codec} | {s['block_m']} x {s['block_n']} | "
             f"{s['num_warps']} | "

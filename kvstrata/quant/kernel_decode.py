@@ -42,6 +42,9 @@ INT4_VALUE_EMIN = tl.constexpr(int4.VALUE_SCALE.emin)
 INT4_VALUE_BITS = tl.constexpr(int4.VALUE_SCALE.bits)
 INT4_VALUE_MASK = tl.constexpr((1 << int4.VALUE_SCALE.bits) - 1)
 INT4_ZERO_STEP = tl.constexpr(1.0 / int4.ZERO_STEPS)
+# A key scale code shifted under an FP16 exponent reads as the scale (in units) over INT4_KEY_F16_UNIT.
+INT4_KEY_F16_SHIFT = tl.constexpr(10 - int4.KEY_SCALE.mantissa_bits)
+INT4_KEY_F16_UNIT = tl.constexpr(2.0 ** (14 + int4.KEY_SCALE.emin))
 
 
 def kernel_format(codec: Codec) -> tuple[int, tuple[str, ...]]:
@@ -109,6 +112,16 @@ def int4_key_scale(word, unit):
     extends) and their page-head unit."""
     scale = minifloat_value(word & 255, INT4_KEY_M, INT4_KEY_EMIN) * unit
     return scale, (word >> 8).to(tl.float32) * unit
+
+
+@triton.jit
+def int4_key_scale_codes(word):
+    """int4 key ``(scale, zero point)`` in units of the page-head's unit (float32) of int32 scale
+    words, the scale over ``INT4_KEY_F16_UNIT``: its code placed under an FP16 exponent (an E3M5
+    code is an FP16 with a smaller exponent bias; its subnormals are FP16 subnormals), no minifloat
+    arithmetic."""
+    bits = ((word & 255) << INT4_KEY_F16_SHIFT).to(tl.int16)
+    return bits.to(tl.float16, bitcast=True).to(tl.float32), (word >> 8).to(tl.float32)
 
 
 @triton.jit
@@ -354,26 +367,32 @@ def _nibbles_asm(nibble: str, out: str) -> str:
 
 INT4_CODES_ASM = tl.constexpr(_nibbles_asm(_INT4_NIBBLE, "plain"))
 INT4_AFFINE_ASM = tl.constexpr(_nibbles_asm(_INT4_NIBBLE, "affine"))
+FP4_CODES_ASM = tl.constexpr(_nibbles_asm(_FP4_NIBBLE, "plain"))
 FP4_SCALED_ASM = tl.constexpr(_nibbles_asm(_FP4_NIBBLE, "scale"))
 
 
 @triton.jit
 def nibble_pairs(
-    byte, s0, o0, s1, o1, FMT: tl.constexpr, AFFINE: tl.constexpr, ASM: tl.constexpr, OUT: tl.constexpr
+    byte, s0, o0, s1, o1, FMT: tl.constexpr, SCALED: tl.constexpr, ASM: tl.constexpr, OUT: tl.constexpr
 ):
     """Both nibbles of uint8 ``byte`` as ``OUT`` ``(x0, x1)``: low nibbles (even channels), high ones
-    (odd). int4: the code, or with ``AFFINE`` ``code * s + o``; fp4 (FMT 6): the E2M1 value times
-    2**-14 times ``s`` (a block scale; exact in FP16: E2M1 and E4M3 products are multiples of 2**-10
-    below 2688 with at most 6 significant bits). ``s0``/``o0`` go with the low nibbles, ``s1``/``o1``
-    with the high ones (broadcastable to ``byte``; unused ones may be anything). ``ASM``: packed PTX
-    (`_nibbles_asm`; FP16 ``OUT`` on a GPU only), else float32 arithmetic cast to ``OUT``."""
+    (odd). int4: the code, or with ``SCALED`` ``code * s + o``; fp4 (FMT 6): the E2M1 value times
+    2**-14, with ``SCALED`` times ``s`` (a block scale; exact in FP16: E2M1 and E4M3 products are
+    multiples of 2**-10 below 2688 with at most 6 significant bits). ``s0``/``o0`` go with the low
+    nibbles, ``s1``/``o1`` with the high ones (broadcastable to ``byte``; unused ones may be
+    anything). ``ASM``: packed PTX (`_nibbles_asm`; FP16 ``OUT`` on a GPU only), else float32
+    arithmetic cast to ``OUT``."""
     if ASM:  # the asm's operands broadcast to ``byte`` (`tl.inline_asm_elementwise` broadcasts them)
-        if FMT == 6:
+        if FMT == 6 and SCALED:
             x0, x1 = tl.inline_asm_elementwise(
                 FP4_SCALED_ASM, "=r,=r,=r,=r,r,r,r,r,r", [byte, s0.to(tl.float16), s1.to(tl.float16)],
                 (tl.float16, tl.float16), True, 4,
             )  # fmt: skip
-        elif AFFINE:
+        elif FMT == 6:
+            x0, x1 = tl.inline_asm_elementwise(
+                FP4_CODES_ASM, "=r,=r,=r,=r,r", [byte], (tl.float16, tl.float16), True, 4
+            )
+        elif SCALED:
             x0, x1 = tl.inline_asm_elementwise(
                 INT4_AFFINE_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
                 [byte, s0.to(tl.float16), o0.to(tl.float16), s1.to(tl.float16), o1.to(tl.float16)],
@@ -386,14 +405,17 @@ def nibble_pairs(
     else:
         b = byte.to(tl.int32)
         if FMT == 6:
-            x0 = e2m1_value(b & 15) * (s0.to(tl.float32) * 6.103515625e-05)
-            x1 = e2m1_value(b >> 4) * (s1.to(tl.float32) * 6.103515625e-05)
+            x0 = e2m1_value(b & 15) * 6.103515625e-05
+            x1 = e2m1_value(b >> 4) * 6.103515625e-05
         else:
             x0 = nibble_value(b & 15)
             x1 = nibble_value(b >> 4)
-            if AFFINE:
-                x0 = x0 * s0.to(tl.float32) + o0.to(tl.float32)
-                x1 = x1 * s1.to(tl.float32) + o1.to(tl.float32)
+        if SCALED and FMT == 6:
+            x0 = x0 * s0.to(tl.float32)
+            x1 = x1 * s1.to(tl.float32)
+        elif SCALED:
+            x0 = x0 * s0.to(tl.float32) + o0.to(tl.float32)
+            x1 = x1 * s1.to(tl.float32) + o1.to(tl.float32)
     return x0.to(OUT), x1.to(OUT)
 
 

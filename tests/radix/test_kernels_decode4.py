@@ -12,7 +12,8 @@ import triton
 import triton.language as tl
 
 from kvstrata.quant.fp4 import _table
-from kvstrata.quant.kernel_decode import nibble_pairs
+from kvstrata.quant.int4 import KEY_SCALE, key_words
+from kvstrata.quant.kernel_decode import INT4_KEY_F16_UNIT, int4_key_scale_codes, nibble_pairs
 from kvstrata.quant.nibbles import unpack
 
 DEVICE = kernel_helpers.DEVICES[0]
@@ -61,17 +62,39 @@ def test_fp4_pairs_times_block_scales_exact(asm):
     g = torch.Generator().manual_seed(6)
     e4m3 = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn)  # every positive finite scale
     s = [e4m3[torch.randint(0, 126, (256,), generator=g)].half() for _ in range(2)]
-    codes, got = _pairs(6, False, asm, s, s)
+    codes, got = _pairs(6, True, asm, s, s)
     table = _table(torch.device("cpu")).double()
     for half in range(2):
         want = table[codes[half::2]] * s[half].double() * 2**-14
         assert torch.equal(got[half].double(), want), half
 
 
+@triton.jit
+def _key_codes_kernel(W, S, Z):
+    i = tl.arange(0, 256)
+    s, z = int4_key_scale_codes(tl.load(W + i).to(tl.int32))
+    tl.store(S + i, s)
+    tl.store(Z + i, z)
+
+
+def test_int4_key_scale_codes_exact():
+    """Every int4 key scale code, read as FP16 bits, is its E3M5 value over INT4_KEY_F16_UNIT exactly
+    (subnormal codes too), beside a zero point from -128 to 127 in the word's high byte."""
+    code = torch.arange(256, dtype=torch.int32)
+    zero = torch.randperm(256, generator=torch.Generator().manual_seed(7)).to(torch.int32) - 128
+    out = [torch.empty(256, device=DEVICE) for _ in range(2)]
+    _key_codes_kernel[(1,)](key_words(code, zero).to(DEVICE), *out)
+    assert torch.equal(out[0].cpu() * INT4_KEY_F16_UNIT.value, KEY_SCALE.decode(code))
+    assert torch.equal(out[1].cpu(), zero.float())
+
+
 LAUNCHES = {
     "2 blocks": dict(blocks=2, prefetch=False),
     "4 blocks, prefetch": dict(blocks=4, prefetch=True),
     "8 blocks, 2 warps, prefetch": dict(blocks=8, num_warps=2, prefetch=True),
+    "4 blocks, folded key scales": dict(blocks=4, prefetch=False, fold_key_scales=True),
+    "2 blocks, folded, prefetch": dict(blocks=2, prefetch=True, fold_key_scales=True),
+    "8 blocks, folded, 2 warps": dict(blocks=8, num_warps=2, prefetch=False, fold_key_scales=True),
 }
 
 
@@ -108,17 +131,49 @@ def test_decode4_float32(codec, launch, monkeypatch):
     assert grids and all(g[2] == 3 for g in grids)  # every decode pass ran it, with the splits asked
 
 
+@pytest.mark.parametrize("launch", ["4 blocks, prefetch", "4 blocks, folded key scales"])
 @pytest.mark.parametrize("asm", ASM)
 @pytest.mark.parametrize("codec", ["int4", "fp4_e2m1", "int4/fp4_e2m1"])
-def test_decode4_bfloat16(codec, asm, monkeypatch):
+def test_decode4_bfloat16(codec, asm, launch, monkeypatch):
     """BF16 model (FP16 code operands on CUDA, through the PTX decoding with ``asm``), without splits
     (the kernel writes the output directly) and with the split heuristic: BF16-level error."""
     from test_kernels_attend import check_steps, make_cache
 
-    grids = _use(monkeypatch, LAUNCHES["4 blocks, prefetch"], asm)
+    grids = _use(monkeypatch, LAUNCHES[launch], asm)
     cache = make_cache(codec, DEVICE, dtype=torch.bfloat16)
     check_steps(cache, [12, 50, 299], steps=2, n_new=1, tol=1.5e-2, dtype=torch.bfloat16)
     assert grids
+
+
+@pytest.mark.parametrize("k_scale", [2.0**-12, 2.0**12])
+@pytest.mark.parametrize("codec", ["int4", "fp4_e2m1"])
+def test_decode4_folded_query_range(codec, k_scale, monkeypatch):
+    """Folded key scales with keys ``k_scale`` times a unit normal and queries ``1 / k_scale`` times
+    one (the scores as usual): the scales folded into q do not follow the keys' magnitude (int4 scale
+    codes up to 31, fp4 block scales up to 448, in units of a page-wide scale), so at 2**-12 q times
+    them would pass FP16's 65504 and at 2**12 fall to FP16 subnormals without the kernel's
+    power-of-two division of q. BF16 model (FP16 operands and the PTX decoding on CUDA)."""
+    from radix_helpers import rel_err
+    from test_kernels_attend import HKV, HQ, SCALE, D, make_cache
+
+    grids = _use(monkeypatch, LAUNCHES["4 blocks, folded key scales"], ASM[-1])
+    cache = make_cache(codec, DEVICE, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(12)
+
+    def qkv(tokens: int) -> list[torch.Tensor]:
+        q, k, v = (torch.randn(tokens, n, D, generator=g) for n in (HQ, HKV, HKV))
+        return [x.to(DEVICE, torch.bfloat16) for x in (q / k_scale, k * k_scale, v)]
+
+    lengths = [40, 300]
+    seqs = [cache.admit(list(range(1000 * i, 1000 * i + n + 64))) for i, n in enumerate(lengths)]
+    batch = cache.begin_step(seqs, lengths)
+    cache.attention(0, batch, *qkv(sum(lengths)), SCALE)  # the prompts, through the torch path
+    cache.end_step(batch)
+    batch = cache.begin_step(seqs, [1, 1])
+    q, k, v = qkv(2)
+    got = kernel_helpers.kernel_attend(cache, batch, q, k, v, SCALE)
+    assert torch.isfinite(got).all() and grids
+    assert rel_err(got.cpu(), kernel_helpers.reference_attend(cache, batch, q, k, v, SCALE)) < 1.5e-2
 
 
 def test_applies_only_to_4bit_layers():

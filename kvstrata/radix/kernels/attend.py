@@ -105,28 +105,36 @@ DECODE_LAUNCH = {
     ),
     # 4-bit layers (int4/fp4 keys and values) decode by `kvstrata.radix.kernels.decode4` (``module``
     # "decode4"; `decode4.applies`; other 4-bit layers by blocks in this module's kernel): ``blocks``
-    # 16-token blocks a tile, packed PTX nibble decoding (``asm``), 128 registers (4 programs an SM,
-    # spills and all: H200, B=64, 32K, int4 2.78 ms and fp4 3.11 against 5.27 / 4.54 by blocks here;
-    # docs/kernels-h200.md pass 5).
+    # 16-token blocks a tile, packed PTX nibble decoding (``asm``), the keys' scales folded into the
+    # query once per block (``fold_key_scales``), one warp a program and four times the programs
+    # (H200, B=64, 32K: int4 1.79 ms and fp4 1.99 against 3.37 / 3.13 for pass 5's 4 warps at 128
+    # registers without folding, 2.51 / 2.36 folded with 4 warps), the tail in a split of its own
+    # where the programs allow (B=1: 32K 0.066 ms against 0.073-0.077, 2K 0.048 against 0.062-0.065;
+    # splits of 8 or 4 pages were slower at 32K); docs/kernels-h200.md pass 7.
     True: dict(
         block_m=64,
         block_n=32,
-        blocks=4,
-        num_warps=4,
+        blocks=2,
+        num_warps=1,
         num_stages=2,
         by_blocks=True,
         prefetch=False,
-        programs=1024,
+        programs=4096,
         f16_codes=False,
         swap_ab=False,
         halves=False,
-        maxnreg=128,
+        maxnreg=None,
         module="decode4",
         min_pages=16,
         merged_tail=True,
+        tail_apart=True,
         asm=True,
+        fold_key_scales=True,
     ),
 }
+# 4-bit decode layers `decode4` does not read (one side 8/16-bit, or head_dim not a power of two): the
+# shape this kernel had by blocks before pass 7 (4 warps, 128 registers; one warp is tuned for decode4).
+OTHER_4BIT_DECODE = dict(blocks=4, num_warps=4, programs=1024, maxnreg=128, tail_apart=False)
 # Extend, by the layer's codes (`extend_kind`): 128 query rows a tile. BF16/FP32 history ("raw"): 64
 # keys a tile, 4 pipeline stages, page-table entries a tile ahead (`prefetch`: three tiles of K/V
 # copies in flight; H200, 2K chunk over 30K: 2.692 ms against 3.101 for the 8-bit shape, 0.66x SDPA
@@ -859,6 +867,11 @@ def pass_launch(
     # tokens; other page sizes read keys across pages (`_cold_tile`).
     four_bit = k_fmt in HALF_FORMATS or v_fmt in HALF_FORMATS
     launch = DECODE_LAUNCH[four_bit] if T == 1 else EXTEND_LAUNCH[extend_kind(k_fmt, v_fmt)]
+    if T == 1 and launch.get("module") == "decode4":
+        from kvstrata.radix.kernels import decode4
+
+        if not decode4.applies(k_fmt, v_fmt, d, page):  # by blocks here, in this kernel's own shape
+            launch = {**launch, **OTHER_4BIT_DECODE}
     by_blocks = launch["by_blocks"] or (k_fmt in SCALED_KEY_FORMATS and launch.get("scaled_keys_by_blocks"))
     fold = page % 16 == 0 and bool(by_blocks)
     half_k, half_v = fold and k_fmt in HALF_FORMATS, fold and v_fmt in HALF_FORMATS
@@ -907,14 +920,8 @@ def pass_launch(
     )
     kernel, grid, scalars = _attend_kernel, (B * m_blocks, h, splits), (scale * LOG2E, T, h, *strides)
     options: dict[str, Any] | None = None
-    if T == 1 and launch.get("module") == "decode4":
-        from kvstrata.radix.kernels import decode4
-
-        if decode4.applies(k_fmt, v_fmt, d, page):
-            kernel, options = (
-                decode4._decode4_kernel,
-                decode4.decode4_options(group, launch, interpreted, meta),
-            )
+    if T == 1 and launch.get("module") == "decode4" and decode4.applies(k_fmt, v_fmt, d, page):
+        kernel, options = decode4._decode4_kernel, decode4.decode4_options(group, launch, interpreted, meta)
     elif T == 1 and not fold and launch.get("module", "decode") == "decode":
         from kvstrata.radix.kernels import decode  # it imports this module's tile functions
 

@@ -2,30 +2,40 @@
 
 The 4-bit twin of `kvstrata.radix.kernels.decode`, driven by the same plan, split-KV rule and launch
 table entry (``DECODE_LAUNCH[True]`` with ``module`` "decode4"): one program per (sequence, KV head,
-split), the GQA group's query heads padded to ``BLOCK_H`` rows. Cold tiles are ``BLOCKS`` 16-token
-blocks, each inside one page, read as whole bytes ``[BLOCKS, 16, D/2]``: the low nibbles are the even
-channels and the high ones the odd channels, so q is split once per program into its even and odd
-channels (scores = two K = D/2 products) and the output accumulates in even and odd halves, put back
-in order only by the final store. Codes become FP16 dot operands (`nibble_pairs`; ``ASM``: packed
-PTX, eight codes an instance, no float32 round trip):
+split). Cold tiles are ``BLOCKS`` 16-token blocks, each inside one page, read as whole bytes
+``[BLOCKS, 16, D/2]``: the low nibbles are the even channels and the high ones the odd channels, so
+q is split once per program into its even and odd channels (scores = two K = D/2 products) and the
+output accumulates in even and odd halves, put back in order only by the final store. Codes become
+FP16 dot operands (`nibble_pairs`; ``ASM``: packed PTX, eight codes an instance, no float32 round
+trip).
 
-- int4 keys: ``code * s + o`` in FP16 with the block's per-channel scale and offset
-  (`key_block_scales`, loaded once per block and broadcast over its 16 tokens).
-- fp4 keys: E2M1 times the block's per-channel E4M3 scale (exact in FP16, times 2**-14); the page's
-  global scale (times 2**14) multiplies the score columns.
-- values: the codes alone (int4) or times their 32-channel block scale (fp4, exact); the per-token
-  scale (int4 ``s``, fp4 global times 2**14) folds into the softmax weights, divided by the tile's
-  largest so the FP16 weights stay normal, and int4's per-token offset adds ``sum(p * o)``.
+Keys, ``FOLD`` (the default, ``fold_key_scales``): a key's per-channel scales (int4: scale and zero
+point per page-head; fp4: E4M3 per 16-token block) are the same for the 16 keys of a block, so they
+are folded into the query once per block instead of applied to every key byte: ``q . (s * code +
+o) = (q * s) . code + q . o``. The tile's rows are ``BLOCKS`` slots of ``SLOT_R`` rows (the GQA
+group padded, at least 16 rows in all); slot b holds the query times block b's scales
+(`_folded_query`) and sees only block b's keys, so one product of the whole tile scores every block
+against its own scaled query (the other blocks' scores are masked), the codes going in raw (int4
+0..15, fp4 E2M1 times 2**-14, exact in FP16). Each slot keeps its own softmax state over the blocks
+it sees; the slots merge once, after the last tile. q is divided by a power of two per program so
+that q times a scale stays within FP16 (int4 scale codes < 32, fp4 block scales <= 448). Without
+``FOLD`` (pass 5): one slot, the GQA group padded to ``BLOCK_H`` rows, int4 keys decoded as ``code *
+s + o`` in FP16 per byte (`key_block_scales`), fp4 keys as E2M1 times the block scale, the page's
+global scale on the score columns.
+
+Values: the codes alone (int4) or times their 32-channel block scale (fp4, exact); the per-token
+scale (int4 ``s``, fp4 global times 2**14) folds into the softmax weights, divided by the tile's
+largest so the FP16 weights stay normal, and int4's per-token offset adds ``sum(p * o)``.
 
 FP16 rather than BF16 operands: 11-bit significands (E2M1 and E4M3 products are exact in it), at the
-cost of range: an int4 key or a scaled query beyond 65504 would overflow (model activations are far
-below that; a scale under 2**-14 is an FP16 subnormal, off by under 2**-25: under 5e-7 on a key).
-A float32 model (and the interpreter) keeps float32 operands (``CODE_DTYPE``). The sink page, ring
-rows and the new key (BF16/float32) are read by `attend._raw_tile` in the same channel halves, in
-tiles of ``TAIL_N`` keys; the cold blocks a split has past its last whole tile one block at a time
-(a split's cold keys are whole pages of whole blocks: no tile is ever masked). ``PREFETCH`` loads
-the page-table entries and the scales Triton's pipeliner leaves in the loop (`_side_scales`) a tile
-ahead. Measured on the H200: docs/kernels-h200.md, pass 5.
+cost of range (hence the power of two on q; a product under 2**-14 is an FP16 subnormal, off by under
+2**-25 of q's largest element). A float32 model (and the interpreter) keeps float32 operands
+(``CODE_DTYPE``). The sink page, ring rows and the new key (BF16/float32) are read by
+`attend._raw_tile` in the same channel halves, in tiles of ``TAIL_N`` keys, by slot 0's rows; the
+cold blocks a split has past its last whole tile one block at a time (slot 0; a split's cold keys
+are whole pages of whole blocks: no tile is ever masked). ``PREFETCH`` loads the page-table entries
+and the scales Triton's pipeliner leaves in the loop (`_side_scales`) a tile ahead. Measured on the
+H200: docs/kernels-h200.md, passes 5 and 7.
 """
 
 from __future__ import annotations
@@ -34,8 +44,12 @@ import triton
 import triton.language as tl
 
 from kvstrata.quant.kernel_decode import (
+    INT4_KEY_F16_UNIT,
+    bf16_bits_value,
     fp4_key_block_scales,
     fp8_value,
+    int4_key_scale_codes,
+    int4_key_words,
     key_block_scales,
     nibble_pairs,
     value_tile_scales,
@@ -66,29 +80,69 @@ def _rows(j0, pb, pv, h, H, P: tl.constexpr, BLOCKS: tl.constexpr):
 
 
 @triton.jit
+def _folded_query(
+    qf0, qf1, q_mul, K1, K2, pb, tb, pr, h, H,
+    P: tl.constexpr, D: tl.constexpr, BLOCKS: tl.constexpr, K_FMT: tl.constexpr, CODE_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """The query halves with the per-channel key scales of each row's block folded in, ``(qs0, qs1,
+    bias, mult)``: the row's scores are ``(qs . codes + bias) * mult`` over its block's raw codes.
+    Rows go by blocks (``[BLOCKS, rows / BLOCKS]``): ``pb``/``tb`` (``[BLOCKS, 1, 1]``) the page and
+    first token of each block, ``pr`` (``[rows]``) each row's page; ``qf0``/``qf1`` the float32 query
+    halves divided by ``q_mul`` (a power of two). int4: ``qs = q * s`` and ``bias = q . z`` with the
+    channels' scale codes ``s`` (`int4_key_scale_codes`) and zero points ``z`` in units of the
+    page-head's unit, which joins ``mult``. fp4: ``qs = q * b`` with the block's E4M3 scales, no
+    bias, the page's global scale (times 2**14: the codes are E2M1 times 2**-14) in ``mult``."""
+    HD: tl.constexpr = D // 2
+    ROWS: tl.constexpr = qf0.shape[0]
+    ck = tl.arange(0, HD)[None, None, :]
+    a0 = tl.reshape(qf0, [BLOCKS, ROWS // BLOCKS, HD])
+    a1 = tl.reshape(qf1, [BLOCKS, ROWS // BLOCKS, HD])
+    if K_FMT == 5:  # a word per channel, the page-head unit after them
+        w0 = int4_key_words(pb, h, H, D)
+        s0, z0 = int4_key_scale_codes(tl.load(K1 + w0 + 2 * ck).to(tl.int32))
+        s1, z1 = int4_key_scale_codes(tl.load(K1 + w0 + 2 * ck + 1).to(tl.int32))
+        bias = tl.reshape(tl.sum(a0 * z0 + a1 * z1, 2), [ROWS]) * (1.0 / INT4_KEY_F16_UNIT)
+        unit = bf16_bits_value(tl.load(K1 + int4_key_words(pr, h, H, D) + D))
+        mult = unit * (q_mul * INT4_KEY_F16_UNIT)
+    else:
+        s0, s1 = fp4_key_block_scales(K1, pb, tb, h, 2 * ck, 2 * ck + 1, ck < HD, H, P, D)
+        bias = 0.0
+        mult = tl.load(K2 + pr * H + h).to(tl.float32) * (16384.0 * q_mul)
+    qs0 = tl.reshape(a0 * s0, [ROWS, HD]).to(CODE_DTYPE)
+    return qs0, tl.reshape(a1 * s1, [ROWS, HD]).to(CODE_DTYPE), bias, mult
+
+
+@triton.jit
 def _side_scales(
-    K1, K2, V1, V2, j0, pb, pv, h, H,
+    K1, K2, V1, V2, j0, pb, pv, pr, qf0, qf1, q_mul, h, H,
     P: tl.constexpr, D: tl.constexpr, BLOCKS: tl.constexpr, K_FMT: tl.constexpr, V_FMT: tl.constexpr,
+    FOLD: tl.constexpr, CODE_DTYPE: tl.constexpr,
 ):  # fmt: skip
     """The scales of a tile that Triton's pipeliner does not copy ahead (narrower than 32 bits, or
     not feeding a dot), loaded here so that the kernel can load them a tile ahead (``PREFETCH``):
-    fp4 keys' block scales ``(b0, b1)`` ``[BLOCKS, 1, D/2]`` and global scales times 2**14 ``[16 *
-    BLOCKS]`` (int4 keys: zeros, their scales are the pipeliner's); fp4 values' block scales ``[16 *
-    BLOCKS, D/32, 1]`` and global scales times 2**14, or int4 values' scales and offsets."""
+    four key terms, then two value terms. Keys: with ``FOLD`` `_folded_query`'s four; else fp4 keys'
+    block scales ``(b0, b1)`` ``[BLOCKS, 1, D/2]`` and global scales times 2**14 ``[16 * BLOCKS]``
+    (int4 keys: zeros, their scales are the pipeliner's). Values: fp4 block scales ``[16 * BLOCKS,
+    D/32, 1]`` and global scales times 2**14, or int4 values' scales and offsets."""
     pb3, tb3, rv = _rows(j0, pb, pv, h, H, P, BLOCKS)
     ck = tl.arange(0, D // 2)[None, None, :]
-    if K_FMT == 6:
-        b0, b1 = fp4_key_block_scales(K1, pb3, tb3, h, 2 * ck, 2 * ck + 1, ck < D // 2, H, P, D)
-        kg = tl.load(K2 + pv.to(tl.int64) * H + h).to(tl.float32) * 16384.0
+    if FOLD:
+        ka, kb, kc, kd = _folded_query(
+            qf0, qf1, q_mul, K1, K2, pb3, tb3, pr, h, H, P, D, BLOCKS, K_FMT, CODE_DTYPE
+        )
+    elif K_FMT == 6:
+        ka, kb = fp4_key_block_scales(K1, pb3, tb3, h, 2 * ck, 2 * ck + 1, ck < D // 2, H, P, D)
+        kc = tl.load(K2 + pv.to(tl.int64) * H + h).to(tl.float32) * 16384.0
+        kd = 0.0
     else:
-        b0, b1, kg = 0.0, 0.0, 0.0
+        ka, kb, kc, kd = 0.0, 0.0, 0.0, 0.0
     if V_FMT == 6:
         g = tl.arange(0, D // 32)[None, :, None]
         vx = fp8_value(tl.load(V1 + rv[:, None, None] * (D // 32) + g), False)
         vy = value_tile_scales(V1, V2, rv, 6)[0] * 16384.0
     else:
         vx, vy = value_tile_scales(V1, V2, rv, 5)
-    return b0, b1, kg, vx, vy
+    return ka, kb, kc, kd, vx, vy
 
 
 @triton.jit
@@ -107,6 +161,7 @@ def _cold_tile4(
     pb,
     pv,
     side,
+    slot,
     h,
     H,
     P: tl.constexpr,
@@ -117,32 +172,43 @@ def _cold_tile4(
     ASM: tl.constexpr,
     CODE_DTYPE: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    FOLD: tl.constexpr,
 ):
     """Keys ``j0`` to ``j0 + 16 * BLOCKS`` of the sequence's cold pages, in pages ``pb`` (``[BLOCKS]``,
     each block's) and ``pv`` (``[16 * BLOCKS]``, each key's), with the tile's `_side_scales`
-    ``side``. All of them keys: no masks (a split's cold keys are whole pages of whole blocks)."""
+    ``side``. All of them keys: no masks (a split's cold keys are whole pages of whole blocks).
+    ``FOLD``: query row ``i`` sees only the keys of block ``slot[i]``, scored with `_folded_query`'s
+    terms in ``side`` (``qc0``/``qc1`` unused); else every row sees every key."""
     HD: tl.constexpr = D // 2
     N: tl.constexpr = BLOCKS * 16
-    b0, b1, kg, vx, vy = side
+    ka, kb, kc, kd, vx, vy = side
     pb, tb, rv = _rows(j0, pb, pv, h, H, P, BLOCKS)
     c = tl.arange(0, HD)
     ck = c[None, None, :]
-    kb = tl.load(K0 + ((pb * P + tb + tl.arange(0, 16)[None, :, None]) * H + h) * HD + ck)
-    if K_FMT == 6:
-        k0, k1 = nibble_pairs(kb, b0, b0, b1, b1, 6, False, ASM, CODE_DTYPE)
+    kbytes = tl.load(K0 + ((pb * P + tb + tl.arange(0, 16)[None, :, None]) * H + h) * HD + ck)
+    if FOLD:
+        k0, k1 = nibble_pairs(kbytes, 1.0, 0.0, 1.0, 0.0, K_FMT, False, ASM, CODE_DTYPE)
+        qc0 = ka
+        qc1 = kb
+    elif K_FMT == 6:
+        k0, k1 = nibble_pairs(kbytes, ka, ka, kb, kb, 6, True, ASM, CODE_DTYPE)
     else:
         s0, s1, o0, o1 = key_block_scales(K1, K2, pb, tb, h, 2 * ck, 2 * ck + 1, ck < HD, H, P, D, K_FMT)
-        k0, k1 = nibble_pairs(kb, s0, o0, s1, o1, 5, True, ASM, CODE_DTYPE)
+        k0, k1 = nibble_pairs(kbytes, s0, o0, s1, o1, 5, True, ASM, CODE_DTYPE)
     s = tl.dot(qc0, tl.trans(tl.reshape(k0, [N, HD])), input_precision=DOT_PREC)
     s += tl.dot(qc1, tl.trans(tl.reshape(k1, [N, HD])), input_precision=DOT_PREC)
-    if K_FMT == 6:  # the page's global scale (times 2**14) on each key's column
-        s = s * kg[None, :]
+    if FOLD:
+        if K_FMT == 5:
+            s += kc[:, None]
+        s = tl.where(slot[:, None] == (tl.arange(0, N) // 16)[None, :], s * kd[:, None], float("-inf"))
+    elif K_FMT == 6:  # the page's global scale (times 2**14) on each key's column
+        s = s * kc[None, :]
     p, alpha, m_i, l_i = _online(s, m_i, l_i)
 
     if V_FMT == 6:  # [N, 32-channel blocks, 16 bytes]: a block's scale loads once per row
         g = tl.arange(0, HD // 16)[None, :, None]
         vb = tl.load(V0 + rv[:, None, None] * HD + g * 16 + tl.arange(0, 16)[None, None, :])
-        v0, v1 = nibble_pairs(vb, vx, vx, vx, vx, 6, False, ASM, CODE_DTYPE)
+        v0, v1 = nibble_pairs(vb, vx, vx, vx, vx, 6, True, ASM, CODE_DTYPE)
         v0 = tl.reshape(v0, [N, HD])
         v1 = tl.reshape(v1, [N, HD])
         vs = vy
@@ -211,11 +277,17 @@ def _decode4_kernel(
     DOT_DTYPE: tl.constexpr,
     CODE_DTYPE: tl.constexpr,
     NORM_W: tl.constexpr,
+    FOLD: tl.constexpr,
+    SLOT_R: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
-    r = tl.arange(0, BLOCK_H)
+    # Row i of the tiles is query head h * GROUP + i % SLOT_R; with FOLD it sees only the keys of
+    # block ``slot = i // SLOT_R`` of each cold tile (else SLOT_R is BLOCK_H: one slot, all keys).
+    i = tl.arange(0, BLOCK_H)
+    slot = i // SLOT_R
+    r = i % SLOT_R
     row_ok = r < GROUP
     q_row = (b * H + h).to(tl.int64) * GROUP + r  # query head h * GROUP + r of token b
     c0 = 2 * tl.arange(0, D // 2)  # even channels; c0 + 1 the odd ones
@@ -236,70 +308,108 @@ def _decode4_kernel(
     end = hi * P
     full = lo * P + tl.maximum(hi - lo, 0) * P // (BLOCKS * 16) * (BLOCKS * 16)
     pt = PT + b * pt_stride
-    qc0 = q0.to(CODE_DTYPE)
-    qc1 = q1.to(CODE_DTYPE)
+    if FOLD:  # float32 halves over 2**e, |q| <= 2**top: q times a key scale stays under 2**15 in FP16
+        # (int4 scale codes < 2**5, read over 2**12 by `int4_key_scale_codes`; fp4 block scales < 2**9)
+        q_max = tl.maximum(tl.max(tl.abs(q0)), tl.max(tl.abs(q1)))
+        top = 22 if K_FMT == 5 else 6
+        e = tl.minimum(tl.maximum(tl.ceil(tl.log2(q_max)) - top, -60.0), 60.0)
+        e = e.to(tl.int32)
+        q_mul = ((e + 127) << 23).to(tl.float32, bitcast=True)
+        qc0 = q0 * ((127 - e) << 23).to(tl.float32, bitcast=True)
+        qc1 = q1 * ((127 - e) << 23).to(tl.float32, bitcast=True)
+    else:
+        q_mul = 1.0
+        qc0 = q0.to(CODE_DTYPE)
+        qc1 = q1.to(CODE_DTYPE)
     jb = tl.arange(0, BLOCKS) * 16
     jn = tl.arange(0, BLOCKS * 16)
+    jr = (slot % BLOCKS) * 16  # first key of each row's block
     if PREFETCH:  # page-table entries and `_side_scales` a tile ahead: no load waits in the tile
         pb = tl.load(pt + (lo * P + jb) // P, mask=lo * P + jb < end, other=0)
         pv = tl.load(pt + (lo * P + jn) // P, mask=lo * P + jn < end, other=0)
-        side = _side_scales(K1, K2, V1, V2, lo * P, pb, pv, h, H, P, D, BLOCKS, K_FMT, V_FMT)
+        pr = tl.load(pt + (lo * P + jr) // P, mask=lo * P + jr < end, other=0)
+        side = _side_scales(
+            K1, K2, V1, V2, lo * P, pb, pv, pr, qc0, qc1, q_mul, h, H,
+            P, D, BLOCKS, K_FMT, V_FMT, FOLD, CODE_DTYPE,
+        )  # fmt: skip
     for j0 in range(lo * P, full, BLOCKS * 16):
         if PREFETCH:
             ahead = j0 + BLOCKS * 16
             pb_ahead = tl.load(pt + (ahead + jb) // P, mask=ahead + jb < end, other=0)
             pv_ahead = tl.load(pt + (ahead + jn) // P, mask=ahead + jn < end, other=0)
+            pr_ahead = tl.load(pt + (ahead + jr) // P, mask=ahead + jr < end, other=0)
             side_ahead = _side_scales(
-                K1, K2, V1, V2, ahead, pb_ahead, pv_ahead, h, H, P, D, BLOCKS, K_FMT, V_FMT
-            )
+                K1, K2, V1, V2, ahead, pb_ahead, pv_ahead, pr_ahead, qc0, qc1, q_mul,
+                h, H, P, D, BLOCKS, K_FMT, V_FMT, FOLD, CODE_DTYPE,
+            )  # fmt: skip
         else:
             pb = tl.load(pt + (j0 + jb) // P)
             pv = tl.load(pt + (j0 + jn) // P)
-            side = _side_scales(K1, K2, V1, V2, j0, pb, pv, h, H, P, D, BLOCKS, K_FMT, V_FMT)
+            pr = tl.load(pt + (j0 + jr) // P)
+            side = _side_scales(
+                K1, K2, V1, V2, j0, pb, pv, pr, qc0, qc1, q_mul, h, H,
+                P, D, BLOCKS, K_FMT, V_FMT, FOLD, CODE_DTYPE,
+            )  # fmt: skip
         acc0, acc1, m_i, l_i = _cold_tile4(
-            qc0, qc1, acc0, acc1, m_i, l_i, K0, K1, K2, V0, j0, pb, pv, side, h, H,
-            P, D, BLOCKS, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC,
+            qc0, qc1, acc0, acc1, m_i, l_i, K0, K1, K2, V0, j0, pb, pv, side, slot, h, H,
+            P, D, BLOCKS, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC, FOLD,
         )  # fmt: skip
         if PREFETCH:
             pb = pb_ahead
             pv = pv_ahead
+            pr = pr_ahead
             side = side_ahead
-    for j0 in range(full, end, 16):
+    for j0 in range(full, end, 16):  # one block a tile: slot 0's rows
         pb1 = tl.load(pt + j0 // P + tl.arange(0, 1))
         pv1 = tl.load(pt + (j0 + tl.arange(0, 16)) // P)
-        side1 = _side_scales(K1, K2, V1, V2, j0, pb1, pv1, h, H, P, D, 1, K_FMT, V_FMT)
+        pr1 = tl.load(pt + (j0 + 0 * jr) // P)
+        side1 = _side_scales(
+            K1, K2, V1, V2, j0, pb1, pv1, pr1, qc0, qc1, q_mul, h, H,
+            P, D, 1, K_FMT, V_FMT, FOLD, CODE_DTYPE,
+        )  # fmt: skip
         acc0, acc1, m_i, l_i = _cold_tile4(
-            qc0, qc1, acc0, acc1, m_i, l_i, K0, K1, K2, V0, j0, pb1, pv1, side1, h, H,
-            P, D, 1, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC,
+            qc0, qc1, acc0, acc1, m_i, l_i, K0, K1, K2, V0, j0, pb1, pv1, side1, slot, h, H,
+            P, D, 1, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC, FOLD,
         )  # fmt: skip
 
-    if split == tail_split:  # sinks, ring and the new key: the last split of the text pool's pass
+    if split == tail_split:  # sinks, ring and the new key (slot 0's rows): the last split of the pass
         qd0 = q0.to(DOT_DTYPE)
         qd1 = q1.to(DOT_DTYPE)
         n = tl.arange(0, TAIL_N)
+        first = (slot == 0)[:, None]
         if HAS_SINKS:
             sink_len = tl.load(SINK_OK + b) * P  # P keys when the sequence has a sink page, else 0
-            slot = tl.load(ST + b).to(tl.int64)
+            sink = tl.load(ST + b).to(tl.int64)
             for j0 in range(0, sink_len, TAIL_N):
                 ok = j0 + n < sink_len
                 acc0, acc1, m_i, l_i = _raw_tile(
-                    qd0, qd1, acc0, acc1, m_i, l_i, SK, SV, (slot * P + j0 + n) * H + h, ok, ok[None, :],
-                    c0, c1, c0, c1, D, True, True, DOT_PREC,
+                    qd0, qd1, acc0, acc1, m_i, l_i, SK, SV, (sink * P + j0 + n) * H + h, ok,
+                    ok[None, :] & first, c0, c1, c0, c1, D, True, True, DOT_PREC,
                 )  # fmt: skip
         ring_len = tl.load(RING_LEN + b)
         for j0 in range(0, ring_len, TAIL_N):
             ok = j0 + n < ring_len
             ring_row = tl.load(RR + b * rr_stride + j0 + n, mask=ok, other=0).to(tl.int64)
             acc0, acc1, m_i, l_i = _raw_tile(
-                qd0, qd1, acc0, acc1, m_i, l_i, RK, RV, ring_row * H + h, ok, ok[None, :],
+                qd0, qd1, acc0, acc1, m_i, l_i, RK, RV, ring_row * H + h, ok, ok[None, :] & first,
                 c0, c1, c0, c1, D, True, True, DOT_PREC,
             )  # fmt: skip
         ok = n < 1
         acc0, acc1, m_i, l_i = _raw_tile(
-            qd0, qd1, acc0, acc1, m_i, l_i, KN, VN, (b + n).to(tl.int64) * H + h, ok, ok[None, :],
+            qd0, qd1, acc0, acc1, m_i, l_i, KN, VN, (b + n).to(tl.int64) * H + h, ok, ok[None, :] & first,
             c0, c1, c0, c1, D, True, True, DOT_PREC,
         )  # fmt: skip
 
+    if BLOCK_H > SLOT_R:  # merge the slots' softmax states: one per query head
+        m_s = tl.reshape(m_i, [BLOCK_H // SLOT_R, SLOT_R])
+        m_i = tl.max(m_s, 0)
+        f = tl.exp2(m_s - m_i[None, :])
+        l_i = tl.sum(tl.reshape(l_i, [BLOCK_H // SLOT_R, SLOT_R]) * f, 0)
+        acc0 = tl.sum(tl.reshape(acc0, [BLOCK_H // SLOT_R, SLOT_R, D // 2]) * f[:, :, None], 0)
+        acc1 = tl.sum(tl.reshape(acc1, [BLOCK_H // SLOT_R, SLOT_R, D // 2]) * f[:, :, None], 0)
+        r = tl.arange(0, SLOT_R)
+        row_ok = r < GROUP
+        q_row = (b * H + h).to(tl.int64) * GROUP + r
     if SPLIT:
         has = l_i > 0
         inv = 1.0 / tl.where(has, l_i, 1.0)
@@ -317,17 +427,24 @@ def decode4_options(group: int, launch: dict, interpreted: bool, meta: dict) -> 
     """`_decode4_kernel`'s keyword arguments, with `decode.decode_options`' ``meta`` (its runtime
     arguments and grid are those of `_decode_kernel`); ``launch`` the `DECODE_LAUNCH` entry
     (``blocks``: 16-token blocks a tile, ``num_warps``, ``num_stages``, ``asm``: packed PTX decoding
-    where the operands are FP16, ``maxnreg``: a register cap per thread, or None).
+    where the operands are FP16, ``maxnreg``: a register cap per thread, or None, ``fold_key_scales``:
+    the keys' scales folded into the query per block, ``SLOT_R`` rows a block: the group padded to
+    a power of two, and to 16 rows over the tile's blocks).
     Operands are FP16 for 16-bit models on a GPU, else float32 (``interpreted``, float32 models)."""
     f16 = not interpreted and meta["DOT_DTYPE"] in (tl.bfloat16, tl.float16)
+    fold = bool(launch.get("fold_key_scales"))
+    rows = max(triton.next_power_of_2(group), 16 // launch["blocks"])  # a block's rows with ``fold``
+    block_h = rows * launch["blocks"] if fold else max(16, triton.next_power_of_2(group))
     options = dict(
         meta,
         CODE_DTYPE=tl.float16 if f16 else tl.float32,
         GROUP=group,
-        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_H=block_h,
         BLOCKS=launch["blocks"],
         PREFETCH=bool(launch.get("prefetch")),
         ASM=bool(launch.get("asm")) and f16,
+        FOLD=fold,
+        SLOT_R=rows if fold else block_h,
         num_warps=launch["num_warps"],
         num_stages=launch["num_stages"],
     )
