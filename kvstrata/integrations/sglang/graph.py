@@ -9,12 +9,14 @@ one static `StepBatch` per bucket, all views of buffers sized for the largest bu
   `load` puts it on the device in one asynchronous copy from pinned memory into ``inputs``;
 - `gather` (recorded in the graph) turns ``inputs`` into what the kernels read: every entry's page
   table, read from SGLang's ``req_to_token`` on the device (the host never reads it), the id of the
-  page each entry completes (page 0, SGLang's padding page, when none), every entry's ring rows
+  page each entry completes (`NO_PAGE` when none), every entry's ring rows
   (``[bs, ring capacity]``) and the ring rows of the page it completes, and the int32 lengths.
 
 The page table is as wide as a request can be long, so the attention kernel's split-KV choice is
-fixed per bucket; the kernel reads only each entry's ``lengths``. The page quantize runs over every
-entry (those that complete no page rewrite page 0 from the null ring row), so its grid is static.
+fixed per bucket; the kernel reads only each entry's ``lengths``. The page-quantize grid has one
+program per entry (its size is static); an entry that completes no page (15 of 16 decode steps of a
+request at page size 16) has page id `NO_PAGE`, and its programs return at once without writing
+any page.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from kvstrata.integrations.sglang.step import DecodePlan
 from kvstrata.radix.plan import GroupPlan, StepBatch, WritePlan
 
 STAGING_BUFFERS = 2  # pinned host buffers used in turn, each reused only after its copy is done
+NO_PAGE = -1  # page id of an entry that completes no page: the page-quantize kernel skips it
 
 
 class DecodeGraphState:
@@ -72,6 +75,7 @@ class DecodeGraphState:
         self.ring_rows = torch.zeros((B, R), dtype=torch.long, device=self.device)
         self.sources = torch.zeros(B * P, dtype=torch.long, device=self.device)
         self.null_row = torch.tensor(null_ring_row, dtype=torch.long, device=self.device)
+        self.no_page = torch.tensor(NO_PAGE, dtype=torch.long, device=self.device)
         self.ring_cols = torch.arange(R, device=self.device).view(1, R)
         self.page_rows = torch.arange(P, device=self.device).view(1, P)
         self.new_rows = -1 - torch.arange(B, device=self.device).view(B, 1)  # `WritePlan.kernel_sources`
@@ -135,7 +139,7 @@ class DecodeGraphState:
         table.floor_divide_(P)
         page_col, complete = v["page_col"][:bs].view(bs, 1), v["complete"][:bs]
         done = torch.gather(table, 1, page_col).view(bs).to(torch.long)
-        torch.mul(done, complete, out=self.page_ids[:bs])
+        torch.where(complete.bool(), done, self.no_page, out=self.page_ids[:bs])
         self.lengths[:, :bs].copy_(v["lengths"][:, :bs])
         # Ring rows of positions [ring_start, L): rows base + (ring_start + j) % R, then the null row.
         base, start = v["ring_base"][:bs].view(bs, 1), v["ring_start"][:bs].view(bs, 1)

@@ -54,8 +54,8 @@ class DecodePlan:
     ``[bs]`` (``lengths``: ``[3, bs]``): what the device turns into what the kernels read (page
     tables, completed page ids, every entry's ring rows and the rows of the page it completes), so
     a step copies a few integers per entry to the device. Padding entries (row `PADDING_ROW`) read no
-    history, complete no page (page 0, SGLang's padding page, sourced from the null ring row) and
-    write their token to a row of ring slot 0, which belongs to no request."""
+    history, complete no page (``complete`` 0: the page-quantize kernel skips them) and write their
+    token to a row of ring slot 0, which belongs to no request."""
 
     rows: torch.Tensor  # request rows
     page_col: torch.Tensor  # page index of the new token's position (L // P)

@@ -128,6 +128,9 @@ def _page_quantize_kernel(
     w = tl.program_id(0)
     h = tl.program_id(1)
     page = tl.load(PAGE_IDS + w).to(tl.int64)
+    if page < 0:  # an entry of a static (CUDA-graph) grid that completes no page: nothing to write
+        tl.store(STATS + (w * H + h) * 4 + tl.arange(0, 4), tl.zeros((4,), tl.float32))
+        return
     tok = tl.arange(0, BLOCK_P)[:, None]
     i = tl.arange(0, BLOCK_D2)[None, :]
     # SRC: >= 0 a ring row, < 0 the new row -1 - SRC.

@@ -59,10 +59,11 @@ def capture(w: World, bs: int):
 @pytest.mark.parametrize("stale_padding", [False, True])
 def test_graph_plan_equals_eager_plan(stale_padding: bool):
     """The static buffers of a padded decode step (host plan + device gathers) hold what the eager
-    plan of the same batch holds; padding reads nothing and writes only page 0 and ring slot 0.
+    plan of the same batch holds; padding reads nothing and writes only ring slot 0; entries that
+    complete no page have page id `NO_PAGE` (the page-quantize kernel skips them).
     ``stale_padding``: the padded entries name a live request's row (a request-row buffer whose padded
     tail was not reset) with sequence length 1: still padding, that row's ring untouched."""
-    from kvstrata.integrations.sglang.graph import DecodeGraphState
+    from kvstrata.integrations.sglang.graph import NO_PAGE, DecodeGraphState
 
     w = World("fp8_e4m3")
     pool, P = w.pool, PAGE
@@ -98,7 +99,7 @@ def test_graph_plan_equals_eager_plan(stale_padding: bool):
             assert (ring_rows[i, ring:] == null).all()
         done = plan.complete.bool()
         assert torch.equal(state.page_ids[:BUCKET][done], eager.write.page_ids)
-        assert (state.page_ids[:BUCKET][~done] == 0).all()
+        assert (state.page_ids[:BUCKET][~done] == NO_PAGE).all()
         sources = state.sources[: BUCKET * P].view(BUCKET, P)
         assert torch.equal(sources[done].reshape(-1), eager.write.kernel_sources(P))
         assert (sources[~done] == null).all()
@@ -126,6 +127,7 @@ def test_replayed_decode_equals_kvstrata_cache(monkeypatch):
     assert _num_splits(BUCKET * KV_HEADS, REPLAY_CONTEXT // PAGE, target, 16) == 2  # the kernel splits
     w = World("fp8_e4m3", "triton", max_context=REPLAY_CONTEXT)
     captured = capture(w, BUCKET)
+    padding_page = fill_page(w.pool.cold, 0, 0x5A)  # SGLang's padding page: no decode step writes it
     worst = []
 
     def check(w: World, batch, decode: bool) -> None:
@@ -139,6 +141,25 @@ def test_replayed_decode_equals_kvstrata_cache(monkeypatch):
     print(f"replayed decode vs kvstrata's cache: worst relative RMSE {max(worst):.2e}")
     assert max(worst) < 2**-8  # the bf16 rounding of the output
     assert w.pool.quantized_pages == w.ref.quantized_pages > 0
+    # Entries that complete no page (padding, and 15 of 16 steps of a request) quantize nothing.
+    assert all(torch.equal(a, b) for a, b in zip(page_bytes(w.pool.cold, 0), padding_page, strict=True))
+
+
+def cold_buffers(cold) -> list[torch.Tensor]:
+    """Every buffer (codes, scales) of every layer of a `ColdPool`, K and V; pages first."""
+    return [t for side in (cold.k, cold.v) for layer in side for t in layer.values()]
+
+
+def page_bytes(cold, page: int) -> list[torch.Tensor]:
+    """Copies of the bytes of cold page ``page`` in every buffer."""
+    return [t[page : page + 1].contiguous().view(torch.uint8).clone() for t in cold_buffers(cold)]
+
+
+def fill_page(cold, page: int, byte: int) -> list[torch.Tensor]:
+    """Set every byte of cold page ``page`` to ``byte``; its bytes as `page_bytes` returns them."""
+    for t in cold_buffers(cold):
+        t[page : page + 1].view(torch.uint8).fill_(byte)
+    return page_bytes(cold, page)
 
 
 def test_graph_refusals_are_clear():

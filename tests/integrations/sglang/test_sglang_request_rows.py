@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kvstrata.integrations.sglang.graph import NO_PAGE
 from kvstrata.integrations.sglang.options import PluginOptions
 from kvstrata.integrations.sglang.pool import pool_class
 from kvstrata.integrations.sglang.request_rows import RequestRows, StaleRequestRows
@@ -282,7 +283,7 @@ def test_gather_and_row_check_replay_in_a_cuda_graph():
             start, base = int(plan.ring_start[i]), int(plan.ring_base[i])
             ring = [base + (start + j) % R for j in range(held)] + [null] * (R - held)
             assert state.ring_rows[i].tolist() == ring
-            page = int(expected[int(plan.page_col[i])]) * int(plan.complete[i])
+            page = int(expected[int(plan.page_col[i])]) if int(plan.complete[i]) else NO_PAGE
             assert int(state.page_ids[i]) == page
         completed += plan.pages_completed
         prefix = [L + 1 for L in prefix]
