@@ -9,18 +9,20 @@
 # (default fp4:fp4_e2m1:--mem-fraction-static,0.9: SGLang's own default fraction on an H200 is about
 # 0.906, see the README section "1,024 concurrent requests"). SGLang: benchmarks/sglang_plugin_gpu.sh
 # (SGLang's bench_serving) with SGL_CONFIGS (default sgl_bf16:triton:auto). Knobs: NPROMPTS, CONC (1024),
-# DEADLINE (s for both, 480), KVS_DEADLINE (s for kvstrata's stage, 250; SGLang gets what is left).
+# DEADLINE (s for all, 520), KVS_DEADLINE (s for kvstrata's stage, 300; SGLang gets what is left),
+# STAGES ("kvstrata sglang": which stages run, in that order).
 # PAYLOAD_DIR holds payload.tar.xz (read once per machine), model/ and bin/; WHL_DIR (../.whl) the
 # httptools/uvloop cp312 wheels. Writes to $OUT: summary.txt (both tables last) and logs.tgz.
 set -u
 T0=$(date +%s)
-DEADLINE=${DEADLINE:-480}; KVS_DEADLINE=${KVS_DEADLINE:-250}
+DEADLINE=${DEADLINE:-520}; KVS_DEADLINE=${KVS_DEADLINE:-300}
 export NPROMPTS=${NPROMPTS:-1024} CONC=${CONC:-1024}
 REAL_OUT=${OUT:-/tmp/conc_out}; LOGS=/tmp/conc_logs
 rm -rf "$LOGS"; mkdir -p "$LOGS" "$REAL_OUT"
 PAYLOAD_DIR=$(cd "${PAYLOAD_DIR:-../.sgl}" && pwd); export PAYLOAD_DIR
 WHL_DIR=${WHL_DIR:-../.whl}
 SUM=$LOGS/summary.txt
+left() { echo $(( DEADLINE - ($(date +%s) - T0) )); }
 log() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$SUM"; }
 save() { cp "$SUM" "$REAL_OUT/summary.txt"; tar -C "$LOGS" -czf "$REAL_OUT/logs.tgz" . 2>/dev/null; }
 
@@ -33,17 +35,25 @@ if ls "$WHL_DIR"/*.whl >/dev/null 2>&1; then
 fi
 log "setup done; site $SITE; $(nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader)"
 
-MODEL=$PAYLOAD_DIR/model SITE=$SITE TRACE=1 DEADLINE=$KVS_DEADLINE MIN_LEFT=120 OUT=$LOGS/kvstrata \
-  bash benchmarks/serve_bench_gpu.sh ${KVS_CONFIGS:-fp4:fp4_e2m1:--mem-fraction-static,0.9} > "$LOGS/kvstrata.log" 2>&1
-log "kvstrata stage done"; cat "$LOGS/kvstrata/summary.txt" >> "$SUM" 2>/dev/null; save
+run_kvstrata() {
+  local limit=$(( KVS_DEADLINE < $(left) ? KVS_DEADLINE : $(left) ))
+  MODEL=$PAYLOAD_DIR/model SITE=$SITE TRACE=1 DEADLINE=$limit MIN_LEFT=120 OUT=$LOGS/kvstrata \
+    bash benchmarks/serve_bench_gpu.sh ${KVS_CONFIGS:-fp4:fp4_e2m1:--mem-fraction-static,0.9} > "$LOGS/kvstrata.log" 2>&1
+  log "kvstrata stage done"; cat "$LOGS/kvstrata/summary.txt" >> "$SUM" 2>/dev/null
+}
 
-left=$(( DEADLINE - ($(date +%s) - T0) ))
-log "SGLang stage: ${left}s left"
-DEADLINE=$left MIN_LEFT=150 BENCH_CAP=$(( left - 60 )) OUT=$LOGS/sglang \
-  bash benchmarks/sglang_plugin_gpu.sh ${SGL_CONFIGS:-sgl_bf16:triton:auto} > "$LOGS/sglang.log" 2>&1
-log "SGLang stage done"
-grep -m1 -oE 'mem_fraction_static=[0-9.]+' "$LOGS"/sglang/server_*.log >> "$SUM" 2>/dev/null
-grep -E 'Decode batch' "$LOGS"/sglang/server_*.log | awk 'NR % 25 == 1' | cut -c1-220 | tail -12 >> "$SUM"
-cat "$LOGS/sglang/summary.txt" >> "$SUM" 2>/dev/null
+run_sglang() {
+  log "SGLang stage: $(left)s left"
+  ENVCHECK=0 DEADLINE=$(left) MIN_LEFT=120 BENCH_CAP=$(( $(left) - 50 )) OUT=$LOGS/sglang \
+    bash benchmarks/sglang_plugin_gpu.sh ${SGL_CONFIGS:-sgl_bf16:triton:auto} > "$LOGS/sglang.log" 2>&1
+  log "SGLang stage done"
+  grep -h -m1 -oE 'mem_fraction_static=[0-9.]+' "$LOGS"/sglang/server_*.log >> "$SUM" 2>/dev/null
+  grep -h -E 'Decode batch' "$LOGS"/sglang/server_*.log | awk 'NR % 25 == 1' | cut -c1-220 | tail -12 >> "$SUM"
+  cat "$LOGS/sglang/summary.txt" >> "$SUM" 2>/dev/null
+}
+
+for stage in ${STAGES:-kvstrata sglang}; do
+  "run_$stage"; save
+done
 echo "kvstrata:" >> "$SUM"; cat "$LOGS/kvstrata/table.md" >> "$SUM" 2>/dev/null
 save; cat "$SUM"
