@@ -15,7 +15,8 @@
 # PAYLOAD_DIR holds payload.tar.xz (once per machine), model/ and bin/envcheck.py, as written by
 # ../shared/sglang-gpu/build_payload.sh. Knobs: DEADLINE (s, 470), NPROMPTS (256), CONC (256), ILEN
 # (1536), OLEN (512), MIN_LEFT (s needed to start a config, 100), BENCH_CAP (s, 170),
-# BENCH_TOOL (sglang: SGLang's bench_serving; kvstrata: `kvstrata bench`, the same workload).
+# BENCH_TOOL (sglang: SGLang's bench_serving; kvstrata: `kvstrata bench`, the same workload), ENVCHECK (1),
+# SGL_GRAPH_BS (SGLang's --cuda-graph-max-bs, 256: its own default on an H200).
 # Writes to $OUT: summary.txt (the table last), env.txt, bench.log, bench.jsonl, server_<name>.log.
 set -u
 T0=$(date +%s)
@@ -36,7 +37,9 @@ source "$REPO/benchmarks/sglang_gpu_env.sh"
 sgl_env > /tmp/sgl_env.txt 2>&1 || { cat /tmp/sgl_env.txt; exit 1; }
 log "$(cat /tmp/sgl_env.txt)"
 
-# 2. environment, CUDA-path imports, and plugin discovery as SGLang does it
+# 2. environment, CUDA-path imports, and plugin discovery as SGLang does it (ENVCHECK=0: skipped; on a
+# fresh machine its imports took 68 s of a call)
+if [ "${ENVCHECK:-1}" = 1 ]; then
 {
   nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv
   python3 "$PAYLOAD_DIR/bin/envcheck.py"
@@ -46,6 +49,7 @@ from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS as
 print('plugin: radix backends', r(), 'kvstrata attention', 'kvstrata' in a)"
 } > "$OUT/env.txt" 2>&1
 log "envcheck: $(grep -c '^OK' "$OUT/env.txt") OK, $(grep -c '^FAIL' "$OUT/env.txt") FAIL; $(grep '^plugin:' "$OUT/env.txt")"
+fi
 
 bench() {
   local name=$1 tokens=$2
@@ -89,7 +93,7 @@ run_cfg() {
   else
     env ${envs//,/ } setsid python3 -m sglang.launch_server --model-path "$MODEL" --load-format dummy \
         --host 127.0.0.1 --port $PORT --attention-backend "$backend" --kv-cache-dtype "$kvd" \
-        --cuda-graph-max-bs 256 $extra > "$slog" 2>&1 &
+        --cuda-graph-max-bs "${SGL_GRAPH_BS:-256}" $extra > "$slog" 2>&1 &
   fi
   local pid=$! ts=$(date +%s) ok=0
   while [ "$(left)" -gt 40 ]; do

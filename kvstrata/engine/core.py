@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from kvstrata.engine.attention import get_backend
+from kvstrata.engine.attention import get_backend, resolve_backend
 from kvstrata.engine.cuda_graph import decode_graphs_for, graph_memory_bytes, graphs_wanted
 from kvstrata.engine.drift import DriftJob, DriftMonitor, fallback_window, summarize_codecs
 from kvstrata.engine.kvplan import plan_key_centers, raise_codecs, resolve_plan
@@ -102,6 +102,7 @@ class EngineCore:
             self.dtype,
             self.device,
             cuda_graph_bytes=graph_bytes,
+            attention_kernels=resolve_backend(attention_backend, self.device) == "triton",
             image=image_pool_need(args, self.cache_config, page_bytes[-1], model.vision.max_image_tokens)
             if image_codec
             else None,

@@ -9,8 +9,10 @@ part: weights and KV pools), measured after the weights are loaded:
 Like SGLang this reads the driver's free memory, so memory held by other processes is never promised
 to the pool. The ring (every running slot's BF16 window), the sink pages and the per-step workspace
 are sized by ``max_running_requests`` and the chunk size, so they come off the top; the cold pool
-takes the rest. ``max_total_tokens`` wins over the fraction. On CPU the pool keeps its fixed default
-(16,384 tokens, or ``mem_fraction_static`` of MemAvailable) unless ``max_total_tokens`` is given.
+takes the rest. The workspace depends on the attention backend: the torch reference materializes
+scores and a dequantized block of history, the Triton kernels neither. ``max_total_tokens`` wins
+over the fraction. On CPU the pool keeps its fixed default (16,384 tokens, or
+``mem_fraction_static`` of MemAvailable) unless ``max_total_tokens`` is given.
 
 A vision model with image pages in a codec of their own (``--vision-kv-dtype``) gets an image pool
 (`ImagePoolNeed`): the pin budget in image pages plus the image spans of the running requests. On CUDA
@@ -43,6 +45,8 @@ from kvstrata.radix.pool import cold_page_bytes
 log = logging.getLogger("kvstrata.engine")
 DEFAULT_CUDA_MEM_FRACTION_STATIC = 0.85
 GIB = 1 << 30
+SPLIT_TARGET_PROGRAMS = 1024  # the largest ``programs`` of attend.DECODE_LAUNCH (a test holds it)
+COLD_PASSES = 3  # kernel passes of one layer: the text pool, the image pool, the raised pool
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,11 @@ def sink_bytes(cfg: CacheConfig) -> int:
 
 
 def step_workspace_bytes(
-    model: ModelConfig, cache: CacheConfig, chunked_prefill_size: int, dtype: torch.dtype
+    model: ModelConfig,
+    cache: CacheConfig,
+    chunked_prefill_size: int,
+    dtype: torch.dtype,
+    attention_kernels: bool = False,
 ) -> int:
     """Upper estimate of one step's live activations at its largest: a full prefill chunk next to
     every running decode (``T = chunked_prefill_size + max_running`` tokens).
@@ -93,19 +101,36 @@ def step_workspace_bytes(
       MLP's gate/up output plus its product (3 x intermediate), per token, in the compute dtype;
     - logits of every running sequence in float32 and the sampler's three same-sized temporaries
       (probabilities, a sorted copy, int64 sort indices counted as two float32 rows);
-    - attention scores in float32 (and their softmax) of the chunk's queries over one block of
-      history (``block_pages`` cold pages, a sink page, the ring) plus the chunk itself, with that
-      block's keys and values dequantized in the compute dtype.
+    - attention, torch reference backend: scores in float32 (and their softmax) of the chunk's
+      queries over one block of history (``block_pages`` cold pages, a sink page, the ring) plus
+      the chunk itself, with that block's keys and values dequantized in the compute dtype;
+    - attention, Triton kernels (``attention_kernels``): no scores and no dequantized history (codes
+      are decoded in registers), only the split-KV partials, see `split_partial_bytes`. (With the
+      reference's term an 8,192-token chunk held back 18.6 GiB that the kernels never use.)
     """
     elem = torch.empty((), dtype=dtype).element_size()
     tokens = chunked_prefill_size + cache.max_running
     qkv = (model.q_heads + 2 * model.kv_heads) * model.head_dim
     hidden = tokens * (3 * model.hidden_size + qkv + 3 * model.intermediate_size) * elem
     logits = cache.max_running * model.vocab_size * 4 * 5
+    if attention_kernels:
+        return hidden + logits + split_partial_bytes(model, cache.max_running)
     keys = cache.block_pages * cache.page_size + cache.page_size + cache.ring_tokens + chunked_prefill_size
     scores = 2 * model.q_heads * chunked_prefill_size * keys * 4
     history = 2 * keys * model.kv_heads * model.head_dim * elem
     return hidden + logits + scores + history
+
+
+def split_partial_bytes(model: ModelConfig, max_running: int) -> int:
+    """Upper bound of the Triton kernels' split-KV partials in one layer's attention: a float32 output
+    row and log-sum-exp per (row, query head, split), for each cold-pool pass (text, image, raised).
+
+    A decode launch runs ``B * kv_heads`` programs per split and splits only while that is below the
+    launch's ``programs`` target (`kvstrata.radix.kernels.attend.DECODE_LAUNCH`, at most
+    `SPLIT_TARGET_PROGRAMS`), so ``rows * splits <= B + SPLIT_TARGET_PROGRAMS / kv_heads``; extend
+    launches do not split."""
+    rows = max_running + -(-SPLIT_TARGET_PROGRAMS // model.kv_heads)
+    return COLD_PASSES * rows * model.q_heads * (model.head_dim + 1) * 4
 
 
 @dataclass(frozen=True)
@@ -248,10 +273,12 @@ def plan_memory(
     reading: DeviceMemory | None = None,
     cuda_graph_bytes: int = 0,
     image: ImagePoolNeed | None = None,
+    attention_kernels: bool = False,
 ) -> MemoryPlan:
     """The cold pool size for ``cache`` (its ``num_pages`` is ignored), and the image pool's when
     ``image`` is given. On CUDA ``reading`` is the device memory after the weights are loaded (read
-    from the driver when None)."""
+    from the driver when None). ``attention_kernels``: attention runs the Triton kernels, whose
+    workspace is far smaller than the torch reference's (`step_workspace_bytes`)."""
     page_bytes = cold_page_bytes(cache.layer_codecs, cache.page_size, cache.kv_heads, cache.head_dim)
     plan = MemoryPlan(
         device=str(device),
@@ -262,7 +289,9 @@ def plan_memory(
         weight_bytes=weights,
         ring_bytes=ring_bytes(cache),
         sink_bytes=sink_bytes(cache),
-        workspace_bytes=step_workspace_bytes(model, cache, args.chunked_prefill_size, dtype),
+        workspace_bytes=step_workspace_bytes(
+            model, cache, args.chunked_prefill_size, dtype, attention_kernels
+        ),
         cuda_graph_bytes=cuda_graph_bytes,
     )
     if args.max_total_tokens is not None or device.type != "cuda":

@@ -66,6 +66,18 @@ def _switch_interval(text: str) -> float:
     return value
 
 
+def _gc_threshold(text: str) -> tuple[int, ...]:
+    """`gc.set_threshold`'s 1 to 3 non-negative integers, separated by commas or spaces."""
+    parts = text.replace(",", " ").split()
+    try:
+        values = tuple(int(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not integers: {text!r}") from None
+    if not 1 <= len(values) <= 3 or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"must be 1 to 3 integers >= 0: {text!r}")
+    return values
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
@@ -274,6 +286,14 @@ FLAGS: tuple[Flag, ...] = (
         "seconds a thread may hold the GIL while another waits (sys.setswitchinterval; Python's 0.005): "
         "the engine thread and the HTTP event loop share it",
     ),
+    Flag(
+        "gc_threshold",
+        _gc_threshold,
+        None,
+        "garbage collector thresholds, 1 to 3 integers separated by commas (gc.set_threshold; SGLang's "
+        "--gc-threshold; Python's 700,10,10): higher values make the full collections that stop the engine "
+        "thread rarer when many requests stream at once",
+    ),
 )
 
 
@@ -318,6 +338,7 @@ class ServerConfig:
     drift_raise_dtype: str | None = None
     drift_raise_share: float | None = None
     switch_interval: float | None = None
+    gc_threshold: tuple[int, ...] | None = None
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``kvstrata.Engine``: only the options that were set."""

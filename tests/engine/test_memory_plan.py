@@ -10,14 +10,17 @@ import pytest
 import torch
 
 from kvstrata.engine.config import ModelConfig
+from kvstrata.engine.cuda_graph import graph_memory_bytes
 from kvstrata.engine.memory import (
     DEFAULT_CUDA_MEM_FRACTION_STATIC,
+    SPLIT_TARGET_PROGRAMS,
     DeviceMemory,
     ImagePoolNeed,
     image_pool_need,
     plan_memory,
     ring_bytes,
     sink_bytes,
+    split_partial_bytes,
     step_workspace_bytes,
     weight_bytes,
     with_raised_pool,
@@ -83,6 +86,52 @@ def test_cuda_plan_for_llama3_8b_on_an_h200_by_hand() -> None:
         assert row in table
 
 
+SERVED_8B = dataclasses.replace(LLAMA3_8B, vocab_size=49_152)  # the benchmarks' model/ (SmolLM2 vocab)
+
+
+def test_triton_workspace_holds_no_scores_and_fp4_holds_1024_requests_of_2k_on_an_h200() -> None:
+    """The Triton kernels decode codes in registers: the workspace is the hidden states, the logits and
+    the split-KV partials, not the reference's scores over an 8,192-token chunk (18.6 GiB here). With
+    that, fp4 history (256-token window, sinks) for 1,024 running requests of 1,536 + 512 tokens fits
+    at --mem-fraction-static 0.9 on an H200 (the free-memory reading of a served run's plan)."""
+    args = EngineArgs(kv_cache_dtype="fp4_e2m1", max_running_requests=1024, chunked_prefill_size=8192,
+                      mem_fraction_static=0.9)  # fmt: skip
+    cache = _cache(SERVED_8B, "fp4_e2m1", max_running=1024, recent_window=args.recent_window)
+    # a served run's reading: 139.801 GiB total, 125.444 GiB free after the weights
+    reading = DeviceMemory(total=150_110_011_392, free=134_693_568_512)
+    plan = _served_plan(args, cache, reading)
+    tokens = 8192 + 1024
+    hidden = tokens * (3 * 4096 + 48 * 128 + 3 * 14336) * 2
+    logits = 1024 * 49_152 * 4 * 5
+    partials = 3 * (1024 + SPLIT_TARGET_PROGRAMS // 8) * 32 * 129 * 4
+    assert split_partial_bytes(SERVED_8B, 1024) == partials
+    assert plan.workspace_bytes == hidden + logits + partials == 2_196_160_512
+    reference = step_workspace_bytes(SERVED_8B, cache, 8192, torch.bfloat16)
+    assert reference - plan.workspace_bytes > 18 * GIB
+    assert plan.ring_bytes == (1024 * (256 + 16) + 1) * 131_072  # 34 GiB of BF16 windows
+    assert plan.sink_bytes == (2048 + 1) * 16 * 131_072
+    assert plan.cold_page_bytes == 36_384 * 16  # fp4_e2m1 cold bytes per token (README, Capacity)
+    # every request's 2,047 stored tokens: 127 full pages in the pool (124 pages to spare), the last
+    # partial page in its ring
+    assert plan.cold_tokens == 2_082_752 >= 1024 * 127 * 16
+    default = _served_plan(dataclasses.replace(args, mem_fraction_static=None), cache, reading)
+    assert default.cold_tokens == 1_876_464  # the default 0.85: 90% of them
+
+
+def _served_plan(args: EngineArgs, cache: CacheConfig, reading: DeviceMemory):
+    """The plan `kvstrata serve` makes for the served 8B model: Triton attention, decode graphs up to
+    the running cap."""
+    graphs = graph_memory_bytes(SERVED_8B, args.max_running_requests, torch.bfloat16)
+    return plan_memory(args, SERVED_8B, cache, 14_764_482_816, torch.bfloat16, CUDA, reading, graphs,
+                       attention_kernels=True)  # fmt: skip
+
+
+def test_split_bound_covers_every_decode_launch() -> None:
+    from kvstrata.radix.kernels.attend import DECODE_LAUNCH
+
+    assert max(launch["programs"] for launch in DECODE_LAUNCH.values()) <= SPLIT_TARGET_PROGRAMS
+
+
 def _on_cuda(args: EngineArgs, cache: CacheConfig, free_gib: int, graph_bytes: int = 0):
     reading = DeviceMemory(140 * GIB, free_gib * GIB)
     return plan_memory(args, LLAMA3_8B, cache, 16 * GIB, torch.bfloat16, CUDA, reading, graph_bytes)
@@ -138,6 +187,23 @@ def test_weight_bytes_count_tied_storage_once() -> None:
     assert weight_bytes(b) == params * 4 + b.inv_freq.nbytes
     assert weight_bytes(a) == (params - 300 * 64) * 4 + a.inv_freq.nbytes
     assert step_workspace_bytes(untied, _cache(untied, max_running=2), 8, torch.float32) > 0
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_engine_plans_the_workspace_of_its_attention_backend(default_model, backend, monkeypatch) -> None:
+    from kvstrata import Engine
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the triton backend is only built here, never run
+    engine = Engine(
+        model=default_model, max_total_tokens=2000, max_running_requests=2, attention_backend=backend
+    )
+    try:
+        core = engine.core
+        chunk, kernels = core.args.chunked_prefill_size, backend == "triton"
+        want = step_workspace_bytes(default_model.config, core.cache_config, chunk, core.dtype, kernels)
+        assert core.memory_plan.workspace_bytes == want
+    finally:
+        engine.shutdown()
 
 
 def test_engine_logs_the_plan_and_sizes_its_pool_from_it(default_model, caplog) -> None:

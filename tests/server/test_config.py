@@ -94,6 +94,9 @@ def test_environment_and_precedence() -> None:
         (["--switch-interval", "0"], {}),
         (["--switch-interval", "inf"], {}),
         (["--switch-interval", "1e-7"], {}),  # Python keeps whole microseconds: it would become 0
+        (["--gc-threshold", "1,2,3,4"], {}),
+        (["--gc-threshold", "-1"], {}),
+        ([], {"KVSTRATA_GC_THRESHOLD": "many"}),
     ],
 )
 def test_bad_values_exit_with_usage_error(argv: list[str], env: dict[str, str]) -> None:
@@ -105,6 +108,30 @@ def test_bad_values_exit_with_usage_error(argv: list[str], env: dict[str, str]) 
 def test_switch_interval_is_not_an_engine_option() -> None:
     cfg = parse(["--switch-interval", "0.0005"])
     assert cfg.switch_interval == 0.0005 and cfg.engine_kwargs() == {}
+
+
+def test_gc_threshold_takes_one_to_three_integers_and_is_not_an_engine_option() -> None:
+    assert parse(["--gc-threshold", "50000,20,100"]).gc_threshold == (50000, 20, 100)
+    assert parse([], {"KVSTRATA_GC_THRESHOLD": "50000 20"}).gc_threshold == (50000, 20)
+    cfg = parse(["--gc-threshold", "0"])
+    assert cfg.gc_threshold == (0,) and cfg.engine_kwargs() == {}
+    assert parse([]).gc_threshold is None
+
+
+def test_serve_sets_the_gc_thresholds_it_is_given() -> None:
+    import gc
+    import logging
+
+    from kvstrata.server.cli import apply_process_settings
+
+    before = gc.get_threshold()
+    try:
+        apply_process_settings(parse(["--gc-threshold", "50000,20,100"]), logging.getLogger("test"))
+        assert gc.get_threshold() == (50000, 20, 100)
+        apply_process_settings(parse([]), logging.getLogger("test"))  # unset: left alone
+        assert gc.get_threshold() == (50000, 20, 100)
+    finally:
+        gc.set_threshold(*before)
 
 
 def test_chunked_prefill_size_reaches_the_engine() -> None:
