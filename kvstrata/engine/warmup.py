@@ -29,9 +29,10 @@ import random
 from dataclasses import dataclass
 
 # New tokens behind a cached prefix: every query block of the extend kernel, each with a token count
-# that is a multiple of 16 and one that is not (Triton specializes the kernel's integer T on it: on one
-# H200 a fresh fp8 server warmed up without 16 and 32 still compiled for 4.4 s on a 16-token extend in
-# the measured run, and a BF16 one 1.5 s on a 1,536 + 16-token step).
+# that is a multiple of 16 and one that is not. The kernel's T is no longer specialized
+# (`attend._extend_kernel`), so one of each is no longer needed; they stay as a check: on one H200 a
+# fresh fp8 server warmed up without 16 and 32, while T was specialized on multiples of 16, compiled
+# for 4.4 s on a 16-token extend in the measured run, and a BF16 one 1.5 s on a 1,536 + 16-token step.
 EXTEND_TOKENS = (2, 5, 9, 16, 17, 32, 33, 65, 129, 300)
 MIN_SPLIT_PAGES = 32  # the shortest history whose decode splits (kvstrata/radix/kernels/attend.py)
 

@@ -23,7 +23,7 @@ def test_rounds_cover_batch_extends_and_long_histories() -> None:
     base = first.prompts[-1]
     assert [len(p) - len(base) for p in extend.prompts] == list(EXTEND_TOKENS)
     assert all(p[: len(base)] == base for p in extend.prompts)  # they extend a cached prompt
-    # the extend kernel's T is specialized on multiples of 16: both kinds, beside the short query blocks
+    # token counts on and off multiples of 16 (Triton's integer specialization), beside short query blocks
     assert {t % 16 == 0 for t in EXTEND_TOKENS if t >= 16} == {True, False} and min(EXTEND_TOKENS) <= 4
     # one request at a time over 32, 64, ... 256 pages, then the longest context (8192 - 16 - 4)
     assert [len(r.prompts[0]) for r in alone] == [512, 1024, 2048, 4096, 8172]
