@@ -340,7 +340,7 @@ def _order(record: tuple[float, float, str]) -> tuple[float, float]:
 def kernel_kind(name: str) -> str:
     lowered = name.lower()
     for kind, keys in (
-        ("attention (Triton)", ("_attend_kernel", "_merge_kernel")),
+        ("attention (Triton)", ("_attend_kernel", "_decode_kernel", "_decode4_kernel", "_merge_kernel")),
         ("fused dense (Triton)", ("rms_norm_kernel", "silu_mul_kernel", "rope_qkv_kernel")),
         ("page quantize (Triton)", ("_page_quantize",)),
         ("matmul (cuBLAS/CUTLASS)", ("gemm", "nvjet", "cutlass", "sm90_xmma", "gemv")),
