@@ -29,12 +29,13 @@ import random
 from dataclasses import dataclass
 
 # New tokens behind a cached prefix: every query block of the extend kernel (new tokens x query heads
-# per KV head: 16, 32, 64, 128 rows), each with a token count that is a multiple of 16 and one that is
-# not. They extend the last prompt of round 1 cut to whole pages, the prefix the tree holds, so each
-# step computes exactly these counts: extending the whole prompt (17 pages and 15 tokens at B=256)
-# computed 15 more each, so no extend ran with fewer than 17 tokens, and a served fp8 run on one H200
-# compiled for 3.7 s on its first 16-token extend (1,520 cached tokens of a 1,536-token prompt).
-EXTEND_TOKENS = (2, 5, 9, 16, 17, 32, 33, 65, 129, 300)
+# per KV head, rounded up to 16, 32, 64 or 128 rows) for 1 to 16 query heads per KV head, and token
+# counts on and off multiples of 16. They extend the last prompt of round 1 cut to whole pages, the
+# prefix the tree holds, so each step computes exactly these counts: extending the whole prompt (17
+# pages and 15 tokens at B=256) computed 15 more each, so no extend ran with fewer than 17 tokens, and
+# a served fp8 run on one H200 compiled for 3.7 s on its first 16-token extend (1,520 cached tokens of
+# a 1,536-token prompt).
+EXTEND_TOKENS = (2, 3, 5, 9, 16, 17, 32, 33, 65, 129, 300)
 MIN_SPLIT_PAGES = 32  # the shortest history whose decode splits (kvstrata/radix/kernels/attend.py)
 
 

@@ -33,6 +33,17 @@ def test_rounds_cover_batch_extends_and_long_histories() -> None:
     assert all(0 <= t < 1000 for r in rounds for p in r.prompts for t in p)
 
 
+@pytest.mark.parametrize("group", [1, 2, 4, 8, 16])
+def test_extends_meet_every_query_block(group: int) -> None:
+    """Every query block an extend (2 or more new tokens) can take with ``group`` query heads per KV head
+    is met by some warm-up extend: the block is a constexpr of the kernel, a new one compiles."""
+
+    def block(tokens: int) -> int:  # `attend.pass_launch`: rows = tokens x group, 16 to EXTEND_LAUNCH's 128
+        return max(16, min(128, 1 << (tokens * group - 1).bit_length()))
+
+    assert {block(t) for t in EXTEND_TOKENS} == {block(t) for t in range(2, 1024)}
+
+
 def test_rounds_fit_a_small_pool_and_context() -> None:
     capacity, context = 1000, 300
     rounds = warmup_rounds(batch=32, page_size=16, capacity=capacity, context=context, vocab=50)
