@@ -47,6 +47,7 @@ KERNELS = (
     decode._decode_kernel,
     decode4._decode4_kernel,
     attend._attend_kernel,
+    attend._extend_kernel,
     attend._merge_kernel,
     page_quantize._page_quantize_kernel,
 )

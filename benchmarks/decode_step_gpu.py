@@ -52,7 +52,7 @@ from kvstrata.engine.config import ModelConfig
 from kvstrata.engine.cuda_graph import DecodeGraphs
 from kvstrata.engine.loader import dummy_model
 from kvstrata.engine.options import EngineArgs
-from kvstrata.engine.runner import StepRunner
+from kvstrata.engine.runner import Launched, StepRunner
 from kvstrata.engine.sampler import SampleRow
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.engine.scheduler import StepPlan
@@ -100,6 +100,7 @@ class DecodeRequest:
         self.seq = seq
         self.prompt_ids = prompt_ids
         self.output_ids: list[int] = []
+        self.pending = False  # its last sampled token is still on the device (overlap)
         self.mm = None
         self.row = SampleRow(SamplingParams(temperature=0.0, max_new_tokens=1 << 20, ignore_eos=True))
 
@@ -109,7 +110,21 @@ class DecodeRequest:
 
     @property
     def tokens_len(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.prompt_ids) + len(self.output_ids) + self.pending
+
+    def await_token(self) -> None:
+        """As `Request.await_token`: the cache sees a placeholder until the token is read back."""
+        self.pending = True
+        self.seq.token_ids.append(0)
+
+    def append(self, token: int) -> None:
+        """As `Request.append`: the token in place of its placeholder (or after the last one)."""
+        self.output_ids.append(token)
+        if self.pending:
+            self.seq.token_ids[len(self.prompt_ids) + len(self.output_ids) - 1] = token
+        else:
+            self.seq.token_ids.append(token)
+        self.pending = False
 
 
 def sync(device: torch.device) -> None:
@@ -179,8 +194,7 @@ def fill(
     reqs = [DecodeRequest(seq, p) for seq, p in zip(seqs, prompts, strict=True)]
     first = torch.randint(10, cfg.vocab_size - 10, (batch,), generator=g).tolist()
     for req, tok in zip(reqs, first, strict=True):  # the token the prefill would have sampled
-        req.output_ids.append(tok)
-        req.seq.token_ids.append(tok)
+        req.append(tok)
     return reqs
 
 
@@ -204,37 +218,72 @@ def step_bytes(cache: StratifiedKVCache, plan: Any) -> int:
 
 
 class Decoder:
-    """The engine's decode loop over fixed requests: plan, run, append the greedy tokens."""
+    """The engine's decode loop over fixed requests: plan, run, append the greedy tokens.
 
-    def __init__(self, cache: StratifiedKVCache, runner: StepRunner, reqs: list[DecodeRequest]) -> None:
+    ``overlap`` (the CUDA default of `EngineCore`, ``_run_overlapped``): step N+1 is planned and
+    launched before step N's ids are read back; its input ids are copied from step N's samples on the
+    device. Each `step` then returns once the step before it is read back, one step stays in flight
+    (`settle` reads it)."""
+
+    def __init__(
+        self, cache: StratifiedKVCache, runner: StepRunner, reqs: list[DecodeRequest], overlap: bool = False
+    ) -> None:
         self.cache, self.runner, self.reqs = cache, runner, reqs
+        self.overlap = overlap
         self.ones = [1] * len(reqs)
         self.plan_s: list[float] = []
         self.last_plan: Any = None
+        self.inflight: Launched | None = None
 
     def step(self) -> None:
         t = time.perf_counter()
         batch = self.cache.begin_step([r.seq for r in self.reqs], self.ones)
         self.plan_s.append(time.perf_counter() - t)
         self.last_plan = batch
-        sampled, out, _ = self.runner.run(StepPlan(self.reqs, self.ones, batch))
-        assert out is not None and len(sampled) == len(self.reqs)
-        for req, tok in zip(sampled, out.tokens, strict=True):
-            req.output_ids.append(tok)
-            req.seq.token_ids.append(tok)
+        plan = StepPlan(self.reqs, self.ones, batch)
+        if not self.overlap:
+            sampled, out, _ = self.runner.run(plan)
+            assert out is not None and len(sampled) == len(self.reqs)
+            self._absorb(sampled, out.tokens)
+            return
+        step = self.runner.launch(plan, self.inflight)
+        self.settle()
+        self.cache.end_step(batch)
+        for req in self.reqs:
+            req.await_token()
+        self.inflight = step
+
+    def settle(self) -> None:
+        """Read back and append the tokens of the step in flight, if any."""
+        step, self.inflight = self.inflight, None
+        if step is not None:
+            assert step.sample is not None and len(step.sampled) == len(self.reqs)
+            self._absorb(step.sampled, self.runner.sampler.collect(step.sample).tokens)
+
+    @staticmethod
+    def _absorb(sampled: list[Any], tokens: list[int]) -> None:
+        for req, tok in zip(sampled, tokens, strict=True):
+            req.append(tok)
 
 
-def profile_steps(decoder: Decoder, steps: int, device: torch.device) -> dict[str, Any]:
-    """Kernel-busy vs idle time over ``steps`` decode steps (torch.profiler, CUPTI kernel records)."""
+def profile_steps(
+    decoder: Decoder, steps: int, device: torch.device, trace: str | None = None
+) -> dict[str, Any]:
+    """Kernel-busy vs idle time over ``steps`` decode steps (torch.profiler, CUPTI kernel records);
+    ``trace``: also write the profile as a Chrome trace there."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sync(device)
     with profile(activities=activities) as prof:
-        for _ in range(steps):
+        for i in range(steps):
             with record_function("decode_step"):
                 decoder.step()
+                if i == steps - 1:  # the last step's ids (overlap: still in flight)
+                    decoder.settle()
         sync(device)
+    if trace:
+        prof.export_chrome_trace(trace)
     events = prof.events()
     windows = [(e.time_range.start, e.time_range.end) for e in events if e.name == "decode_step"]
     kernels = [
@@ -291,7 +340,7 @@ def _order(record: tuple[float, float, str]) -> tuple[float, float]:
 def kernel_kind(name: str) -> str:
     lowered = name.lower()
     for kind, keys in (
-        ("attention (Triton)", ("_attend_kernel", "_merge_kernel")),
+        ("attention (Triton)", ("_attend_kernel", "_decode_kernel", "_decode4_kernel", "_merge_kernel")),
         ("fused dense (Triton)", ("rms_norm_kernel", "silu_mul_kernel", "rope_qkv_kernel")),
         ("page quantize (Triton)", ("_page_quantize",)),
         ("matmul (cuBLAS/CUTLASS)", ("gemm", "nvjet", "cutlass", "sm90_xmma", "gemv")),
@@ -304,7 +353,14 @@ def kernel_kind(name: str) -> str:
 
 
 def run_codec(
-    net: Any, cfg: ModelConfig, kv: str, plan: str, dense: str, args: argparse.Namespace, bw: float
+    net: Any,
+    cfg: ModelConfig,
+    kv: str,
+    plan: str,
+    dense: str,
+    loop: str,
+    args: argparse.Namespace,
+    bw: float,
 ) -> dict[str, Any]:
     device = net.device
     fused.MODE = DENSE_MODES[dense]
@@ -323,19 +379,28 @@ def run_codec(
         graphs.capture()
     backend = get_backend("triton" if device.type == "cuda" else "torch", cache, cfg.attn_scale)
     runner = StepRunner(net, cache, backend, device, graphs)
-    decoder = Decoder(cache, runner, reqs)
+    decoder = Decoder(cache, runner, reqs, overlap=loop == "overlap")
     with torch.inference_mode():
         for _ in range(args.warmup):
             decoder.step()
-        sync(device)
-        times = []
-        for _ in range(args.steps):
-            t = time.perf_counter()
-            decoder.step()  # ends with the sampler's host read: the step is complete
+        if loop == "sync":
             sync(device)
-            times.append(time.perf_counter() - t)
+        # The time between two steps' returns: sync, a step from its plan to its sampled ids on the
+        # host; overlap, the steady state's interval (each return reads back the step before).
+        times = []
+        last = time.perf_counter()
+        for _ in range(args.steps):
+            decoder.step()
+            if loop == "sync":
+                sync(device)
+            now = time.perf_counter()
+            times.append(now - last)
+            last = now
+        decoder.settle()
+        sync(device)
         kv_bytes = step_bytes(cache, decoder.last_plan)
-        prof = profile_steps(decoder, args.profile_steps, device)
+        trace = f"{args.trace}.{kv}.{plan}.{dense}.{loop}.json" if args.trace else None
+        prof = profile_steps(decoder, args.profile_steps, device, trace)
     weights = sum(
         p.numel() * p.element_size() for n, p in net.named_parameters() if not n.startswith("embed.")
     )
@@ -351,6 +416,7 @@ def run_codec(
         "kv": kv,
         "plan": plan,
         "dense": dense,
+        "loop": loop,
         "ms_per_step": ms,
         "ms_mean": 1e3 * statistics.mean(times),
         "ms_spread": [1e3 * min(times), 1e3 * max(times)],
@@ -365,6 +431,7 @@ def run_codec(
 
 
 DENSE_MODES = {"torch": "off", "fused": "auto"}
+LOOPS = ("sync", "overlap")
 
 
 def profile_table(r: dict[str, Any], batch: int) -> str:
@@ -376,7 +443,8 @@ def profile_table(r: dict[str, Any], batch: int) -> str:
     kinds = p["kernel_ms_per_step_by_kind"]
     weight_bytes = r["weight_bytes"]
     lines = [
-        f"#### dense {r['dense']}, history {r['kv']}, plan {r['plan']}: {p['kernels_per_step']:.0f} kernels "
+        f"#### dense {r['dense']}, history {r['kv']}, plan {r['plan']}, loop {r['loop']}: "
+        f"{p['kernels_per_step']:.0f} kernels "
         f"per step, profiled wall {wall:.2f} ms/step",
         "",
         "| kind | ms/step | share of wall |",
@@ -424,8 +492,19 @@ def main() -> None:
         help="comma-separated: torch (the dense half as torch ops), fused (the Triton kernels of "
         "kvstrata.engine.fused, the CUDA default); each runs every codec",
     )
+    ap.add_argument(
+        "--loop",
+        default="sync",
+        help="comma-separated: sync (each step read back before the next is planned), overlap (the "
+        "engine's CUDA default: step N+1 launched before step N is read back); each runs every codec",
+    )
     ap.add_argument("--profile", default=None, help="write the kernel tables (markdown) here")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument(
+        "--trace",
+        default=None,
+        help="write each run's profiled steps as a Chrome trace, TRACE.<kv>.<plan>.<dense>.json",
+    )
     args = ap.parse_args()
     device = torch.device(args.device)
     cfg = ModelConfig.from_hf(GEOMETRIES[args.geometry])
@@ -436,11 +515,15 @@ def main() -> None:
     denses = args.dense.split(",")
     if unknown := set(denses) - set(DENSE_MODES):
         ap.error(f"--dense takes {', '.join(DENSE_MODES)}, got {', '.join(sorted(unknown))}")
+    loops = args.loop.split(",")
+    if unknown := set(loops) - set(LOOPS):
+        ap.error(f"--loop takes {', '.join(LOOPS)}, got {', '.join(sorted(unknown))}")
     results = [
-        run_codec(net, cfg, kv, plan, dense, args, bw)
+        run_codec(net, cfg, kv, plan, dense, loop, args, bw)
         for dense in denses
         for plan in args.plan.split(",")
         for kv in args.kv.split(",")
+        for loop in loops
     ]
     print(
         f"\ndecode step, {args.geometry} geometry (random BF16 weights), batch {args.batch}, context "
@@ -454,7 +537,7 @@ def main() -> None:
     for r in results:
         p = r["profile"]
         print(
-            f"| {args.label} {r['plan']} {r['dense']} | {r['kv']} | {r['ms_per_step']:.2f} "
+            f"| {args.label} {r['plan']} {r['dense']} {r['loop']} | {r['kv']} | {r['ms_per_step']:.2f} "
             f"| {r['ms_mean']:.2f} "
             f"| {r['floor_ms']:.2f} "
             f"({(r['weight_bytes'] + r['kv_bytes']) / 1e9:.1f} GB) | {r['ratio']:.2f}x "
@@ -464,7 +547,7 @@ def main() -> None:
     for r in results:
         kinds = r["profile"].get("kernel_ms_per_step_by_kind", {})
         parts = ", ".join(f"{k} {v:.2f}" for k, v in kinds.items())
-        print(f"{args.label} {r['plan']} {r['dense']} {r['kv']}: kernel ms/step by kind: {parts}")
+        print(f"{args.label} {r['plan']} {r['dense']} {r['loop']} {r['kv']}: kernel ms/step by kind: {parts}")
         for kernel, ms in r["profile"].get("top_kernels_ms_per_step", {}).items():
             print(f"    {ms:7.3f} ms  {kernel}")
     if args.profile:

@@ -53,7 +53,13 @@ def compiled_variants() -> int:
     """Variants of the attention and page-quantize kernels compiled in this process so far (-1 when
     unknown, e.g. interpreted): each new specialization of their arguments compiles one."""
     total = 0
-    for fn in (attend._attend_kernel, attend._merge_kernel, page_quantize._page_quantize_kernel):
+    kernels = (
+        attend._attend_kernel,
+        attend._extend_kernel,
+        attend._merge_kernel,
+        page_quantize._page_quantize_kernel,
+    )
+    for fn in kernels:
         caches = getattr(fn, "device_caches", None)
         if caches is None:
             return -1

@@ -106,8 +106,12 @@ class DecodePieces:
         return self.net.layers[layer].pre_attn(x, cos, sin, delta=mlp_out, out=out)
 
     def last(self, x: Tensor, attn_out: Tensor) -> Tensor:
+        return self.last_logits(x, attn_out).float()
+
+    def last_logits(self, x: Tensor, attn_out: Tensor) -> Tensor:
+        """`last` in the model dtype (the graphs' float32 buffer takes them in one converting copy)."""
         x, mlp_out = self.net.layers[-1].post_attn(x, attn_out)
-        return self.net.lm_head(self.net.norm.add_forward(x, mlp_out)[1]).float()
+        return self.net.lm_head(self.net.norm.add_forward(x, mlp_out)[1])
 
     def forward(self, ids: Tensor, positions: Tensor, attn: AttnFn) -> Tensor:
         """The pieces chained eagerly: float32 logits of every row, as ``net(ids, positions, attn)``."""
@@ -174,7 +178,7 @@ class DecodeGraphs:
         )
 
     def _last(self, bs: int) -> None:
-        self.logits[:bs].copy_(self.pieces.last(self.x[:bs], self.attn_out[:bs]))
+        self.logits[:bs].copy_(self.pieces.last_logits(self.x[:bs], self.attn_out[:bs]))
 
     def _piece_fns(self, bs: int) -> list[Callable[[], None]]:
         middles = [lambda layer=layer: self._middle(layer, bs) for layer in range(1, self.pieces.num_layers)]

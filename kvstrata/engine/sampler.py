@@ -125,21 +125,27 @@ class Sampler:
     def launch(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> DeviceSample:
         """Sample on the device and start the copy of the ids to the host; nothing waits for it."""
         logits = logits.float()
-        invalid = (
-            torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1) | torch.isneginf(logits).all(-1)
-        )
-        # A bad row must not reach torch.multinomial: it would abort the whole batch (and on CUDA
-        # poison the context). It samples from zeros instead and is reported as invalid.
-        logits = logits.masked_fill(invalid.unsqueeze(1), 0.0)
-        want_lp = [r.params.return_logprob for r in rows]
-        logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
-        if any(r.penalties is not None and r.params.needs_penalties for r in rows):
-            logits = apply_penalties(logits.clone(), rows)
-
+        # One pass over the logits finds every row's max and its first index (argmax's token). A row
+        # is invalid when it holds a NaN (the max is NaN), a +Inf (the max is +Inf) or only -Inf (the
+        # max is -Inf): exactly when its max is not finite.
+        top, tokens = logits.max(dim=-1)
+        invalid = ~torch.isfinite(top)
         greedy = [r.params.greedy for r in rows]
-        tokens = logits.argmax(dim=-1)
-        if not all(greedy):
-            tokens = self._sample(logits, rows, greedy, tokens)
+        want_lp = [r.params.return_logprob for r in rows]
+        penalize = any(r.penalties is not None and r.params.needs_penalties for r in rows)
+        logprobs = None
+        if all(greedy) and not any(want_lp) and not penalize:
+            tokens = tokens.masked_fill(invalid, 0)  # as the argmax of a zeroed row
+        else:
+            # A bad row must not reach torch.multinomial: it would abort the whole batch (and on
+            # CUDA poison the context). It samples from zeros instead and is reported as invalid.
+            logits = logits.masked_fill(invalid.unsqueeze(1), 0.0)
+            logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
+            if penalize:
+                logits = apply_penalties(logits, rows)  # in place: masked_fill made a new tensor
+            tokens = logits.argmax(dim=-1)
+            if not all(greedy):
+                tokens = self._sample(logits, rows, greedy, tokens)
         # The step's one device-to-host copy: sampled ids and invalid flags travel together.
         packed = torch.stack((tokens, invalid.to(tokens.dtype)))
         ready = None

@@ -12,8 +12,8 @@ measured run. The warm-up meets the same shapes through the engine itself, with 
 1. ``batch`` prompts of 2 to 25 pages (plus part of a page), packed into prefill steps (prompts
    continued across chunks among them), generating 1 to 8 tokens each: decode steps from
    B = ``batch`` down to ``batch / 8``;
-2. prompts that extend a cached one by 2 ... 300 tokens (prefill over history, every query block,
-   token counts on and off multiples of 16: ``EXTEND_TOKENS``),
+2. prompts that extend a cached one's whole pages by 2 ... 300 tokens (prefill over history, every
+   query block, token counts on and off multiples of 16: ``EXTEND_TOKENS``),
    then decode at B = 8 down to 1 over short histories (one split);
 3. one request at a time over 32, 64, 128 ... pages and the longest context the pool and the model
    hold, two tokens each: decode alone over long histories, split across programs (the split kernel
@@ -28,11 +28,14 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-# New tokens behind a cached prefix: every query block of the extend kernel, each with a token count
-# that is a multiple of 16 and one that is not (Triton specializes the kernel's integer T on it: on one
-# H200 a fresh fp8 server warmed up without 16 and 32 still compiled for 4.4 s on a 16-token extend in
-# the measured run, and a BF16 one 1.5 s on a 1,536 + 16-token step).
-EXTEND_TOKENS = (2, 5, 9, 16, 17, 32, 33, 65, 129, 300)
+# New tokens behind a cached prefix: every query block of the extend kernel (new tokens x query heads
+# per KV head, rounded up to 16, 32, 64 or 128 rows) for 1 to 16 query heads per KV head, and token
+# counts on and off multiples of 16. They extend the last prompt of round 1 cut to whole pages, the
+# prefix the tree holds, so each step computes exactly these counts: extending the whole prompt (17
+# pages and 15 tokens at B=256) computed 15 more each, so no extend ran with fewer than 17 tokens, and
+# a served fp8 run on one H200 compiled for 3.7 s on its first 16-token extend (1,520 cached tokens of
+# a 1,536-token prompt).
+EXTEND_TOKENS = (2, 3, 5, 9, 16, 17, 32, 33, 65, 129, 300)
 MIN_SPLIT_PAGES = 32  # the shortest history whose decode splits (kvstrata/radix/kernels/attend.py)
 
 
@@ -59,7 +62,7 @@ def warmup_rounds(
     while sum(lengths) + 8 * batch > capacity and len(lengths) > 1:
         lengths.pop()
     first = WarmupRound([ids(n) for n in lengths], [1 + i % 8 for i in range(len(lengths))])
-    base = first.prompts[-1]
+    base = first.prompts[-1][: len(first.prompts[-1]) // page_size * page_size]  # the cached pages
     extended = [base + ids(t) for t in EXTEND_TOKENS if len(base) + t + 8 <= limit]
     rounds = [first, WarmupRound(extended, [1 + i for i in range(len(extended))])]
     # alone over long histories (round 2's cached prompts stay in the pool, evictable)

@@ -126,3 +126,29 @@ def test_invalid_rows_flagged_in_the_same_read(monkeypatch):
     assert calls == ["tolist"]
     assert out.invalid == [False, True, True]
     assert out.tokens[0] == int(logits[0].argmax())
+
+
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", range(3))
+def test_greedy_batch_flags_and_tokens_as_the_definition(seed, device):
+    """All-greedy rows take one max reduction: invalid exactly when a row holds a NaN or a +Inf or only
+    -Inf, the first of tied maxima, token 0 for an invalid row; against the definition per row."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(12, VOCAB, generator=gen)
+    logits[0, 7] = float("nan")
+    logits[1, 3] = float("inf")
+    logits[2] = float("-inf")
+    logits[3, : VOCAB // 2] = float("-inf")  # valid: finite values remain
+    logits[4, 9] = logits[4, 40] = logits[4].max() + 1  # a tie: the first index wins
+    logits[5, 0] = float("nan")
+    logits[5, 1] = float("inf")
+    logits[6, 11] = float("-inf")
+    rows = [SampleRow(SamplingParams(temperature=0.0)) for _ in range(12)]
+    out = Sampler()(logits.to(device), rows)
+    bad = [bool(r.isnan().any() or r.isposinf().any() or r.isneginf().all()) for r in logits]
+    assert out.invalid == bad == [True, True, True, False, False, True] + [False] * 6
+    want = [0 if b else int(r.argmax()) for r, b in zip(logits, bad, strict=True)]
+    assert out.tokens == want and out.tokens[4] == 9

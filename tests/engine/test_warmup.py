@@ -12,6 +12,7 @@ from kvstrata.engine.engine import Engine
 from kvstrata.engine.options import EngineArgs
 from kvstrata.engine.trace import TRACE_ENV, WARMUP_DONE, read_trace, summarize
 from kvstrata.engine.warmup import EXTEND_TOKENS, warmup_rounds
+from kvstrata.radix import StratifiedKVCache
 from kvstrata.server.config import ServerConfig
 
 
@@ -20,15 +21,27 @@ def test_rounds_cover_batch_extends_and_long_histories() -> None:
     first, extend, *alone = rounds
     assert len(first.prompts) == 64 and sorted(set(first.max_new)) == list(range(1, 9))
     assert {len(p) for p in first.prompts} >= {32, 32 + 16 * 23 + 15}  # 2 to 25 pages, partial ones too
-    base = first.prompts[-1]
+    base = first.prompts[-1][: len(first.prompts[-1]) // 16 * 16]  # its whole pages: what the tree holds
+    assert len(base) >= 32 and len(first.prompts[-1]) > len(base)  # here a partial page is cut
     assert [len(p) - len(base) for p in extend.prompts] == list(EXTEND_TOKENS)
     assert all(p[: len(base)] == base for p in extend.prompts)  # they extend a cached prompt
-    # the extend kernel's T is specialized on multiples of 16: both kinds, beside the short query blocks
+    # token counts on and off multiples of 16 (Triton's integer specialization), beside short query blocks
     assert {t % 16 == 0 for t in EXTEND_TOKENS if t >= 16} == {True, False} and min(EXTEND_TOKENS) <= 4
     # one request at a time over 32, 64, ... 256 pages, then the longest context (8192 - 16 - 4)
     assert [len(r.prompts[0]) for r in alone] == [512, 1024, 2048, 4096, 8172]
     assert all(len(r.prompts) == 1 and r.max_new == [2] for r in alone)
     assert all(0 <= t < 1000 for r in rounds for p in r.prompts for t in p)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 8, 16])
+def test_extends_meet_every_query_block(group: int) -> None:
+    """Every query block an extend (2 or more new tokens) can take with ``group`` query heads per KV head
+    is met by some warm-up extend: the block is a constexpr of the kernel, a new one compiles."""
+
+    def block(tokens: int) -> int:  # `attend.pass_launch`: rows = tokens x group, 16 to EXTEND_LAUNCH's 128
+        return max(16, min(128, 1 << (tokens * group - 1).bit_length()))
+
+    assert {block(t) for t in EXTEND_TOKENS} == {block(t) for t in range(2, 1024)}
 
 
 def test_rounds_fit_a_small_pool_and_context() -> None:
@@ -79,6 +92,24 @@ def test_warm_engine_serves_like_a_cold_one(default_model, kv: str, tmp_path, mo
         fed = sum(len(p) for p in prompts) + len(prompts) * (params["max_new_tokens"] - 1)
         assert sum(k.tokens for k in timeline.kinds.values()) == fed  # CPU: no overlap, exact
     assert outs[True] == outs[False]
+
+
+def test_extends_compute_exactly_their_tokens(default_model, monkeypatch) -> None:
+    """The warm-up's extends run with exactly ``EXTEND_TOKENS`` new tokens behind the cached prefix
+    (each extend kernel query block, 16 to 128 rows), not that plus the base prompt's partial page."""
+    behind: list[int] = []
+    begin_step = StratifiedKVCache.begin_step
+
+    def spy(self, seqs, n_new):
+        behind.extend(n for s, n in zip(seqs, n_new, strict=True) if s.length and n > 1)
+        return begin_step(self, seqs, n_new)
+
+    monkeypatch.setattr(StratifiedKVCache, "begin_step", spy)
+    engine = Engine(
+        model=default_model, warmup="on", max_total_tokens=1200, max_running_requests=4, page_size=16
+    )
+    engine.shutdown()
+    assert set(EXTEND_TOKENS) <= set(behind)
 
 
 def test_warmup_modes() -> None:

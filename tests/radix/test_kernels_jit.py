@@ -1,5 +1,6 @@
 """The kernels compile once per set of constexprs: the arguments that change from step to step (table
-and ring-row widths, split counts, small index tensors at arbitrary offsets) are not specialized.
+and ring-row widths, split counts, small index tensors at arbitrary offsets, an extend's token count)
+are not specialized.
 
 Read from the compiled (not interpreted) JIT functions, in a child process without TRITON_INTERPRET:
 a name given to `jit_unspecialized` that is not a parameter would be ignored by Triton silently."""
@@ -18,9 +19,16 @@ CHILD = """
 import json
 from kvstrata.radix.kernels import attend, decode, decode4, page_quantize
 out = {}
-kernels = (attend._attend_kernel, decode._decode_kernel, decode4._decode4_kernel, attend._merge_kernel)
-for fn in (*kernels, page_quantize._page_quantize_kernel):
-    out[fn.__name__] = {
+kernels = {
+    "_attend_kernel": attend._attend_kernel,
+    "_extend_kernel": attend._extend_kernel,
+    "_decode_kernel": decode._decode_kernel,
+    "_decode4_kernel": decode4._decode4_kernel,
+    "_merge_kernel": attend._merge_kernel,
+    "_page_quantize_kernel": page_quantize._page_quantize_kernel,
+}
+for name, fn in kernels.items():
+    out[name] = {
         "ints": sorted(p.name for p in fn.params if p.do_not_specialize),
         "pointers": sorted(p.name for p in fn.params if p.do_not_specialize_on_alignment),
     }
@@ -41,6 +49,8 @@ def test_step_varying_arguments_are_not_specialized():
     }
     assert got == {
         "_attend_kernel": attention,
+        # the extend launches' copy: T (new tokens a sequence) varies from chunk to chunk too
+        "_extend_kernel": {**attention, "ints": sorted([*attention["ints"], "T"])},
         "_decode_kernel": attention,
         "_decode4_kernel": attention,
         "_merge_kernel": {"ints": ["num_splits"], "pointers": []},

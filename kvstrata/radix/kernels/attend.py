@@ -419,10 +419,11 @@ def _channels(HALF: tl.constexpr, BLOCK: tl.constexpr):
         return i, i
 
 
-@jit_unspecialized(
-    ints=("pt_stride", "rr_stride", "pages_per_split", "num_splits", "tail_split"),
-    pointers=("PT", "COLD_LEN", "ST", "SINK_OK", "RR", "RING_LEN"),
-)
+STEP_INTS = ("pt_stride", "rr_stride", "pages_per_split", "num_splits", "tail_split")
+STEP_POINTERS = ("PT", "COLD_LEN", "ST", "SINK_OK", "RR", "RING_LEN")
+
+
+@jit_unspecialized(ints=STEP_INTS, pointers=STEP_POINTERS)
 def _attend_kernel(
     Q,
     KN,
@@ -633,6 +634,14 @@ def _attend_kernel(
     if HALF_V:
         tl.store(o_at + cv1[None, :], (acc1 * inv[:, None]).to(o_at.dtype.element_ty),
                  mask=row_ok[:, None] & (cv1 < D)[None, :])  # fmt: skip
+
+
+# Extend launches (T > 1) take this copy of the kernel, with T (new tokens a sequence) unspecialized
+# too: a chunk's token count changes from step to step, and Triton compiles one variant for T a
+# multiple of 16 and one for the others (on one H200 a served fp8 run compiled for 4.4 s on its first
+# 16-token extend). Decode launches of this kernel (T == 1: int8 keys by blocks, 4-bit layers
+# `decode4` does not take) keep `_attend_kernel`, where T is the constant 1.
+_extend_kernel = jit_unspecialized(ints=(*STEP_INTS, "T"), pointers=STEP_POINTERS)(_attend_kernel.fn)
 
 
 @jit_unspecialized(ints=("num_splits",))
@@ -918,7 +927,8 @@ def pass_launch(
         CODE_DTYPE=tl.float16 if f16 and not interpreted else dot_dtype,
         NORM_W=f16,
     )
-    kernel, grid, scalars = _attend_kernel, (B * m_blocks, h, splits), (scale * LOG2E, T, h, *strides)
+    kernel = _attend_kernel if T == 1 else _extend_kernel
+    grid, scalars = (B * m_blocks, h, splits), (scale * LOG2E, T, h, *strides)
     options: dict[str, Any] | None = None
     if T == 1 and launch.get("module") == "decode4" and decode4.applies(k_fmt, v_fmt, d, page):
         kernel, options = decode4._decode4_kernel, decode4.decode4_options(group, launch, interpreted, meta)

@@ -20,7 +20,16 @@ import triton
 import triton.language as tl
 
 from kvstrata.quant.kernel_decode import load_decoded, pow2_scale, value_tile_scales
-from kvstrata.radix.kernels.attend import _accumulate, _codes, _cold_tile, _online, _raw_tile, _scores
+from kvstrata.radix.kernels.attend import (
+    STEP_INTS,
+    STEP_POINTERS,
+    _accumulate,
+    _codes,
+    _cold_tile,
+    _online,
+    _raw_tile,
+    _scores,
+)
 from kvstrata.radix.kernels.jit import jit_unspecialized
 
 
@@ -197,10 +206,7 @@ def _decode_cold_tile(
     return acc, m_i, l_i
 
 
-@jit_unspecialized(  # the per-step arguments, as `attend._attend_kernel`'s
-    ints=("pt_stride", "rr_stride", "pages_per_split", "num_splits", "tail_split"),
-    pointers=("PT", "COLD_LEN", "ST", "SINK_OK", "RR", "RING_LEN"),
-)
+@jit_unspecialized(ints=STEP_INTS, pointers=STEP_POINTERS)  # as `attend._attend_kernel`'s
 def _decode_kernel(
     Q,
     KN,

@@ -8,7 +8,9 @@ offsets, or ``[3, B]`` tables whose rows are 16-byte aligned only when B is a mu
 combination compiled a new variant (seconds each on the GPU) in the middle of serving: on one H200 the
 offline engine's mixed prefill + decode steps took about 1.1 s each (0.26 s once compiled) and its
 decode steps at B=96 about 0.36 s (0.04 s) (benchmarks/prefill_gpu.py). Those arguments are left
-unspecialized here, so a kernel compiles once per set of its constexprs.
+unspecialized here, so a kernel compiles once per set of its constexprs (which the engine's warm-up
+meets: `kvstrata/engine/warmup.py`). An extend's token count T too (`attend._extend_kernel`); decode
+launches keep T specialized, the constant 1.
 """
 
 from __future__ import annotations
