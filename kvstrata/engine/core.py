@@ -90,6 +90,7 @@ class EngineCore:
             device=self.device,
             pin_budget_bytes=pin_budget_bytes(args, max(page_bytes)),
         )
+        raised = raise_codecs(codecs, args.drift_raise_dtype) if drift_on else None
         graph_bs = args.resolve_cuda_graph_max_bs()
         graph_bytes = 0
         if graphs_wanted(model.net, args.disable_cuda_graph):
@@ -103,11 +104,11 @@ class EngineCore:
             self.device,
             cuda_graph_bytes=graph_bytes,
             attention_kernels=resolve_backend(attention_backend, self.device) == "triton",
+            cold_passes=1 + (image_codec is not None) + (raised is not None),
             image=image_pool_need(args, self.cache_config, page_bytes[-1], model.vision.max_image_tokens)
             if image_codec
             else None,
         )
-        raised = raise_codecs(codecs, args.drift_raise_dtype) if drift_on else None
         if raised is not None:
             raised_bytes = cold_page_bytes(raised, args.page_size, cfg.kv_heads, cfg.head_dim)
             self.memory_plan = with_raised_pool(self.memory_plan, raised_bytes, args.drift_raise_share)

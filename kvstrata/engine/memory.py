@@ -45,8 +45,6 @@ from kvstrata.radix.pool import cold_page_bytes
 log = logging.getLogger("kvstrata.engine")
 DEFAULT_CUDA_MEM_FRACTION_STATIC = 0.85
 GIB = 1 << 30
-SPLIT_TARGET_PROGRAMS = 1024  # the largest ``programs`` of attend.DECODE_LAUNCH (a test holds it)
-COLD_PASSES = 3  # kernel passes of one layer: the text pool, the image pool, the raised pool
 
 
 @dataclass(frozen=True)
@@ -93,6 +91,7 @@ def step_workspace_bytes(
     chunked_prefill_size: int,
     dtype: torch.dtype,
     attention_kernels: bool = False,
+    cold_passes: int = 1,
 ) -> int:
     """Upper estimate of one step's live activations at its largest: a full prefill chunk next to
     every running decode (``T = chunked_prefill_size + max_running`` tokens).
@@ -105,8 +104,9 @@ def step_workspace_bytes(
       queries over one block of history (``block_pages`` cold pages, a sink page, the ring) plus
       the chunk itself, with that block's keys and values dequantized in the compute dtype;
     - attention, Triton kernels (``attention_kernels``): no scores and no dequantized history (codes
-      are decoded in registers), only the split-KV partials, see `split_partial_bytes`. (With the
-      reference's term an 8,192-token chunk held back 18.6 GiB that the kernels never use.)
+      are decoded in registers), only the split-KV partials of ``cold_passes`` kernel passes a
+      layer, see `split_partial_bytes`. (With the reference's term an 8,192-token chunk held back
+      18.6 GiB that the kernels never use.)
     """
     elem = torch.empty((), dtype=dtype).element_size()
     tokens = chunked_prefill_size + cache.max_running
@@ -114,23 +114,38 @@ def step_workspace_bytes(
     hidden = tokens * (3 * model.hidden_size + qkv + 3 * model.intermediate_size) * elem
     logits = cache.max_running * model.vocab_size * 4 * 5
     if attention_kernels:
-        return hidden + logits + split_partial_bytes(model, cache.max_running)
+        partials = split_partial_bytes(model, cache.max_running, chunked_prefill_size, cold_passes)
+        return hidden + logits + partials
     keys = cache.block_pages * cache.page_size + cache.page_size + cache.ring_tokens + chunked_prefill_size
     scores = 2 * model.q_heads * chunked_prefill_size * keys * 4
     history = 2 * keys * model.kv_heads * model.head_dim * elem
     return hidden + logits + scores + history
 
 
-def split_partial_bytes(model: ModelConfig, max_running: int) -> int:
-    """Upper bound of the Triton kernels' split-KV partials in one layer's attention: a float32 output
-    row and log-sum-exp per (row, query head, split), for each cold-pool pass (text, image, raised).
+def split_target_programs() -> int:
+    """The largest ``programs`` target of the Triton decode launches (`kvstrata.radix.kernels.attend`):
+    the most programs a split-KV decode launch runs."""
+    from kvstrata.radix.kernels.attend import DECODE_LAUNCH, OTHER_4BIT_DECODE
 
-    A decode launch runs ``B * kv_heads`` programs per split and splits only while that is below the
-    launch's ``programs`` target (`kvstrata.radix.kernels.attend.DECODE_LAUNCH`, at most
-    `SPLIT_TARGET_PROGRAMS`), so ``rows * splits <= B + SPLIT_TARGET_PROGRAMS / kv_heads``; extend
-    launches do not split."""
-    rows = max_running + -(-SPLIT_TARGET_PROGRAMS // model.kv_heads)
-    return COLD_PASSES * rows * model.q_heads * (model.head_dim + 1) * 4
+    return max(launch["programs"] for launch in (*DECODE_LAUNCH.values(), OTHER_4BIT_DECODE))
+
+
+def split_partial_bytes(
+    model: ModelConfig, max_running: int, chunked_prefill_size: int, cold_passes: int = 1
+) -> int:
+    """Upper bound of the Triton kernels' split partials in one layer's attention: a float32 output
+    row and log-sum-exp per (row, query head, split) of each of the layer's ``cold_passes`` kernel
+    passes (the text pool's, then the image pool's and the raised pool's where the engine has them).
+
+    A decode launch runs ``B * kv_heads`` programs per split and splits only while that stays within
+    its ``programs`` target (`split_target_programs`), so ``rows * splits < B + target / kv_heads``.
+    An extend launch does not split, but with more than one pass every pass writes partials for all of
+    its rows (up to a prefill chunk), and the merge concatenates the passes' partials: one more copy."""
+    decode_rows = max_running + -(-split_target_programs() // model.kv_heads)
+    rows = decode_rows
+    if cold_passes > 1:
+        rows = 2 * cold_passes * max(decode_rows, chunked_prefill_size)
+    return rows * model.q_heads * (model.head_dim + 1) * 4
 
 
 @dataclass(frozen=True)
@@ -274,11 +289,13 @@ def plan_memory(
     cuda_graph_bytes: int = 0,
     image: ImagePoolNeed | None = None,
     attention_kernels: bool = False,
+    cold_passes: int = 1,
 ) -> MemoryPlan:
     """The cold pool size for ``cache`` (its ``num_pages`` is ignored), and the image pool's when
     ``image`` is given. On CUDA ``reading`` is the device memory after the weights are loaded (read
     from the driver when None). ``attention_kernels``: attention runs the Triton kernels, whose
-    workspace is far smaller than the torch reference's (`step_workspace_bytes`)."""
+    workspace is far smaller than the torch reference's (`step_workspace_bytes`), in ``cold_passes``
+    kernel passes a layer (2 or 3 with an image pool or a raised pool, `split_partial_bytes`)."""
     page_bytes = cold_page_bytes(cache.layer_codecs, cache.page_size, cache.kv_heads, cache.head_dim)
     plan = MemoryPlan(
         device=str(device),
@@ -290,7 +307,7 @@ def plan_memory(
         ring_bytes=ring_bytes(cache),
         sink_bytes=sink_bytes(cache),
         workspace_bytes=step_workspace_bytes(
-            model, cache, args.chunked_prefill_size, dtype, attention_kernels
+            model, cache, args.chunked_prefill_size, dtype, attention_kernels, cold_passes
         ),
         cuda_graph_bytes=cuda_graph_bytes,
     )
