@@ -503,7 +503,7 @@ def main() -> None:
     ap.add_argument(
         "--trace",
         default=None,
-        help="write each run's profiled steps as a Chrome trace, TRACE.<kv>.<plan>.<dense>.json",
+        help="write each run's profiled steps as a Chrome trace, TRACE.<kv>.<plan>.<dense>.<loop>.json",
     )
     args = ap.parse_args()
     device = torch.device(args.device)

@@ -54,6 +54,15 @@ def test_docs_list_every_flag_with_its_variable() -> None:
     assert rows == {f.option: f.env for f in FLAGS}
 
 
+def test_readme_table_lists_every_flag() -> None:
+    """README's "Configuration" table: every flag in a row's first cell (some rows name two or three)."""
+    text = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
+    table = text.split("## Configuration (`kvstrata serve`)", 1)[1].split("\n## ", 1)[0]
+    cells = re.findall(r"^\| ([^|]+) \|", table, re.MULTILINE)
+    listed = {flag for cell in cells for flag in re.findall(r"`(--[a-z0-9-]+)`", cell)}
+    assert listed == {f.option for f in FLAGS}
+
+
 def test_defaults() -> None:
     cfg = parse([])
     assert cfg == ServerConfig()
