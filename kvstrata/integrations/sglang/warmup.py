@@ -10,8 +10,11 @@ the benchmark completed; docs/sglang.md). `warm_up` runs a few steps on a scratc
 with the served pool's codec, window, page size, heads and dtype, so that those compiles happen at
 startup: fresh prompts (torch SDPA; their completed pages quantized by the kernel), chunks that
 continue a prompt (3 new tokens to 8 pages of them, over 0, 1, 16 and 20 cold pages; several requests
-per step), and eager decode over short and long histories (planned as graph replays are with the
-Triton kernels, as kvstrata's own steps with the torch ones). The served pool is not touched.
+per step), extends of 2 to 300 new tokens over history (every query tile; before, only the 16- and
+128-row tiles at 4 query heads a KV head were met, so a 5- to 16-token extend would compile while serving,
+as it did in kvstrata's own engine), and eager decode over short and long histories (planned as graph
+replays are with the Triton kernels, as kvstrata's own steps with the torch ones). The served pool is
+not touched.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from types import SimpleNamespace
 
 import torch
 
+from kvstrata.engine.warmup import EXTEND_TOKENS
 from kvstrata.integrations.sglang.memory_plan import ring_dtype
 
 log = logging.getLogger(__name__)
@@ -57,13 +61,24 @@ def forward_batch(rows, prefix_lens, extend_lens, out_cache_loc, decode: bool, r
 
 def warmup_steps(window: int, page: int) -> list[list[tuple[int, int, int]]]:
     """The steps, each a batch of (request, cached prefix length, new tokens); every request
-    continues where its last step left it."""
+    continues where its last step left it. After the fresh prompts and the chunks, requests 1, 3, 4
+    and 5 extend by the engine's warm-up counts (`kvstrata.engine.warmup.EXTEND_TOKENS`: every query
+    tile of an extend at 1 to 16 query heads a KV head), four a step; request 2 stays short for the
+    decode over a short history."""
     W, P = window, page
     fresh = [[(1, 0, 4 * P), (2, 0, 2 * P + 3)], [(3, 0, W + 20 * P)], [(4, 0, W + P), (5, 0, W + 16 * P)]]
     chunks = [[(3, W + 20 * P, P + 5)], [(4, W + P, 2 * P), (5, W + 16 * P, 3)], [(1, 4 * P, 8 * P)]]
     ends = {1: 12 * P, 2: 2 * P + 3, 3: W + 21 * P + 5, 4: W + 3 * P, 5: W + 16 * P + 3}
+    extending = (1, 3, 4, 5)
+    extends: list[list[tuple[int, int, int]]] = []
+    for i, n in enumerate(EXTEND_TOKENS):
+        if i % len(extending) == 0:
+            extends.append([])
+        r = extending[i % len(extending)]
+        extends[-1].append((r, ends[r], n))
+        ends[r] += n
     decode = [[(r, ends[r], 1) for r in ends], [(2, ends[2] + 1, 1)]]
-    return fresh + chunks + decode
+    return fresh + chunks + extends + decode
 
 
 def warm_up(pool, q_heads: int, kernels) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvstrata.engine.warmup import EXTEND_TOKENS
 from kvstrata.integrations.sglang.kernels import TorchStrataKernels, make_kernels
 from kvstrata.integrations.sglang.options import PluginOptions
 from kvstrata.integrations.sglang.pool import pool_class
@@ -46,6 +47,8 @@ def test_warm_up_covers_the_step_shapes_and_leaves_the_pool_alone():
     # query tiles from 3 new tokens to 8 pages of them over history; 0, 1, 16 and 20 cold pages; several
     # groups per step
     assert {3, 8 * PAGE} <= {T for T, _ in extend}
+    # and the engine's warm-up extends (every query tile at 1 to 16 query heads a KV head: its tests)
+    assert set(EXTEND_TOKENS) <= {T for T, width in extend if width > 0}
     assert {0, 1, 16, 20} <= {width for _, width in extend}
     assert min(decode_widths) <= 1 and max(decode_widths) > 16  # decode over short and long histories
     assert max(kernels.steps_with_groups) > 1
