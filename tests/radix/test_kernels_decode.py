@@ -227,13 +227,13 @@ def test_fp8_value_scales_far_apart(codec, device):
 
 
 # Pass 8's launch shapes of the 8/16-bit decode entry (`attention_sweep.DECODE`): fewer warps a
-# program, 32- or 64-key tiles, value codes in channel pairs, register caps, larger programs targets.
+# program, 16- to 64-key tiles, value codes in channel pairs, register caps, larger programs targets.
 FEW_WARPS = {
     "1 warp, 32 keys": dict(num_warps=1, block_n=32, programs=4096, maxnreg=None),
     "1 warp, 32 keys, halves": dict(num_warps=1, block_n=32, programs=4096, maxnreg=None, halves=True),
     "1 warp, 32 keys, 200 registers": dict(num_warps=1, block_n=32, programs=5120, maxnreg=200),
     "2 warps, 64 keys, 200 registers": dict(num_warps=2, block_n=64, programs=2560, maxnreg=200),
-    "2 warps, 32 keys, 128 registers": dict(num_warps=2, block_n=32, programs=4096, maxnreg=128),
+    "1 warp, 16 keys, 128 registers": dict(num_warps=1, block_n=16, programs=8192, maxnreg=128),
 }
 
 
