@@ -88,20 +88,35 @@ EXTEND_4BIT = [shape(128, 64, 8, 2, True, 4, programs=0)]
 # codes as a probe 1.890 ms against 1.688 (capped at 168 registers 1.720); below, the tail and the
 # register cap (1.628 / 1.602 / 1.562 ms at B=64, 0.472 / 0.483 / 0.418 at B=256, 2K) and int8 keys
 # by keys or blocks (3.729 / 2.221 / 2.970 ms).
+# Pass 8 (FP8, prepared offline; docs/kernels-h200.md): the default first (every variant's output is
+# checked against it), then fewer warps a program and smaller tiles, so more programs share an SM and
+# no tile waits on a cross-warp barrier (pass 7's one-warp shape for 4-bit). Predicted from the sm_90
+# code Triton 3.6 compiles (registers, cold loop in warp instructions a key, programs an SM by
+# registers and shared memory; the default: 168 registers, 35.5 a key, 3 programs of 4 warps, spills):
+# 1 warp, 32 keys: 255 registers, 32.0 a key, no spills, 8 programs (programs target 8 x 132 x ~4);
+# the same with `halves`: 248 registers, 30.6 a key (value byte loads 160 -> 36 a tile), 8 programs;
+# 1 warp capped at 200: 33.9 a key, 9 spill stores a tile, 10 programs; 2 warps, 64 keys capped at
+# 200: 34.7 a key, no spills, 5 programs; 1 warp, 16 keys capped at 128: 46.7 a key, 2 spill stores
+# a tile, 16 programs (16 warps an SM, the most of any; 2 warps of 32 keys at 128 registers: 47 a
+# key, 8 programs, cross-warp barriers). The programs targets are about 4 waves of each shape's
+# programs an SM over the H200's 132 SMs (B=64 at 32K: 8, 10, 5 and 16 splits).
 _F16 = dict(f16=True)
-_BASE = dict(programs=1024, min_pages=32, **_F16)
-_NEW = dict(_BASE, tail_apart=True)
+_NEW = dict(min_pages=32, tail_apart=True, **_F16)
+_FP8 = dict(_NEW, blocks=8, scaled_keys_by_blocks=True)  # int8 keys as the default reads them
 DECODE = [
-    shape(64, 128, 4, 2, False, merged_tail=False, **_BASE),
-    shape(64, 128, 4, 2, False, **_NEW),
-    shape(64, 128, 4, 2, False, maxnreg=168, **_NEW),
+    shape(64, 128, 4, 2, False, maxnreg=168, programs=1024, **_FP8),
+    shape(64, 32, 1, 2, False, programs=4096, **_FP8),
+    shape(64, 32, 1, 2, False, programs=4096, halves=True, **_FP8),
+    shape(64, 32, 1, 2, False, programs=5120, maxnreg=200, **_FP8),
+    shape(64, 64, 2, 2, False, programs=2560, maxnreg=200, **_FP8),
+    shape(64, 16, 1, 2, False, programs=8192, maxnreg=128, **_FP8),
 ]
 # int8 keys (per-channel scales) by keys or by 16-token blocks; not part of the fastest-shape pick
 # (it would set the entry FP8 shares).
 DECODE_INT8 = [
-    shape(64, 128, 4, 2, False, **_NEW),
-    shape(64, 128, 4, 2, False, blocks=8, scaled_keys_by_blocks=True, **_NEW),
-    shape(64, 128, 4, 2, False, blocks=4, scaled_keys_by_blocks=True, **_NEW),
+    shape(64, 128, 4, 2, False, programs=1024, **_NEW),
+    shape(64, 128, 4, 2, False, blocks=8, scaled_keys_by_blocks=True, programs=1024, **_NEW),
+    shape(64, 128, 4, 2, False, blocks=4, scaled_keys_by_blocks=True, programs=1024, **_NEW),
 ]
 # 4-bit decode: the `decode4` kernel (whole-byte tiles of ``blocks`` 16-token blocks, FP16 operands,
 # ``asm``: packed PTX nibble decoding, ``prefetch``: page-table entries and the scales Triton does not
@@ -136,7 +151,8 @@ if os.environ.get("SWEEP_CASES"):  # e.g. "1x2048,1x32768": these (batch, contex
 # (kind, codec, batch, context, launch shape)
 VARIANTS = [("extend", c, 1, CONTEXT, s) for c in ("bf16", "fp8_e4m3") for s in EXTEND]
 VARIANTS += [("extend", "int4", 1, CONTEXT, s) for s in EXTEND_4BIT]
-VARIANTS += [("decode", "fp8_e4m3", b, n, s) for b, n in DECODE_CASES for s in DECODE]
+# BF16 history shares FP8's launch table entry (left out by SWEEP_CODECS=fp8_e4m3).
+VARIANTS += [("decode", c, b, n, s) for c in ("fp8_e4m3", "bf16") for b, n in DECODE_CASES for s in DECODE]
 VARIANTS += [("decode", "int8", b, n, s) for b, n in DECODE_CASES if b > 1 for s in DECODE_INT8]
 VARIANTS += [("decode", c, b, n, s) for c in FOUR_BIT for b, n in DECODE_CASES for s in DECODE_4BIT]
 # Compiled by --warm too: the default shapes of every codec `attention_gpu.py` times.

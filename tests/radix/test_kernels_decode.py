@@ -224,3 +224,39 @@ def test_fp8_value_scales_far_apart(codec, device):
             got = kernel_helpers.kernel_attend(cache, batch, q, k, v, SCALE, splits)
             assert torch.isfinite(got).all()
             assert rel_err(got.cpu(), ref) < 1.5e-2, splits
+
+
+# Pass 8's launch shapes of the 8/16-bit decode entry (`attention_sweep.DECODE`): fewer warps a
+# program, 16- to 64-key tiles, value codes in channel pairs, register caps, larger programs targets.
+FEW_WARPS = {
+    "1 warp, 32 keys": dict(num_warps=1, block_n=32, programs=4096, maxnreg=None),
+    "1 warp, 32 keys, halves": dict(num_warps=1, block_n=32, programs=4096, maxnreg=None, halves=True),
+    "1 warp, 32 keys, 200 registers": dict(num_warps=1, block_n=32, programs=5120, maxnreg=200),
+    "2 warps, 64 keys, 200 registers": dict(num_warps=2, block_n=64, programs=2560, maxnreg=200),
+    "1 warp, 16 keys, 128 registers": dict(num_warps=1, block_n=16, programs=8192, maxnreg=128),
+}
+
+
+@pytest.mark.parametrize("device", kernel_helpers.DEVICES)
+@pytest.mark.parametrize("shape", list(FEW_WARPS))
+@pytest.mark.parametrize("codec", ["fp8_e4m3", "bf16"])
+def test_decode_few_warps(codec, shape, device, monkeypatch):
+    """BF16 model, FP8 history (FP16 operands on CUDA) and BF16 history (the launch entry they share),
+    sinks on, each shape of `FEW_WARPS` with the split heuristic (splits of 2 pages or more, the tail
+    in a split of its own) and with 3 forced splits: BF16-level error against the float64 reference."""
+    from test_kernels_attend import check_steps, make_cache
+
+    from kvstrata.radix.kernels import attend
+
+    launch = dict(FEW_WARPS[shape], min_pages=2, tail_apart=True, f16_codes=True)
+    for key, value in launch.items():
+        monkeypatch.setitem(attend.DECODE_LAUNCH[False], key, value)
+    seen = []  # split counts of the text pass, from the partials the merge gets
+    merge = attend.merge_partials
+    monkeypatch.setattr(
+        attend, "merge_partials", lambda parts, out: seen.append(parts[0].lse.shape[2]) or merge(parts, out)
+    )
+    for splits in (None, 3):
+        cache = make_cache(codec, device, sinks=True, dtype=torch.bfloat16)
+        check_steps(cache, [9, 70, 300], steps=2, n_new=1, tol=1.5e-2, dtype=torch.bfloat16, splits=splits)
+    assert max(seen) > 3
