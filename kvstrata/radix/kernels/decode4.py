@@ -54,7 +54,7 @@ from kvstrata.quant.kernel_decode import (
     nibble_pairs,
     value_tile_scales,
 )
-from kvstrata.radix.kernels.attend import HALF_FORMATS, _online, _raw_tile
+from kvstrata.radix.kernels.attend import HALF_FORMATS, _accumulate, _online, _raw_tile, _scores
 from kvstrata.radix.kernels.jit import jit_unspecialized
 
 # Keys a tile of the sink page, ring rows and the new key (BF16 channel halves loaded element by
@@ -67,6 +67,35 @@ def applies(k_fmt: int, v_fmt: int, head_dim: int, page_size: int) -> bool:
     32 or more (fp4 value blocks of 32 channels, 16-wide halves for `tl.dot`), 16-token blocks."""
     pow2 = head_dim & (head_dim - 1) == 0
     return k_fmt in HALF_FORMATS and v_fmt in HALF_FORMATS and pow2 and head_dim >= 32 and page_size % 16 == 0
+
+
+@triton.jit
+def _tail_tile(
+    q0, q1, acc0, acc1, m_i, l_i, KP, VP, row, ok, seen,
+    D: tl.constexpr, DOT_PREC: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    """One tile of the decode tail (sink page, ring rows, new key: raw model-dtype rows ``row`` of
+    ``KP``/``VP``, ``ok`` the keys to read, ``seen`` the query rows that see them) in the kernel's
+    even and odd channel halves. ``ROWS``: each key's and value's D channels load as one contiguous
+    row (16-byte vectors) and split into the halves in registers; else `attend._raw_tile`'s two
+    strided loads of 2-byte elements per row (Triton 3.6, sm_90: 257 global loads a 32-key tile)."""
+    if ROWS:
+        n: tl.constexpr = row.shape[0]
+        at = row[:, None] * D + tl.arange(0, D)[None, :]
+        kx = tl.load(KP + at, mask=ok[:, None], other=0.0).to(q0.dtype)
+        vx = tl.load(VP + at, mask=ok[:, None], other=0.0).to(q0.dtype)
+        k0, k1 = tl.split(tl.reshape(kx, [n, D // 2, 2]))
+        v0, v1 = tl.split(tl.reshape(vx, [n, D // 2, 2]))
+        s = tl.where(seen, _scores(q0, q1, k0, k1, True, DOT_PREC), float("-inf"))
+        p, alpha, m_i, l_i = _online(s, m_i, l_i)
+        acc0, acc1 = _accumulate(acc0, acc1, alpha, p, v0, v1, True, DOT_PREC)
+    else:
+        c0 = 2 * tl.arange(0, D // 2)
+        acc0, acc1, m_i, l_i = _raw_tile(
+            q0, q1, acc0, acc1, m_i, l_i, KP, VP, row, ok, seen, c0, c0 + 1, c0, c0 + 1, D, True, True,
+            DOT_PREC,
+        )  # fmt: skip
+    return acc0, acc1, m_i, l_i
 
 
 @triton.jit
@@ -279,9 +308,16 @@ def _decode4_kernel(
     NORM_W: tl.constexpr,
     FOLD: tl.constexpr,
     SLOT_R: tl.constexpr,
+    HEADS_TOGETHER: tl.constexpr,
+    TAIL_ROWS: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
+    if HEADS_TOGETHER:  # consecutive programs: the KV heads of one sequence (same grid, ids remapped)
+        pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        b = pid // H
+        h = pid % H
+    else:
+        b = tl.program_id(0)
+        h = tl.program_id(1)
     split = tl.program_id(2)
     # Row i of the tiles is query head h * GROUP + i % SLOT_R; with FOLD it sees only the keys of
     # block ``slot = i // SLOT_R`` of each cold tile (else SLOT_R is BLOCK_H: one slot, all keys).
@@ -382,22 +418,22 @@ def _decode4_kernel(
             sink = tl.load(ST + b).to(tl.int64)
             for j0 in range(0, sink_len, TAIL_N):
                 ok = j0 + n < sink_len
-                acc0, acc1, m_i, l_i = _raw_tile(
+                acc0, acc1, m_i, l_i = _tail_tile(
                     qd0, qd1, acc0, acc1, m_i, l_i, SK, SV, (sink * P + j0 + n) * H + h, ok,
-                    ok[None, :] & first, c0, c1, c0, c1, D, True, True, DOT_PREC,
+                    ok[None, :] & first, D, DOT_PREC, TAIL_ROWS,
                 )  # fmt: skip
         ring_len = tl.load(RING_LEN + b)
         for j0 in range(0, ring_len, TAIL_N):
             ok = j0 + n < ring_len
             ring_row = tl.load(RR + b * rr_stride + j0 + n, mask=ok, other=0).to(tl.int64)
-            acc0, acc1, m_i, l_i = _raw_tile(
+            acc0, acc1, m_i, l_i = _tail_tile(
                 qd0, qd1, acc0, acc1, m_i, l_i, RK, RV, ring_row * H + h, ok, ok[None, :] & first,
-                c0, c1, c0, c1, D, True, True, DOT_PREC,
+                D, DOT_PREC, TAIL_ROWS,
             )  # fmt: skip
         ok = n < 1
-        acc0, acc1, m_i, l_i = _raw_tile(
+        acc0, acc1, m_i, l_i = _tail_tile(
             qd0, qd1, acc0, acc1, m_i, l_i, KN, VN, (b + n).to(tl.int64) * H + h, ok, ok[None, :] & first,
-            c0, c1, c0, c1, D, True, True, DOT_PREC,
+            D, DOT_PREC, TAIL_ROWS,
         )  # fmt: skip
 
     if BLOCK_H > SLOT_R:  # merge the slots' softmax states: one per query head
@@ -445,6 +481,8 @@ def decode4_options(group: int, launch: dict, interpreted: bool, meta: dict) -> 
         ASM=bool(launch.get("asm")) and f16,
         FOLD=fold,
         SLOT_R=rows if fold else block_h,
+        HEADS_TOGETHER=bool(launch.get("heads_together")),
+        TAIL_ROWS=bool(launch.get("tail_rows")),
         num_warps=launch["num_warps"],
         num_stages=launch["num_stages"],
     )
