@@ -135,7 +135,8 @@ def test_decode4_float32(codec, launch, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "launch", ["4 blocks, prefetch", "4 blocks, folded key scales", "2 blocks, folded, heads together, tail rows"]
+    "launch",
+    ["4 blocks, prefetch", "4 blocks, folded key scales", "2 blocks, folded, heads together, tail rows"],
 )
 @pytest.mark.parametrize("asm", ASM)
 @pytest.mark.parametrize("codec", ["int4", "fp4_e2m1", "int4/fp4_e2m1"])
