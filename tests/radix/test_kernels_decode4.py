@@ -96,7 +96,13 @@ LAUNCHES = {
     "2 blocks, folded, prefetch": dict(blocks=2, prefetch=True, fold_key_scales=True),
     "8 blocks, folded, 2 warps": dict(blocks=8, num_warps=2, prefetch=False, fold_key_scales=True),
     "2 blocks, folded, heads together, tail rows": dict(
-        blocks=2, num_warps=1, prefetch=False, fold_key_scales=True, heads_together=True, tail_rows=True
+        blocks=2,
+        num_warps=1,
+        prefetch=False,
+        fold_key_scales=True,
+        heads_together=True,
+        tail_rows=True,
+        value_offsets_apart=True,
     ),
 }
 

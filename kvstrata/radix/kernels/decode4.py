@@ -182,6 +182,7 @@ def _cold_tile4(
     acc1,
     m_i,
     l_i,
+    o_i,
     K0,
     K1,
     K2,
@@ -202,12 +203,16 @@ def _cold_tile4(
     CODE_DTYPE: tl.constexpr,
     DOT_PREC: tl.constexpr,
     FOLD: tl.constexpr,
+    OFFSETS_APART: tl.constexpr,
 ):
     """Keys ``j0`` to ``j0 + 16 * BLOCKS`` of the sequence's cold pages, in pages ``pb`` (``[BLOCKS]``,
     each block's) and ``pv`` (``[16 * BLOCKS]``, each key's), with the tile's `_side_scales`
     ``side``. All of them keys: no masks (a split's cold keys are whole pages of whole blocks).
     ``FOLD``: query row ``i`` sees only the keys of block ``slot[i]``, scored with `_folded_query`'s
-    terms in ``side`` (``qc0``/``qc1`` unused); else every row sees every key."""
+    terms in ``side`` (``qc0``/``qc1`` unused); else every row sees every key. int4 values'
+    offsets ``sum(p * o)`` (one number a row) add to every channel of the accumulator, or with
+    ``OFFSETS_APART`` to ``o_i``, a row's running sum of them (rescaled as ``l_i``), which the
+    kernel adds to the accumulator once, after the cold tiles."""
     HD: tl.constexpr = D // 2
     N: tl.constexpr = BLOCKS * 16
     ka, kb, kc, kd, vx, vy = side
@@ -250,10 +255,13 @@ def _cold_tile4(
     acc0 = acc0 * alpha[:, None] + tl.dot(w, v0, input_precision=DOT_PREC) * top
     acc1 = acc1 * alpha[:, None] + tl.dot(w, v1, input_precision=DOT_PREC) * top
     if V_FMT == 5:
-        off = tl.sum(p * vy[None, :], 1)[:, None]
-        acc0 += off
-        acc1 += off
-    return acc0, acc1, m_i, l_i
+        off = tl.sum(p * vy[None, :], 1)
+        if OFFSETS_APART:
+            o_i = o_i * alpha + off
+        else:
+            acc0 += off[:, None]
+            acc1 += off[:, None]
+    return acc0, acc1, m_i, l_i, o_i
 
 
 @jit_unspecialized(  # the per-step arguments, as `attend._attend_kernel`'s
@@ -310,6 +318,7 @@ def _decode4_kernel(
     SLOT_R: tl.constexpr,
     HEADS_TOGETHER: tl.constexpr,
     TAIL_ROWS: tl.constexpr,
+    OFFSETS_APART: tl.constexpr,
 ):
     if HEADS_TOGETHER:  # consecutive programs: the KV heads of one sequence (same grid, ids remapped)
         pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
@@ -335,6 +344,7 @@ def _decode4_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc0 = tl.zeros([BLOCK_H, D // 2], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_H, D // 2], dtype=tl.float32)
+    o_i = tl.zeros([BLOCK_H], dtype=tl.float32)  # int4 values' offsets with OFFSETS_APART
 
     # Cold keys of this split: tiles of BLOCKS blocks, then the blocks left one at a time (a split's
     # keys are whole pages of whole blocks, so no tile is masked and no key is padding).
@@ -386,9 +396,9 @@ def _decode4_kernel(
                 K1, K2, V1, V2, j0, pb, pv, pr, qc0, qc1, q_mul, h, H,
                 P, D, BLOCKS, K_FMT, V_FMT, FOLD, CODE_DTYPE,
             )  # fmt: skip
-        acc0, acc1, m_i, l_i = _cold_tile4(
-            qc0, qc1, acc0, acc1, m_i, l_i, K0, K1, K2, V0, j0, pb, pv, side, slot, h, H,
-            P, D, BLOCKS, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC, FOLD,
+        acc0, acc1, m_i, l_i, o_i = _cold_tile4(
+            qc0, qc1, acc0, acc1, m_i, l_i, o_i, K0, K1, K2, V0, j0, pb, pv, side, slot, h, H,
+            P, D, BLOCKS, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC, FOLD, OFFSETS_APART,
         )  # fmt: skip
         if PREFETCH:
             pb = pb_ahead
@@ -403,11 +413,14 @@ def _decode4_kernel(
             K1, K2, V1, V2, j0, pb1, pv1, pr1, qc0, qc1, q_mul, h, H,
             P, D, 1, K_FMT, V_FMT, FOLD, CODE_DTYPE,
         )  # fmt: skip
-        acc0, acc1, m_i, l_i = _cold_tile4(
-            qc0, qc1, acc0, acc1, m_i, l_i, K0, K1, K2, V0, j0, pb1, pv1, side1, slot, h, H,
-            P, D, 1, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC, FOLD,
+        acc0, acc1, m_i, l_i, o_i = _cold_tile4(
+            qc0, qc1, acc0, acc1, m_i, l_i, o_i, K0, K1, K2, V0, j0, pb1, pv1, side1, slot, h, H,
+            P, D, 1, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC, FOLD, OFFSETS_APART,
         )  # fmt: skip
 
+    if OFFSETS_APART and V_FMT == 5:  # the cold keys' value offsets, at the same running max
+        acc0 += o_i[:, None]
+        acc1 += o_i[:, None]
     if split == tail_split:  # sinks, ring and the new key (slot 0's rows): the last split of the pass
         qd0 = q0.to(DOT_DTYPE)
         qd1 = q1.to(DOT_DTYPE)
@@ -483,6 +496,7 @@ def decode4_options(group: int, launch: dict, interpreted: bool, meta: dict) -> 
         SLOT_R=rows if fold else block_h,
         HEADS_TOGETHER=bool(launch.get("heads_together")),
         TAIL_ROWS=bool(launch.get("tail_rows")),
+        OFFSETS_APART=bool(launch.get("value_offsets_apart")),
         num_warps=launch["num_warps"],
         num_stages=launch["num_stages"],
     )
