@@ -31,7 +31,7 @@ FP16 rather than BF16 operands: 11-bit significands (E2M1 and E4M3 products are 
 cost of range (hence the power of two on q; a product under 2**-14 is an FP16 subnormal, off by under
 2**-25 of q's largest element). A float32 model (and the interpreter) keeps float32 operands
 (``CODE_DTYPE``). The sink page, ring rows and the new key (BF16/float32) are read by
-`attend._raw_tile` in the same channel halves, in tiles of ``TAIL_N`` keys, by slot 0's rows; the
+`_tail_tile` in the same channel halves, in tiles of ``TAIL_N`` keys, by slot 0's rows; the
 cold blocks a split has past its last whole tile one block at a time (slot 0; a split's cold keys
 are whole pages of whole blocks: no tile is ever masked). ``PREFETCH`` loads the page-table entries
 and the scales Triton's pipeliner leaves in the loop (`_side_scales`) a tile ahead. Measured on the
@@ -478,7 +478,10 @@ def decode4_options(group: int, launch: dict, interpreted: bool, meta: dict) -> 
     (``blocks``: 16-token blocks a tile, ``num_warps``, ``num_stages``, ``asm``: packed PTX decoding
     where the operands are FP16, ``maxnreg``: a register cap per thread, or None, ``fold_key_scales``:
     the keys' scales folded into the query per block, ``SLOT_R`` rows a block: the group padded to
-    a power of two, and to 16 rows over the tile's blocks).
+    a power of two, and to 16 rows over the tile's blocks), ``heads_together``: program ids remapped
+    so that consecutive programs are the KV heads of one sequence (the same grid), ``tail_rows``:
+    the decode tail's rows loaded whole (`_tail_tile`), ``value_offsets_apart``: int4 value offsets
+    summed per row (`_cold_tile4`); the last three off unless set (docs/kernels-h200.md, pass 8).
     Operands are FP16 for 16-bit models on a GPU, else float32 (``interpreted``, float32 models)."""
     f16 = not interpreted and meta["DOT_DTYPE"] in (tl.bfloat16, tl.float16)
     fold = bool(launch.get("fold_key_scales"))
