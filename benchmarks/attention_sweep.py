@@ -130,16 +130,38 @@ DECODE_INT8 = [
 # / 1.153 and 3.127 / 0.090 / 1.113 ms; the same with the keys' scales folded into the query per block
 # (``fold_key_scales``) 2.510 / 0.079 / 0.943 and 2.356 / 0.076 / 0.906; folded with one warp a program
 # (4096 programs) and 2 blocks 1.788 / 0.074 / 0.752 and 1.994 / 0.078 / 0.803 (the default), 4 blocks
-# 1.910 / 0.079 / 0.777 and 2.196 / 0.081 / 0.859. Below (second call, int4 at B=1 32K / 2K): the
+# 1.910 / 0.079 / 0.777 and 2.196 / 0.081 / 0.859. Second call (int4 at B=1 32K / 2K): the
 # default's split sizes, 16 / 8 / 4 pages at least 0.073 / 0.062, 0.113 / 0.058, 0.183 / 0.054 ms, and the
 # decode tail in a split of its own 0.066 / 0.048 (now the default; fp4 the same within 0.01 ms).
-_D4 = dict(shape(64, 32, 1, 2, True, 2, programs=4096, module="decode4"), asm=True, fold_key_scales=True)
+# Pass 8 (prepared offline, docs/kernels-h200.md; the first entry is the default, every entry sets
+# every option, as `use` merges entries into the table): the serving shapes (B=256 and 1,024 at 2K)
+# against B=64 at 32K. Predictions from the sm_90 code (Triton 3.6, offline, int4 / fp4): the loop is
+# 1,630 / 1,609 instructions a 32-key tile at 255 registers (8 programs an SM), no spill in it.
+# ``heads_together``: the same loop, programs remapped so that the programs running at once read
+# whole 512-byte token rows of a page (all 8 KV heads of a sequence) instead of 64 bytes of each (at
+# B=256 only heads 0-3 run in the first waves, at B=1,024 one head); no effect expected at B=64, 32K
+# (every head of every sequence runs at once there). ``tail_rows``: the ring's 32-key tile 765
+# instructions instead of 1,134 (1 global load a tile, pipelined, instead of 257 two-byte loads): a
+# few % at 2K (127 ring rows next to 1,920 cold keys), nothing at 32K. ``value_offsets_apart``: int4
+# values' offsets summed per row and added to the accumulator once, the int4 loop 1,555 instructions
+# (fp4 unchanged). ``maxnreg`` 168 / 128 (with the three): 12 / 16 programs an SM, the loop 1,833 /
+# 1,931 (int4) and 1,694 / 1,821 (fp4) with its spills.
+_D4 = dict(
+    shape(64, 32, 1, 2, True, 2, programs=4096, module="decode4", tail_apart=True),
+    asm=True,
+    fold_key_scales=True,
+    heads_together=False,
+    tail_rows=False,
+    value_offsets_apart=False,
+)
+_D4_NEW = dict(_D4, heads_together=True, tail_rows=True, value_offsets_apart=True)
 DECODE_4BIT: list[dict] = [
     _D4,
-    dict(_D4, min_pages=8),
-    dict(_D4, min_pages=4),
-    dict(_D4, tail_apart=True),
-    dict(_D4, min_pages=4, tail_apart=True),
+    dict(_D4, heads_together=True),
+    _D4_NEW,
+    dict(_D4_NEW, maxnreg=168),
+    dict(_D4_NEW, maxnreg=128),
+    dict(_D4, maxnreg=168),
 ]
 # SWEEP_KINDS (environment): the kinds swept, "decode,extend" by default.
 KINDS = os.environ.get("SWEEP_KINDS", "decode,extend").split(",")
@@ -289,6 +311,9 @@ def sweep() -> dict[tuple[str, bool | str], dict]:
         blocks += f", int8 keys by {s['blocks']} blocks" if s.get("scaled_keys_by_blocks") else ""
         blocks += ", decode4" + (" asm" if s.get("asm") else "") if s.get("module") == "decode4" else ""
         blocks += ", folded key scales" if s.get("fold_key_scales") else ""
+        blocks += ", heads together" if s.get("heads_together") else ""
+        blocks += ", tail rows" if s.get("tail_rows") else ""
+        blocks += ", value offsets apart" if s.get("value_offsets_apart") else ""
         print(
             f"| {kind} | {batch} | {context} | {codec} | {s['block_m']} x {s['block_n']} | "
             f"{s['num_warps']} | "

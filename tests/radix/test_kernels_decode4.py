@@ -95,6 +95,15 @@ LAUNCHES = {
     "4 blocks, folded key scales": dict(blocks=4, prefetch=False, fold_key_scales=True),
     "2 blocks, folded, prefetch": dict(blocks=2, prefetch=True, fold_key_scales=True),
     "8 blocks, folded, 2 warps": dict(blocks=8, num_warps=2, prefetch=False, fold_key_scales=True),
+    "2 blocks, folded, heads together, tail rows": dict(
+        blocks=2,
+        num_warps=1,
+        prefetch=False,
+        fold_key_scales=True,
+        heads_together=True,
+        tail_rows=True,
+        value_offsets_apart=True,
+    ),
 }
 
 
@@ -131,7 +140,10 @@ def test_decode4_float32(codec, launch, monkeypatch):
     assert grids and all(g[2] == 3 for g in grids)  # every decode pass ran it, with the splits asked
 
 
-@pytest.mark.parametrize("launch", ["4 blocks, prefetch", "4 blocks, folded key scales"])
+@pytest.mark.parametrize(
+    "launch",
+    ["4 blocks, prefetch", "4 blocks, folded key scales", "2 blocks, folded, heads together, tail rows"],
+)
 @pytest.mark.parametrize("asm", ASM)
 @pytest.mark.parametrize("codec", ["int4", "fp4_e2m1", "int4/fp4_e2m1"])
 def test_decode4_bfloat16(codec, asm, launch, monkeypatch):

@@ -111,6 +111,8 @@ DECODE_LAUNCH = {
     # registers without folding, 2.51 / 2.36 folded with 4 warps), the tail in a split of its own
     # where the programs allow (B=1: 32K 0.066 ms against 0.073-0.077, 2K 0.048 against 0.062-0.065;
     # splits of 8 or 4 pages were slower at 32K); docs/kernels-h200.md pass 7.
+    # Off here (not measured yet; `decode4.decode4_options`, docs pass 8): ``heads_together``,
+    # ``tail_rows``, ``value_offsets_apart``.
     True: dict(
         block_m=64,
         block_n=32,

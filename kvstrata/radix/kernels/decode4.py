@@ -31,7 +31,7 @@ FP16 rather than BF16 operands: 11-bit significands (E2M1 and E4M3 products are 
 cost of range (hence the power of two on q; a product under 2**-14 is an FP16 subnormal, off by under
 2**-25 of q's largest element). A float32 model (and the interpreter) keeps float32 operands
 (``CODE_DTYPE``). The sink page, ring rows and the new key (BF16/float32) are read by
-`attend._raw_tile` in the same channel halves, in tiles of ``TAIL_N`` keys, by slot 0's rows; the
+`_tail_tile` in the same channel halves, in tiles of ``TAIL_N`` keys, by slot 0's rows; the
 cold blocks a split has past its last whole tile one block at a time (slot 0; a split's cold keys
 are whole pages of whole blocks: no tile is ever masked). ``PREFETCH`` loads the page-table entries
 and the scales Triton's pipeliner leaves in the loop (`_side_scales`) a tile ahead. Measured on the
@@ -54,7 +54,7 @@ from kvstrata.quant.kernel_decode import (
     nibble_pairs,
     value_tile_scales,
 )
-from kvstrata.radix.kernels.attend import HALF_FORMATS, _online, _raw_tile
+from kvstrata.radix.kernels.attend import HALF_FORMATS, _accumulate, _online, _raw_tile, _scores
 from kvstrata.radix.kernels.jit import jit_unspecialized
 
 # Keys a tile of the sink page, ring rows and the new key (BF16 channel halves loaded element by
@@ -67,6 +67,35 @@ def applies(k_fmt: int, v_fmt: int, head_dim: int, page_size: int) -> bool:
     32 or more (fp4 value blocks of 32 channels, 16-wide halves for `tl.dot`), 16-token blocks."""
     pow2 = head_dim & (head_dim - 1) == 0
     return k_fmt in HALF_FORMATS and v_fmt in HALF_FORMATS and pow2 and head_dim >= 32 and page_size % 16 == 0
+
+
+@triton.jit
+def _tail_tile(
+    q0, q1, acc0, acc1, m_i, l_i, KP, VP, row, ok, seen,
+    D: tl.constexpr, DOT_PREC: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    """One tile of the decode tail (sink page, ring rows, new key: raw model-dtype rows ``row`` of
+    ``KP``/``VP``, ``ok`` the keys to read, ``seen`` the query rows that see them) in the kernel's
+    even and odd channel halves. ``ROWS``: each key's and value's D channels load as one contiguous
+    row (16-byte vectors) and split into the halves in registers; else `attend._raw_tile`'s two
+    strided loads of 2-byte elements per row (Triton 3.6, sm_90: 257 global loads a 32-key tile)."""
+    if ROWS:
+        n: tl.constexpr = row.shape[0]
+        at = row[:, None] * D + tl.arange(0, D)[None, :]
+        kx = tl.load(KP + at, mask=ok[:, None], other=0.0).to(q0.dtype)
+        vx = tl.load(VP + at, mask=ok[:, None], other=0.0).to(q0.dtype)
+        k0, k1 = tl.split(tl.reshape(kx, [n, D // 2, 2]))
+        v0, v1 = tl.split(tl.reshape(vx, [n, D // 2, 2]))
+        s = tl.where(seen, _scores(q0, q1, k0, k1, True, DOT_PREC), float("-inf"))
+        p, alpha, m_i, l_i = _online(s, m_i, l_i)
+        acc0, acc1 = _accumulate(acc0, acc1, alpha, p, v0, v1, True, DOT_PREC)
+    else:
+        c0 = 2 * tl.arange(0, D // 2)
+        acc0, acc1, m_i, l_i = _raw_tile(
+            q0, q1, acc0, acc1, m_i, l_i, KP, VP, row, ok, seen, c0, c0 + 1, c0, c0 + 1, D, True, True,
+            DOT_PREC,
+        )  # fmt: skip
+    return acc0, acc1, m_i, l_i
 
 
 @triton.jit
@@ -153,6 +182,7 @@ def _cold_tile4(
     acc1,
     m_i,
     l_i,
+    o_i,
     K0,
     K1,
     K2,
@@ -173,12 +203,16 @@ def _cold_tile4(
     CODE_DTYPE: tl.constexpr,
     DOT_PREC: tl.constexpr,
     FOLD: tl.constexpr,
+    OFFSETS_APART: tl.constexpr,
 ):
     """Keys ``j0`` to ``j0 + 16 * BLOCKS`` of the sequence's cold pages, in pages ``pb`` (``[BLOCKS]``,
     each block's) and ``pv`` (``[16 * BLOCKS]``, each key's), with the tile's `_side_scales`
     ``side``. All of them keys: no masks (a split's cold keys are whole pages of whole blocks).
     ``FOLD``: query row ``i`` sees only the keys of block ``slot[i]``, scored with `_folded_query`'s
-    terms in ``side`` (``qc0``/``qc1`` unused); else every row sees every key."""
+    terms in ``side`` (``qc0``/``qc1`` unused); else every row sees every key. int4 values'
+    offsets ``sum(p * o)`` (one number a row) add to every channel of the accumulator, or with
+    ``OFFSETS_APART`` to ``o_i``, a row's running sum of them (rescaled as ``l_i``), which the
+    kernel adds to the accumulator once, after the cold tiles."""
     HD: tl.constexpr = D // 2
     N: tl.constexpr = BLOCKS * 16
     ka, kb, kc, kd, vx, vy = side
@@ -221,10 +255,13 @@ def _cold_tile4(
     acc0 = acc0 * alpha[:, None] + tl.dot(w, v0, input_precision=DOT_PREC) * top
     acc1 = acc1 * alpha[:, None] + tl.dot(w, v1, input_precision=DOT_PREC) * top
     if V_FMT == 5:
-        off = tl.sum(p * vy[None, :], 1)[:, None]
-        acc0 += off
-        acc1 += off
-    return acc0, acc1, m_i, l_i
+        off = tl.sum(p * vy[None, :], 1)
+        if OFFSETS_APART:
+            o_i = o_i * alpha + off
+        else:
+            acc0 += off[:, None]
+            acc1 += off[:, None]
+    return acc0, acc1, m_i, l_i, o_i
 
 
 @jit_unspecialized(  # the per-step arguments, as `attend._attend_kernel`'s
@@ -279,9 +316,17 @@ def _decode4_kernel(
     NORM_W: tl.constexpr,
     FOLD: tl.constexpr,
     SLOT_R: tl.constexpr,
+    HEADS_TOGETHER: tl.constexpr,
+    TAIL_ROWS: tl.constexpr,
+    OFFSETS_APART: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
+    if HEADS_TOGETHER:  # consecutive programs: the KV heads of one sequence (same grid, ids remapped)
+        pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        b = pid // H
+        h = pid % H
+    else:
+        b = tl.program_id(0)
+        h = tl.program_id(1)
     split = tl.program_id(2)
     # Row i of the tiles is query head h * GROUP + i % SLOT_R; with FOLD it sees only the keys of
     # block ``slot = i // SLOT_R`` of each cold tile (else SLOT_R is BLOCK_H: one slot, all keys).
@@ -299,6 +344,7 @@ def _decode4_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc0 = tl.zeros([BLOCK_H, D // 2], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_H, D // 2], dtype=tl.float32)
+    o_i = tl.zeros([BLOCK_H], dtype=tl.float32)  # int4 values' offsets with OFFSETS_APART
 
     # Cold keys of this split: tiles of BLOCKS blocks, then the blocks left one at a time (a split's
     # keys are whole pages of whole blocks, so no tile is masked and no key is padding).
@@ -350,9 +396,9 @@ def _decode4_kernel(
                 K1, K2, V1, V2, j0, pb, pv, pr, qc0, qc1, q_mul, h, H,
                 P, D, BLOCKS, K_FMT, V_FMT, FOLD, CODE_DTYPE,
             )  # fmt: skip
-        acc0, acc1, m_i, l_i = _cold_tile4(
-            qc0, qc1, acc0, acc1, m_i, l_i, K0, K1, K2, V0, j0, pb, pv, side, slot, h, H,
-            P, D, BLOCKS, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC, FOLD,
+        acc0, acc1, m_i, l_i, o_i = _cold_tile4(
+            qc0, qc1, acc0, acc1, m_i, l_i, o_i, K0, K1, K2, V0, j0, pb, pv, side, slot, h, H,
+            P, D, BLOCKS, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC, FOLD, OFFSETS_APART,
         )  # fmt: skip
         if PREFETCH:
             pb = pb_ahead
@@ -367,11 +413,14 @@ def _decode4_kernel(
             K1, K2, V1, V2, j0, pb1, pv1, pr1, qc0, qc1, q_mul, h, H,
             P, D, 1, K_FMT, V_FMT, FOLD, CODE_DTYPE,
         )  # fmt: skip
-        acc0, acc1, m_i, l_i = _cold_tile4(
-            qc0, qc1, acc0, acc1, m_i, l_i, K0, K1, K2, V0, j0, pb1, pv1, side1, slot, h, H,
-            P, D, 1, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC, FOLD,
+        acc0, acc1, m_i, l_i, o_i = _cold_tile4(
+            qc0, qc1, acc0, acc1, m_i, l_i, o_i, K0, K1, K2, V0, j0, pb1, pv1, side1, slot, h, H,
+            P, D, 1, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC, FOLD, OFFSETS_APART,
         )  # fmt: skip
 
+    if OFFSETS_APART and V_FMT == 5:  # the cold keys' value offsets, at the same running max
+        acc0 += o_i[:, None]
+        acc1 += o_i[:, None]
     if split == tail_split:  # sinks, ring and the new key (slot 0's rows): the last split of the pass
         qd0 = q0.to(DOT_DTYPE)
         qd1 = q1.to(DOT_DTYPE)
@@ -382,22 +431,22 @@ def _decode4_kernel(
             sink = tl.load(ST + b).to(tl.int64)
             for j0 in range(0, sink_len, TAIL_N):
                 ok = j0 + n < sink_len
-                acc0, acc1, m_i, l_i = _raw_tile(
+                acc0, acc1, m_i, l_i = _tail_tile(
                     qd0, qd1, acc0, acc1, m_i, l_i, SK, SV, (sink * P + j0 + n) * H + h, ok,
-                    ok[None, :] & first, c0, c1, c0, c1, D, True, True, DOT_PREC,
+                    ok[None, :] & first, D, DOT_PREC, TAIL_ROWS,
                 )  # fmt: skip
         ring_len = tl.load(RING_LEN + b)
         for j0 in range(0, ring_len, TAIL_N):
             ok = j0 + n < ring_len
             ring_row = tl.load(RR + b * rr_stride + j0 + n, mask=ok, other=0).to(tl.int64)
-            acc0, acc1, m_i, l_i = _raw_tile(
+            acc0, acc1, m_i, l_i = _tail_tile(
                 qd0, qd1, acc0, acc1, m_i, l_i, RK, RV, ring_row * H + h, ok, ok[None, :] & first,
-                c0, c1, c0, c1, D, True, True, DOT_PREC,
+                D, DOT_PREC, TAIL_ROWS,
             )  # fmt: skip
         ok = n < 1
-        acc0, acc1, m_i, l_i = _raw_tile(
+        acc0, acc1, m_i, l_i = _tail_tile(
             qd0, qd1, acc0, acc1, m_i, l_i, KN, VN, (b + n).to(tl.int64) * H + h, ok, ok[None, :] & first,
-            c0, c1, c0, c1, D, True, True, DOT_PREC,
+            D, DOT_PREC, TAIL_ROWS,
         )  # fmt: skip
 
     if BLOCK_H > SLOT_R:  # merge the slots' softmax states: one per query head
@@ -429,7 +478,10 @@ def decode4_options(group: int, launch: dict, interpreted: bool, meta: dict) -> 
     (``blocks``: 16-token blocks a tile, ``num_warps``, ``num_stages``, ``asm``: packed PTX decoding
     where the operands are FP16, ``maxnreg``: a register cap per thread, or None, ``fold_key_scales``:
     the keys' scales folded into the query per block, ``SLOT_R`` rows a block: the group padded to
-    a power of two, and to 16 rows over the tile's blocks).
+    a power of two, and to 16 rows over the tile's blocks), ``heads_together``: program ids remapped
+    so that consecutive programs are the KV heads of one sequence (the same grid), ``tail_rows``:
+    the decode tail's rows loaded whole (`_tail_tile`), ``value_offsets_apart``: int4 value offsets
+    summed per row (`_cold_tile4`); the last three off unless set (docs/kernels-h200.md, pass 8).
     Operands are FP16 for 16-bit models on a GPU, else float32 (``interpreted``, float32 models)."""
     f16 = not interpreted and meta["DOT_DTYPE"] in (tl.bfloat16, tl.float16)
     fold = bool(launch.get("fold_key_scales"))
@@ -445,6 +497,9 @@ def decode4_options(group: int, launch: dict, interpreted: bool, meta: dict) -> 
         ASM=bool(launch.get("asm")) and f16,
         FOLD=fold,
         SLOT_R=rows if fold else block_h,
+        HEADS_TOGETHER=bool(launch.get("heads_together")),
+        TAIL_ROWS=bool(launch.get("tail_rows")),
+        OFFSETS_APART=bool(launch.get("value_offsets_apart")),
         num_warps=launch["num_warps"],
         num_stages=launch["num_stages"],
     )

@@ -1,0 +1,190 @@
+"""The 4-bit decode kernel compiled for an H200 (sm_90) on a machine without a GPU: registers, stack and
+the instructions of each loop of its SASS (docs/kernels-h200.md, passes 6-8, "compiled code").
+
+    python benchmarks/decode4_compiled.py int4 256 2048 [heads_together=True maxnreg=168 ...] [--sass F]
+
+Builds the step `attention_gpu.py` times (8B layer, codec, batch, context) on CPU tensors, takes the
+launch `attend.pass_launch` gives it with `DECODE_LAUNCH[True]` updated by the ``key=value`` arguments,
+and compiles `_decode4_kernel` with the constexprs a BF16 model gets on the GPU (FP16 code operands,
+the packed PTX), 16-byte aligned pointers where a launch has them. Run it with the GPU's Triton
+version (its compiler and `cuobjdump` come with the wheel): other versions compile other code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).parent))
+from attention_gpu import GEOMETRIES, WINDOW, P  # noqa: E402
+
+from kvstrata.radix import CacheConfig, StratifiedKVCache  # noqa: E402
+from kvstrata.radix.kernels import attend, decode4  # noqa: E402
+from kvstrata.radix.plan import GroupPlan  # noqa: E402
+
+TYPES = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.uint8: "u8",
+    torch.int8: "i8",
+    torch.int16: "i16",
+    torch.int32: "i32",
+    torch.int64: "i64",
+}
+# Counted per loop: loads and stores (global, async copies, shared, spills), products, shuffles,
+# barriers, special functions and the arithmetic the decoding and softmax take.
+OPS = ["LDG", "LDGSTS", "LDS", "STS", "LDL", "STL", "HMMA", "SHFL", "BAR", "MUFU", "LOP3", "PRMT", "F2FP"]
+OPS += ["HADD2", "HFMA2", "FMUL", "FADD", "FFMA", "IMAD"]
+
+
+def step(codec: str, batch: int, context: int):
+    """`attention_gpu.build`'s step on the CPU: cache, plan, q, k, v."""
+    hq, hkv, d = GEOMETRIES["8b"]
+    cold = (context - 1 - (WINDOW - 1)) // P
+    ring_len = context - 1 - cold * P
+    cache = StratifiedKVCache(
+        CacheConfig(
+            num_layers=1,
+            kv_heads=hkv,
+            head_dim=d,
+            page_size=P,
+            recent_window=ring_len // P * P + P,
+            layer_codecs=[codec],
+            ring_dtype=torch.bfloat16,
+            num_pages=batch * cold,
+            max_running=batch,
+            device="cpu",
+        )
+    )
+    rows = torch.arange(batch).view(-1, 1) * cache.ring.capacity + torch.arange(ring_len)
+    plan = GroupPlan(
+        None,
+        batch,
+        1,
+        torch.arange(batch * cold).view(batch, cold),
+        [cold] * batch,
+        None,
+        [False] * batch,
+        rows,
+        [ring_len] * batch,
+        P,
+    )
+    q = torch.zeros(batch, hq, d, dtype=torch.bfloat16)
+    kv = torch.zeros(batch, hkv, d, dtype=torch.bfloat16)
+    return cache, plan, q, kv, kv
+
+
+def _type(arg) -> str:
+    """A runtime argument's type in Triton's signature."""
+    if isinstance(arg, torch.Tensor):
+        return "*" + TYPES[arg.dtype]
+    return "fp32" if isinstance(arg, float) else "i32"
+
+
+def compile_case(codec: str, batch: int, context: int):
+    """``(launch, options, compiled kernel)`` of the step with the current `DECODE_LAUNCH[True]`."""
+    cache, plan, q, k, v = step(codec, batch, context)
+    k_fmt, kp, v_fmt, vp = attend.layer_parts(cache.pool, 0)
+    launch = attend.pass_launch(plan, k_fmt, v_fmt, q, k, v, 0.088, cache.ring, None, None, True, True)
+    meta = {
+        n: launch.options[n] for n in ("D", "BLOCK_D", "P", "K_FMT", "V_FMT", "HAS_SINKS", "SPLIT", "NORM_W")
+    }
+    meta.update(DOT_PREC="tf32", DOT_DTYPE=tl.bfloat16, CODE_DTYPE=tl.bfloat16)  # a BF16 model on a GPU
+    options = decode4.decode4_options(q.shape[1] // k.shape[1], attend.DECODE_LAUNCH[True], False, meta)
+    ring_k, ring_v = attend.layer_kv(cache.ring, 0)
+    cold_len, ring_len, sink_len = launch.lengths
+    partial = torch.empty(1)
+    args = [q, k, v, q, partial, partial, plan.page_table, cold_len, *kp, *vp, sink_len, sink_len]
+    args += [ring_k, ring_v, plan.ring_rows, ring_len, ring_k, ring_v, *launch.scalars]
+    fn = decode4._decode4_kernel
+    runtime = [n for n in fn.arg_names if n not in options]
+    assert len(runtime) == len(args), (runtime, len(args))
+    sig = {n: _type(a) for n, a in zip(runtime, args, strict=True)}
+    unaligned = {"PT", "COLD_LEN", "ST", "SINK_OK", "RR", "RING_LEN"}  # `jit_unspecialized`'s pointers
+    names = fn.arg_names
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, n in enumerate(names)
+        if sig.get(n, "").startswith("*") and n not in unaligned
+    }
+    constexprs = {(i,): options[n] for i, n in enumerate(names) if n in options}
+    src = ASTSource(
+        fn=fn, signature={n: sig.get(n, "constexpr") for n in names}, constexprs=constexprs, attrs=attrs
+    )
+    target_options = {n: options[n] for n in ("num_warps", "num_stages", "maxnreg") if n in options}
+    return launch, options, triton.compile(src, target=GPUTarget("cuda", 90, 32), options=target_options)
+
+
+def loops(sass: str) -> list[list[str]]:
+    """The instructions of each loop (a backward branch's target to the branch), in program order."""
+    addresses: list[int] = []
+    instructions: list[str] = []
+    for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass):
+        addresses.append(int(m.group(1), 16))
+        instructions.append(m.group(2).strip())
+    index = {a: i for i, a in enumerate(addresses)}
+    spans = set()
+    for i, text in enumerate(instructions):
+        if (b := re.search(r"BRA\s+(?:.*?)(0x[0-9a-f]+)", text)) and int(b.group(1), 16) < addresses[i]:
+            spans.add((index[int(b.group(1), 16)], i + 1))
+    return [instructions[a:b] for a, b in sorted(spans)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("codec", choices=["int4", "fp4_e2m1"])
+    ap.add_argument("batch", type=int)
+    ap.add_argument("context", type=int)
+    ap.add_argument("launch", nargs="*", help="DECODE_LAUNCH[True] overrides, key=value (Python literals)")
+    ap.add_argument("--sass", help="write the SASS here")
+    args = ap.parse_args()
+    for item in args.launch:
+        key, value = item.split("=", 1)
+        attend.DECODE_LAUNCH[True][key] = ast.literal_eval(value)
+    launch, options, kernel = compile_case(args.codec, args.batch, args.context)
+    bin_dir = Path(triton.__file__).parent / "backends/nvidia/bin"
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    try:
+        usage = subprocess.run(
+            [bin_dir / "cuobjdump", "--dump-resource-usage", f.name],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        sass = subprocess.run(
+            [bin_dir / "cuobjdump", "-sass", f.name], capture_output=True, text=True, check=True
+        ).stdout
+    finally:
+        os.unlink(f.name)
+    regs, stack = re.search(r"REG:(\d+)", usage).group(1), re.search(r"STACK:(\d+)", usage).group(1)
+    print(
+        f"{args.codec} B={args.batch} context {args.context}, Triton {triton.__version__}: "
+        f"grid {launch.grid}, BLOCK_H {options['BLOCK_H']}, SLOT_R {options['SLOT_R']}; "
+        f"{regs} registers, {stack} bytes of stack"
+    )
+    for i, body in enumerate(loops(sass)):
+        ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
+        print(
+            f"  loop {i}: {len(body)} instructions; " + " ".join(f"{op} {ops[op]}" for op in OPS if ops[op])
+        )
+    if args.sass:
+        Path(args.sass).write_text(sass)
+
+
+if __name__ == "__main__":
+    main()
