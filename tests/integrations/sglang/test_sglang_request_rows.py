@@ -211,11 +211,15 @@ def test_replay_view_hook_adds_the_request_ids():
 
     from sglang.srt.model_executor.runner import decode_cuda_graph_runner as runner
     from sglang.srt.plugins import load_plugins
+    from sglang.srt.plugins.hook_registry import HookRegistry
 
     from kvstrata.integrations.sglang import register
 
     load_plugins()
-    register()  # idempotent; where kvstrata runs from a path, not installed, no entry point found it
+    # Where kvstrata runs from a path, not installed (the GPU machine), no entry point found it and
+    # load_plugins() applied no kvstrata hook: register, then apply what is not patched yet.
+    register()
+    HookRegistry.apply_hooks()
     fb = MagicMock(rids=["a", "b"], seq_lens_sum=None)
     args = {name: MagicMock() for name in inspect.signature(runner.build_replay_fb_view).parameters}
     args.update(
