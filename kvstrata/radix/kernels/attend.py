@@ -111,8 +111,11 @@ DECODE_LAUNCH = {
     # registers without folding, 2.51 / 2.36 folded with 4 warps), the tail in a split of its own
     # where the programs allow (B=1: 32K 0.066 ms against 0.073-0.077, 2K 0.048 against 0.062-0.065;
     # splits of 8 or 4 pages were slower at 32K); docs/kernels-h200.md pass 7.
-    # Off here (not measured yet; `decode4.decode4_options`, docs pass 8): ``heads_together``,
-    # ``tail_rows``, ``value_offsets_apart``.
+    # Pass 8 (`decode4.decode4_options`): ``heads_together`` (consecutive programs are one sequence's
+    # KV heads), ``tail_rows`` (the decode tail's rows loaded whole), ``value_offsets_apart`` (int4
+    # value offsets added once after the cold tiles), together: H200, int4 / fp4, B=256 at 2K 0.509 /
+    # 0.499 ms against 0.748 / 0.800, B=1,024 at 2K 1.803 / 1.883 against 2.916 / 3.210, B=64 at 32K
+    # 1.880 / 1.848 against 1.790 / 2.013 (attention_sweep.py, one run).
     True: dict(
         block_m=64,
         block_n=32,
@@ -132,11 +135,22 @@ DECODE_LAUNCH = {
         tail_apart=True,
         asm=True,
         fold_key_scales=True,
+        heads_together=True,
+        tail_rows=True,
+        value_offsets_apart=True,
     ),
 }
 # 4-bit decode layers `decode4` does not read (one side 8/16-bit, or head_dim not a power of two): the
 # shape this kernel had by blocks before pass 7 (4 warps, 128 registers; one warp is tuned for decode4).
 OTHER_4BIT_DECODE = dict(blocks=4, num_warps=4, programs=1024, maxnreg=128, tail_apart=False)
+# FP8 history (keys and values E4M3/E5M2) where a step has at least ``FP8_WIDE_PROGRAMS`` programs before
+# splitting: one warp a program, 32-key tiles, four times the programs, no register cap (255 registers,
+# no spills, 8 programs an SM). H200, B=64 at 32K 1.300 ms against 1.573 for the 4-warp shape, B=256
+# at 2K 0.355 against 0.430, B=1,024 at 2K 1.416 against 1.580 (attention_sweep.py, one run; docs pass
+# 8). Smaller batches (B=1 at 32K reads 16 one-warp tiles a split instead of 4 of 4 warps) keep the
+# 4-warp shape: they were not measured with it.
+FP8_WIDE_DECODE = dict(block_n=32, num_warps=1, programs=4096, maxnreg=None)
+FP8_WIDE_PROGRAMS = 512
 # Extend, by the layer's codes (`extend_kind`): 128 query rows a tile. BF16/FP32 history ("raw"): 64
 # keys a tile, 4 pipeline stages, page-table entries a tile ahead (`prefetch`: three tiles of K/V
 # copies in flight; H200, 2K chunk over 30K: 2.692 ms against 3.101 for the 8-bit shape, 0.66x SDPA
@@ -179,6 +193,7 @@ EXTEND_LAUNCH = {
 }
 HALF_FORMATS = (5, 6)  # 4-bit codes: the decode kernel splits q and the output into even/odd channels
 SCALED_KEY_FORMATS = (3, 4)  # int8 keys: per-channel scales (and offsets) over each page
+FP8_FORMATS = (1, 2)  # FP8 E4M3 / E5M2 codes
 MIN_PAGES_PER_SPLIT = 16
 _DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -883,6 +898,8 @@ def pass_launch(
 
         if not decode4.applies(k_fmt, v_fmt, d, page):  # by blocks here, in this kernel's own shape
             launch = {**launch, **OTHER_4BIT_DECODE}
+    if T == 1 and k_fmt in FP8_FORMATS and v_fmt in FP8_FORMATS and B * h >= FP8_WIDE_PROGRAMS:
+        launch = {**launch, **FP8_WIDE_DECODE}
     by_blocks = launch["by_blocks"] or (k_fmt in SCALED_KEY_FORMATS and launch.get("scaled_keys_by_blocks"))
     fold = page % 16 == 0 and bool(by_blocks)
     half_k, half_v = fold and k_fmt in HALF_FORMATS, fold and v_fmt in HALF_FORMATS
