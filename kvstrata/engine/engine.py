@@ -89,6 +89,7 @@ class Engine:
             self.capacity_tokens,
             self.max_context,
             self.config.vocab_size,
+            kv_heads=self.config.kv_heads,
         )
         drift, self.drift = self.drift, None  # warm-up requests are never drift samples
         try:

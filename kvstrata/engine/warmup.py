@@ -26,6 +26,7 @@ Then the prefix cache is emptied and the engine's request statistics start from 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 # New tokens behind a cached prefix: every query block of the extend kernel (new tokens x query heads
@@ -46,10 +47,16 @@ class WarmupRound:
 
 
 def warmup_rounds(
-    batch: int, page_size: int, capacity: int, context: int, vocab: int, seed: int = 0
+    batch: int,
+    page_size: int,
+    capacity: int,
+    context: int,
+    vocab: int,
+    seed: int = 0,
+    kv_heads: int = 1,
 ) -> list[WarmupRound]:
     """The warm-up's rounds (each submitted at once, the next after it ends), within ``capacity``
-    tokens of KV and ``context`` tokens per sequence."""
+    tokens of KV and ``context`` tokens per sequence; ``kv_heads``: the model's (round 4)."""
     rng = random.Random(seed)
 
     def ids(n: int) -> list[int]:
@@ -68,5 +75,56 @@ def warmup_rounds(
     # alone over long histories (round 2's cached prompts stay in the pool, evictable)
     longest = limit - 4
     doubling = [page_size * MIN_SPLIT_PAGES * 2**k for k in range(32)]
-    rounds += [WarmupRound([ids(n)], [2]) for n in [*(n for n in doubling if n < longest), longest] if n > 0]
+    alone = [n for n in [*(n for n in doubling if n < longest), longest] if n > 0]
+    rounds += [WarmupRound([ids(n)], [2]) for n in alone]
+    if alone:
+        last = rounds[-1].prompts[0]
+        rounds += _shared_history_rounds(last, batch, page_size, capacity, kv_heads, ids)
     return [r for r in rounds if r.prompts]
+
+
+def _shared_history_rounds(
+    longest: list[int],
+    batch: int,
+    page_size: int,
+    capacity: int,
+    kv_heads: int,
+    ids: Callable[[int], list[int]],
+) -> list[WarmupRound]:
+    """Round 4: decode over histories the batch shares, at every size of `decode_batches` over every
+    history of `history_tokens`: ``b`` requests at once behind the first pages of round 3's last
+    prompt (the tree holds them as cold pages, so each computes one new token), two tokens each.
+    Shared pages cost one prefill; each request adds a page of its own (the pool's room bounds the
+    history)."""
+    room = capacity - batch * 2 * page_size  # each request's partial page and new tokens
+    whole = min(len(longest), room) // page_size * page_size
+    return [
+        WarmupRound([[*longest[:n], *ids(1)] for _ in range(b)], [2] * b)
+        for n in history_tokens(page_size)
+        if n <= whole
+        for b in decode_batches(batch, kv_heads)
+    ]
+
+
+def decode_batches(batch: int, kv_heads: int) -> list[int]:
+    """Round 4's batch sizes. A decode step's split count is ``min(cdiv(target, programs), cold pages
+    // min_pages)`` (`attend._num_splits`; programs: sequences x KV heads), one more for the tail
+    where the programs allow, and the merge compiles one variant per power-of-two split block: as
+    the batch halves, the programs' bound doubles. FP8 history decodes in a shape of its own (one
+    warp, 32-key tiles, another target) from ``FP8_WIDE_PROGRAMS`` programs: the batches at and just
+    below that bound join the halvings."""
+    from kvstrata.radix.kernels.attend import FP8_WIDE_PROGRAMS
+
+    wide = -(-FP8_WIDE_PROGRAMS // kv_heads)
+    halvings = {max(1, batch >> k) for k in range(batch.bit_length())}
+    return sorted({b for b in (*halvings, wide - 1, wide) if 1 <= b <= batch}, reverse=True)
+
+
+def history_tokens(page_size: int) -> list[int]:
+    """Round 4's shared histories: whole pages, ``2**j * 2 * min_pages`` of them cold (the fewest
+    pages a decode split reads, `attend.DECODE_LAUNCH`) and one more (the request's ring), so the
+    history's bound on the split count is each power of two from 2 on."""
+    from kvstrata.radix.kernels.attend import DECODE_LAUNCH
+
+    least = min(launch["min_pages"] for launch in DECODE_LAUNCH.values())
+    return [(least * 2 ** (j + 1) + 1) * page_size for j in range(32)]
