@@ -1,0 +1,75 @@
+"""The warm-up compiles every kernel variant serving launches: each (kernel, constexprs, launch
+options, argument specialization) a served workload's steps record (`kernel_variants`) was recorded
+in the warm-up already, for FP8 (both decode shapes, split and not), int4 (`decode4`) and BF16 history.
+
+On CPU under the interpreter with the real launch tables, the kernels not run (`record_variants`'s
+``execute`` off: only the launches matter), on a tiny model with 8 KV heads so that a decode of
+64 or more sequences reaches `attend.FP8_WIDE_PROGRAMS` programs, as on the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import tiny_models
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("records interpreted launches (CPU)", allow_module_level=True)
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kernel_variants import record_variants  # noqa: E402
+
+from kvstrata.engine.engine import Engine  # noqa: E402
+from kvstrata.engine.loader import load_model  # noqa: E402
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def eight_kv_heads(tmp_path_factory):
+    net = tiny_models.hf_model("qwen3", num_key_value_heads=8, max_position_embeddings=2048)
+    return load_model(tiny_models.save_hf(net, tmp_path_factory.mktemp("kv8")), dtype=torch.float32)
+
+
+def _serve(engine: Engine) -> None:
+    """Decode at B=72, 48, 31 and 7 over 1-2K-token histories (B=72: the wide FP8 shape, split), single
+    requests over 1-2K, a 16-token extend behind a cached 1,520-token prompt."""
+    rng = random.Random(1)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(300) for _ in range(n)]
+
+    for batch, length in ((72, 1536), (48, 1200), (31, 2000), (7, 1800), (1, 2000), (1, 1100)):
+        prompts = [ids(length + i) for i in range(batch)]
+        engine.generate(input_ids=prompts, sampling_params=dict(GREEDY, max_new_tokens=6))
+    cached = ids(1520)
+    for prompt in (cached, cached + ids(16)):
+        engine.generate(input_ids=[prompt], sampling_params=dict(GREEDY, max_new_tokens=3))
+
+
+@pytest.mark.parametrize("codec", ["fp8_e4m3", "int4", "auto"])
+def test_warmup_meets_every_served_variant(eight_kv_heads, codec: str) -> None:
+    with record_variants(execute=False) as warm:
+        engine = Engine(
+            model=eight_kv_heads, attention_backend="triton", kv_cache_dtype=codec, warmup="on",
+            max_running_requests=80, page_size=16, max_total_tokens=150_000,
+        )  # fmt: skip
+    try:
+        with record_variants(execute=False) as served:
+            _serve(engine)
+    finally:
+        engine.shutdown()
+    kernels = {name.rsplit(".", 1)[1] for name, _ in served}
+    assert {"_merge_kernel", "_decode4_kernel" if codec == "int4" else "_decode_kernel"} <= kernels
+    # the workload meets what the warm-up's rounds 1-3 alone missed (recorded before round 4 was added):
+    # merges of 2 (FP8, BF16) or 4 (int4) splits, FP8's wide shape split
+    merges = {dict(parts)["BLOCK_S"] for name, parts in served if name.endswith("_merge_kernel")}
+    assert ("4" if codec == "int4" else "2") in merges
+    decodes = [dict(parts) for name, parts in served if name.endswith("_decode_kernel")]
+    wide_split = {"num_warps": "1", "SPLIT": "True"}
+    assert any(wide_split.items() <= d.items() for d in decodes) is (codec == "fp8_e4m3")
+    missing = [name for name, _ in served - warm]
+    assert not missing, f"{len(missing)} served variants the warm-up did not compile: {sorted(missing)}"
