@@ -11,14 +11,14 @@ from prompt_texts import PROMPT_TEXTS
 from kvstrata.engine.engine import Engine
 from kvstrata.engine.options import EngineArgs
 from kvstrata.engine.trace import TRACE_ENV, WARMUP_DONE, read_trace, summarize
-from kvstrata.engine.warmup import EXTEND_TOKENS, warmup_rounds
+from kvstrata.engine.warmup import EXTEND_TOKENS, decode_batches, history_tokens, warmup_rounds
 from kvstrata.radix import StratifiedKVCache
 from kvstrata.server.config import ServerConfig
 
 
 def test_rounds_cover_batch_extends_and_long_histories() -> None:
     rounds = warmup_rounds(batch=64, page_size=16, capacity=100_000, context=8192, vocab=1000)
-    first, extend, *alone = rounds
+    first, extend, *alone = rounds[:7]
     assert len(first.prompts) == 64 and sorted(set(first.max_new)) == list(range(1, 9))
     assert {len(p) for p in first.prompts} >= {32, 32 + 16 * 23 + 15}  # 2 to 25 pages, partial ones too
     base = first.prompts[-1][: len(first.prompts[-1]) // 16 * 16]  # its whole pages: what the tree holds
@@ -31,6 +31,26 @@ def test_rounds_cover_batch_extends_and_long_histories() -> None:
     assert [len(r.prompts[0]) for r in alone] == [512, 1024, 2048, 4096, 8172]
     assert all(len(r.prompts) == 1 and r.max_new == [2] for r in alone)
     assert all(0 <= t < 1000 for r in rounds for p in r.prompts for t in p)
+    # round 4: 64, 32, ... 1 requests behind 33, 65, 129, 257 whole pages of the last prompt (32 x 2**j
+    # cold, 2 x 16 min_pages of a 4-bit split), one new token each
+    shared = rounds[7:]
+    longest = alone[-1].prompts[0]
+    assert [(len(r.prompts), len(r.prompts[0])) for r in shared] == [
+        (b, 16 * pages + 1) for pages in (33, 65, 129, 257) for b in (64, 32, 16, 8, 4, 2, 1)
+    ]
+    assert all(
+        p[:-1] == longest[: len(p) - 1] and r.max_new == [2] * len(r.prompts)
+        for r in shared
+        for p in r.prompts
+    )
+
+
+def test_shared_history_batches_meet_the_wide_fp8_bound() -> None:
+    """With 8 KV heads, FP8 decode takes its wide shape from 64 sequences (`attend.FP8_WIDE_PROGRAMS`
+    512): round 4 decodes at 64 and 63 besides the halvings of the batch."""
+    assert decode_batches(256, 8) == [256, 128, 64, 63, 32, 16, 8, 4, 2, 1]
+    assert decode_batches(48, 8) == [48, 24, 12, 6, 3, 1]  # the wide shape out of reach
+    assert history_tokens(16)[:3] == [16 * 33, 16 * 65, 16 * 129]
 
 
 @pytest.mark.parametrize("group", [1, 2, 4, 8, 16])
