@@ -100,10 +100,22 @@ def _shared_history_rounds(
     whole = min(len(longest), room) // page_size * page_size
     return [
         WarmupRound([[*longest[:n], *ids(1)] for _ in range(b)], [2] * b)
-        for n in history_tokens(page_size)
+        for j, n in enumerate(history_tokens(page_size))
         if n <= whole
         for b in decode_batches(batch, kv_heads)
+        if j == 0 or most_splits(b, kv_heads) > 2**j
     ]
+
+
+def most_splits(batch: int, kv_heads: int) -> int:
+    """The most splits a decode of ``batch`` sequences takes over any history: the largest program
+    target of `attend.DECODE_LAUNCH` / `FP8_WIDE_DECODE` over its programs, one more for the tail.
+    Round 4 skips the histories whose bound on the split count (``2**(j + 1)``) is past the one before
+    it and this: such a batch splits there as over the shorter history."""
+    from kvstrata.radix.kernels.attend import DECODE_LAUNCH, FP8_WIDE_DECODE
+
+    target = max(launch["programs"] for launch in (*DECODE_LAUNCH.values(), FP8_WIDE_DECODE))
+    return -(-target // (batch * kv_heads)) + 1
 
 
 def decode_batches(batch: int, kv_heads: int) -> list[int]:
