@@ -73,3 +73,35 @@ def test_warmup_meets_every_served_variant(eight_kv_heads, codec: str) -> None:
     assert any(wide_split.items() <= d.items() for d in decodes) is (codec == "fp8_e4m3")
     missing = [name for name, _ in served - warm]
     assert not missing, f"{len(missing)} served variants the warm-up did not compile: {sorted(missing)}"
+
+
+def test_warmup_meets_the_raised_pools_variants(eight_kv_heads) -> None:
+    """With the drift fallback's raised pool, steps over raised pages add a kernel pass (the text
+    pass then writes partials): served at fallback level 1, over new prompts and over prompts cached
+    at level 0 (text pages, then raised ones), every variant was met by the warm-up's second run."""
+    with record_variants(execute=False) as warm:
+        engine = Engine(
+            model=eight_kv_heads, attention_backend="triton", kv_cache_dtype="fp8_e4m3", warmup="on",
+            max_running_requests=80, page_size=16, max_total_tokens=150_000,
+            drift_sample_rate=1e-9, drift_threshold=1e9,
+        )  # fmt: skip
+    assert engine.cache.raised_pool is not None and engine.drift is not None
+    try:
+        rng = random.Random(2)
+        cached = [[rng.randrange(300) for _ in range(700 + 9 * i)] for i in range(24)]
+        with record_variants(execute=False) as served:
+            engine.generate(input_ids=cached, sampling_params=dict(GREEDY, max_new_tokens=1))
+            engine.drift.policy.level = 1  # new text pages raised (the engine thread reads it each step)
+            _serve(engine)
+            longer = [p + [rng.randrange(300) for _ in range(40)] for p in cached]
+            engine.generate(input_ids=longer, sampling_params=dict(GREEDY, max_new_tokens=20))
+    finally:
+        engine.shutdown()
+    raised_pass = [
+        d
+        for d in map(dict, (parts for _, parts in served))
+        if d.get("HAS_SINKS") == "False" and d.get("SPLIT") == "True"
+    ]
+    assert raised_pass  # the raised pool's pass: no sink page, split partials
+    missing = [name for name, _ in served - warm]
+    assert not missing, f"{len(missing)} served variants the warm-up did not compile: {sorted(missing)}"
