@@ -16,11 +16,21 @@ measured run. The warm-up meets the same shapes through the engine itself, with 
    query block, token counts on and off multiples of 16: ``EXTEND_TOKENS``),
    then decode at B = 8 down to 1 over short histories (one split);
 3. one request at a time over 32, 64, 128 ... pages and the longest context the pool and the model
-   hold, two tokens each: decode alone over long histories, split across programs (the split kernel
-   and each power-of-two split count of the merge). A fresh fp8 server on one H200 still met a 4.1 s
-   compile there when only rounds 1 and 2 ran.
+   hold, two tokens each: decode alone over long histories, split across programs (the split kernel,
+   the merge's larger split blocks). A fresh fp8 server on one H200 still met a 4.1 s compile there
+   when only rounds 1 and 2 ran;
+4. ``batch``, ``batch / 2``, ... 1 requests at once (and, for FP8 history's wide decode shape, the
+   batches at and below its bound) behind 32, 64, 128 ... cold pages of round 3's last prompt, which
+   they share (one new token each, two generated): decode split at every batch size class, each
+   split count the programs or the history allow (`decode_batches`, `history_tokens`), so each
+   merge block. Rounds 1-3 alone missed, on CPU with the launch tables of commit 9426917: the merge
+   of 2 splits (B=48 over 1,200 tokens, BF16 and FP8), of 4 (int4) and FP8's wide shape split (B=64
+   over 1,536 tokens at 8 KV heads) (`tests/engine/test_warmup_variants.py`).
 
-Then the prefix cache is emptied and the engine's request statistics start from zero.
+With a raised pool (the drift fallback's), the engine runs the rounds twice, the second time at fallback
+level 1 (`Engine._warm_up`). Then the prefix cache is emptied and the engine's request statistics
+start from zero. Not covered: the image pool's pass (a vision request's steps), which compiles on the
+first one served.
 """
 
 from __future__ import annotations
