@@ -58,9 +58,20 @@ def bench(fn, graph: bool = True) -> float:
     return both - triton.testing.do_bench_cudagraph(flush, rep=20, return_mode="median")
 
 
-def build(codec: str, batch: int, context: int, hq: int, hkv: int, d: int, tokens: int = 1):
+def build(
+    codec: str,
+    batch: int,
+    context: int,
+    hq: int,
+    hkv: int,
+    d: int,
+    tokens: int = 1,
+    device: str = "cuda",
+    fill: bool = True,
+):
     """A one-layer cache holding ``batch`` sequences of ``context - tokens`` cached tokens (cold pages
-    + ring), the step's plan, and q/k/v of the new tokens."""
+    + ring), the step's plan, and q/k/v of the new tokens. ``fill``: random history in the pool and
+    ring (off: the shapes only, e.g. to compile the step's kernels)."""
     cold = (context - tokens - (WINDOW - 1)) // P
     ring_len = context - tokens - cold * P
     cache = StratifiedKVCache(
@@ -74,25 +85,26 @@ def build(codec: str, batch: int, context: int, hq: int, hkv: int, d: int, token
             ring_dtype=torch.bfloat16,
             num_pages=batch * cold,
             max_running=batch,
-            device="cuda",
+            device=device,
         )
     )
-    chunk = max(1, (1 << 27) // (P * hkv * d))
-    for start in range(0, batch * cold, chunk):
-        ids = torch.arange(start, min(start + chunk, batch * cold), device="cuda")
-        kv = torch.randn(2, ids.numel(), P, hkv, d, device="cuda", dtype=torch.bfloat16)
-        cache.pool.write(0, ids, kv[0], kv[1])
-    cache.ring.k.normal_()
-    cache.ring.v.normal_()
+    if fill:
+        chunk = max(1, (1 << 27) // (P * hkv * d))
+        for start in range(0, batch * cold, chunk):
+            ids = torch.arange(start, min(start + chunk, batch * cold), device=device)
+            kv = torch.randn(2, ids.numel(), P, hkv, d, device=device, dtype=torch.bfloat16)
+            cache.pool.write(0, ids, kv[0], kv[1])
+        cache.ring.k.normal_()
+        cache.ring.v.normal_()
     cap = cache.ring.capacity
     ring_rows = (
-        torch.arange(batch, device="cuda").view(-1, 1) * cap + torch.arange(ring_len, device="cuda")
+        torch.arange(batch, device=device).view(-1, 1) * cap + torch.arange(ring_len, device=device)
     ).long()
     plan = GroupPlan(
         None,
         batch,
         tokens,
-        torch.arange(batch * cold, device="cuda").view(batch, cold),
+        torch.arange(batch * cold, device=device).view(batch, cold),
         [cold] * batch,
         None,
         [False] * batch,
@@ -100,9 +112,9 @@ def build(codec: str, batch: int, context: int, hq: int, hkv: int, d: int, token
         [ring_len] * batch,
         P,
     )
-    q = torch.randn(batch * tokens, hq, d, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(batch * tokens, hkv, d, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(batch * tokens, hkv, d, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(batch * tokens, hq, d, device=device, dtype=torch.bfloat16)
+    k = torch.randn(batch * tokens, hkv, d, device=device, dtype=torch.bfloat16)
+    v = torch.randn(batch * tokens, hkv, d, device=device, dtype=torch.bfloat16)
     moved = (
         batch * cold * cache.pool.page_bytes
         + 2 * batch * ring_len * hkv * d * 2

@@ -29,11 +29,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).parent))
-from attention_gpu import GEOMETRIES, WINDOW, P  # noqa: E402
+from attention_gpu import GEOMETRIES, build  # noqa: E402
 
-from kvstrata.radix import CacheConfig, StratifiedKVCache  # noqa: E402
 from kvstrata.radix.kernels import attend, decode4  # noqa: E402
-from kvstrata.radix.plan import GroupPlan  # noqa: E402
 
 TYPES = {
     torch.bfloat16: "bf16",
@@ -52,40 +50,8 @@ OPS += ["HADD2", "HFMA2", "FMUL", "FADD", "FFMA", "IMAD"]
 
 
 def step(codec: str, batch: int, context: int):
-    """`attention_gpu.build`'s step on the CPU: cache, plan, q, k, v."""
-    hq, hkv, d = GEOMETRIES["8b"]
-    cold = (context - 1 - (WINDOW - 1)) // P
-    ring_len = context - 1 - cold * P
-    cache = StratifiedKVCache(
-        CacheConfig(
-            num_layers=1,
-            kv_heads=hkv,
-            head_dim=d,
-            page_size=P,
-            recent_window=ring_len // P * P + P,
-            layer_codecs=[codec],
-            ring_dtype=torch.bfloat16,
-            num_pages=batch * cold,
-            max_running=batch,
-            device="cpu",
-        )
-    )
-    rows = torch.arange(batch).view(-1, 1) * cache.ring.capacity + torch.arange(ring_len)
-    plan = GroupPlan(
-        None,
-        batch,
-        1,
-        torch.arange(batch * cold).view(batch, cold),
-        [cold] * batch,
-        None,
-        [False] * batch,
-        rows,
-        [ring_len] * batch,
-        P,
-    )
-    q = torch.zeros(batch, hq, d, dtype=torch.bfloat16)
-    kv = torch.zeros(batch, hkv, d, dtype=torch.bfloat16)
-    return cache, plan, q, kv, kv
+    """`attention_gpu.build`'s step on the CPU, its shapes only: cache, plan, q, k, v."""
+    return build(codec, batch, context, *GEOMETRIES["8b"], device="cpu", fill=False)[:5]
 
 
 def _type(arg) -> str:

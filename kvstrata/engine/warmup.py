@@ -118,14 +118,13 @@ def _shared_history_rounds(
 
 
 def most_splits(batch: int, kv_heads: int) -> int:
-    """The most splits a decode of ``batch`` sequences takes over any history: the largest program
-    target of `attend.DECODE_LAUNCH` / `FP8_WIDE_DECODE` over its programs, one more for the tail.
+    """The most splits a decode of ``batch`` sequences takes over any history: the decode launches'
+    largest programs target (`memory.split_target_programs`) over its programs, one more for the tail.
     Round 4 skips the histories whose bound on the split count (``2**(j + 1)``) is past the one before
     it and this: such a batch splits there as over the shorter history."""
-    from kvstrata.radix.kernels.attend import DECODE_LAUNCH, FP8_WIDE_DECODE
+    from kvstrata.engine.memory import split_target_programs
 
-    target = max(launch["programs"] for launch in (*DECODE_LAUNCH.values(), FP8_WIDE_DECODE))
-    return -(-target // (batch * kv_heads)) + 1
+    return -(-split_target_programs() // (batch * kv_heads)) + 1
 
 
 def decode_batches(batch: int, kv_heads: int) -> list[int]:
