@@ -58,10 +58,11 @@ def test_extends_meet_every_query_block(group: int) -> None:
     """Every query block an extend (2 or more new tokens) can take with ``group`` query heads per KV head
     is met by some warm-up extend: the block is a constexpr of the kernel, a new one compiles."""
 
-    def block(tokens: int) -> int:  # `attend.pass_launch`: rows = tokens x group, 16 to EXTEND_LAUNCH's 128
-        return max(16, min(128, 1 << (tokens * group - 1).bit_length()))
+    from kvstrata.radix.kernels.attend import EXTEND_LAUNCH, query_block
 
-    assert {block(t) for t in EXTEND_TOKENS} == {block(t) for t in range(2, 1024)}
+    for block_m in {launch["block_m"] for launch in EXTEND_LAUNCH.values()}:
+        met = {query_block(t * group, block_m) for t in EXTEND_TOKENS}
+        assert met == {query_block(t * group, block_m) for t in range(2, 1024)}, block_m
 
 
 def test_rounds_fit_a_small_pool_and_context() -> None:

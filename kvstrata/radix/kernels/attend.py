@@ -702,6 +702,12 @@ def _whole_tiles(
     return splits, per
 
 
+def query_block(rows: int, block_m: int) -> int:
+    """A tile's query rows for ``rows`` (new tokens x query heads per KV head): the power of two at or
+    above, 16 to the launch's ``block_m``. A constexpr of the kernels: each value compiles a variant."""
+    return max(16, min(block_m, triton.next_power_of_2(rows)))
+
+
 def _num_splits(programs: int, max_pages: int, target: int, min_pages: int = MIN_PAGES_PER_SPLIT) -> int:
     """Splits of the cold pages so that about ``target`` programs run, each with at least
     ``min_pages`` pages."""
@@ -903,7 +909,7 @@ def pass_launch(
     by_blocks = launch["by_blocks"] or (k_fmt in SCALED_KEY_FORMATS and launch.get("scaled_keys_by_blocks"))
     fold = page % 16 == 0 and bool(by_blocks)
     half_k, half_v = fold and k_fmt in HALF_FORMATS, fold and v_fmt in HALF_FORMATS
-    block_m = max(16, min(launch["block_m"], triton.next_power_of_2(T * group)))
+    block_m = query_block(T * group, launch["block_m"])
     m_blocks = triton.cdiv(T * group, block_m)
     pages_per_split = triton.cdiv(max(n_pages, 1), splits or 1)
     if splits is None and T == 1:
