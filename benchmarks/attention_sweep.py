@@ -51,7 +51,7 @@ def shape(
     merged_tail: bool = True,
     scaled_keys_by_blocks: bool = False,
     tail_apart: bool = False,
-    values_asm: bool = False,
+    codes_asm: bool = False,
     lazy_rescale: bool = False,
 ) -> dict:
     return dict(
@@ -72,7 +72,7 @@ def shape(
         merged_tail=merged_tail,
         scaled_keys_by_blocks=scaled_keys_by_blocks,
         tail_apart=tail_apart,
-        values_asm=values_asm,
+        codes_asm=codes_asm,
         lazy_rescale=lazy_rescale,
     )
 
@@ -112,7 +112,7 @@ EXTEND_4BIT = [shape(128, 64, 8, 2, True, 4, programs=0)]
 # ``wide_programs`` (`attend.FP8_WIDE_PROGRAMS` for the variant; 1: the wide shape at every batch, B=1
 # included) and pass 9's options (`decode.fp8_options`), the default first. Predicted from the sm_90 code
 # (Triton 3.6, offline; the wide shape's cold loop in warp instructions a 32-key tile, 255 registers,
-# 8 programs an SM, no spill in any): default 920 (28.8 a key); ``values_asm`` 802 (25.1: value codes
+# 8 programs an SM, no spill in any): default 920 (28.8 a key); ``codes_asm`` 802 (25.1: value codes
 # to FP16 before the product, 16 transposing ldmatrix instead of 130 byte loads and 64 byte packs);
 # ``lazy_rescale`` 867 on the tiles that keep the max (941 with the rescale's 74); both 727 (22.7 a key;
 # 801 with the rescale), the ~24 a key pass 8's model puts at about 1.07 ms at B=64, 32K.
@@ -124,10 +124,10 @@ _EVERY = dict(_DEFAULT, wide_programs=1)  # the wide shape at B=1 too
 DECODE = [
     _DEFAULT,
     _EVERY,
-    dict(_DEFAULT, values_asm=True),
+    dict(_DEFAULT, codes_asm=True),
     dict(_DEFAULT, lazy_rescale=True),
-    dict(_DEFAULT, values_asm=True, lazy_rescale=True),
-    dict(_EVERY, values_asm=True, lazy_rescale=True),
+    dict(_DEFAULT, codes_asm=True, lazy_rescale=True),
+    dict(_EVERY, codes_asm=True, lazy_rescale=True),
 ]
 # int8 keys (per-channel scales) by keys or by 16-token blocks; not part of the fastest-shape pick
 # (it would set the entry FP8 shares).
@@ -348,7 +348,7 @@ def sweep() -> dict[tuple[str, bool | str], dict]:
         blocks += ", tail rows" if s.get("tail_rows") else ""
         blocks += ", value offsets apart" if s.get("value_offsets_apart") else ""
         blocks += f", fp8 wide from {s['wide_programs']} programs" if "wide_programs" in s else ""
-        blocks += ", values asm" if s.get("values_asm") else ""
+        blocks += ", codes asm" if s.get("codes_asm") else ""
         blocks += ", lazy rescale" if s.get("lazy_rescale") else ""
         print(
             f"| {kind} | {batch} | {context} | {codec} | {s['block_m']} x {s['block_n']} | "

@@ -76,9 +76,10 @@ E5M2_F16_ASM = tl.constexpr(_FP8_F16_PTX.format("e5m2"))
 @triton.jit
 def fp8_f16(codes, E5M2: tl.constexpr):
     """uint8 FP8 codes (E4M3FN or E5M2) as FP16 (exact), by PTX: GPU only. The asm is declared impure
-    so that Triton keeps the conversion where it is written: before a dot operand's layout change, the
-    FP16 values then go through shared memory and load with a transposing ``ldmatrix``, where Triton
-    moves a plain FP8 conversion after the change and loads a value operand's codes byte by byte
+    so that Triton keeps the conversion where it is written, before a dot operand's layout change: the
+    FP16 values then go through shared memory and load with ``ldmatrix`` (transposing for P.V's
+    values). A plain FP8 conversion Triton moves past the change: value codes then load byte by byte,
+    and key codes in 4-code groups that the query's operand must match, at a register move an element
     (Triton 3.6, sm_90; docs/kernels-h200.md, pass 9)."""
     if E5M2:
         x = tl.inline_asm_elementwise(E5M2_F16_ASM, "=r,=r,r", [codes], tl.float16, False, 4)

@@ -198,13 +198,13 @@ def test_heuristic_splits_with_the_tail_apart(codec, apart, device, monkeypatch)
     assert seen and max(seen) > 2
 
 
-# Pass 9's FP8 options of the decode module (`decode.fp8_options`): value codes converted by PTX
+# Pass 9's FP8 options of the decode module (`decode.fp8_options`): key and value codes converted by PTX
 # (CUDA only; the interpreter runs the plain conversion) and the lazy rescale of the softmax state.
 PASS9 = {
     "plain": {},
     "lazy rescale": dict(lazy_rescale=True),
-    "values asm": dict(values_asm=True),
-    "both": dict(lazy_rescale=True, values_asm=True),
+    "codes asm": dict(codes_asm=True),
+    "both": dict(lazy_rescale=True, codes_asm=True),
 }
 
 
@@ -316,7 +316,7 @@ def test_fp8_decode_shape_by_batch(wide, device, monkeypatch):
 def test_fp8_pass9_options(codec, options, device, monkeypatch):
     """Pass 9's options on the one-warp, 32-key shape (`attend.FP8_WIDE_DECODE`'s), BF16 model, sinks
     on, split heuristic and 3 forced splits: BF16-level error against the float64 reference. The
-    kernel gets them for FP8 keys and values only (``VALUES_ASM`` on CUDA only), never for BF16
+    kernel gets them for FP8 keys and values only (``CODES_ASM`` on CUDA only), never for BF16
     history."""
     from test_kernels_attend import check_steps, make_cache
 
@@ -325,12 +325,12 @@ def test_fp8_pass9_options(codec, options, device, monkeypatch):
     launch = dict(attend.FP8_WIDE_DECODE, min_pages=2, tail_apart=True, f16_codes=True, **PASS9[options])
     for key, value in launch.items():
         monkeypatch.setitem(attend.DECODE_LAUNCH[False], key, value)
-    got = []  # (VALUES_ASM, LAZY_RESCALE) of each decode launch
+    got = []  # (CODES_ASM, LAZY_RESCALE) of each decode launch
     pass_launch = attend.pass_launch
 
     def recorded(*args, **kwargs):
         out = pass_launch(*args, **kwargs)
-        got.append((out.options["VALUES_ASM"], out.options["LAZY_RESCALE"]))
+        got.append((out.options["CODES_ASM"], out.options["LAZY_RESCALE"]))
         return out
 
     monkeypatch.setattr(attend, "pass_launch", recorded)
@@ -338,5 +338,5 @@ def test_fp8_pass9_options(codec, options, device, monkeypatch):
         cache = make_cache(codec, device, sinks=True, dtype=torch.bfloat16)
         check_steps(cache, [9, 70, 300], steps=2, n_new=1, tol=1.5e-2, dtype=torch.bfloat16, splits=splits)
     fp8 = codec != "bf16"
-    want = (fp8 and "values_asm" in launch and device == "cuda", fp8 and "lazy_rescale" in launch)
+    want = (fp8 and "codes_asm" in launch and device == "cuda", fp8 and "lazy_rescale" in launch)
     assert set(got) == {want}

@@ -188,6 +188,21 @@ def _lazy_online_pow2(s, ks, e_bits, acc, m_i, l_i):
 
 
 @triton.jit
+def _fp8_operand(
+    p, row, d, d_ok, D: tl.constexpr, BLOCK_D: tl.constexpr, FMT: tl.constexpr, CODE_DTYPE: tl.constexpr,
+    ASM: tl.constexpr,
+):  # fmt: skip
+    """``[N, BLOCK_D]`` FP8 codes at rows ``row`` (``[N]``) as ``CODE_DTYPE`` dot operands: ``ASM``
+    the raw bytes (`_codes` with format 0) converted by `fp8_f16`, else `_codes`' conversion (which
+    Triton 3.6 moves past the operand's layout change, so the codes reach shared memory as bytes)."""
+    if ASM:
+        x = fp8_f16(_codes(p, row[:, None], d[None, :], d_ok, D, BLOCK_D, 0, tl.uint8, False), FMT == 2)
+    else:
+        x = _codes(p, row[:, None], d[None, :], d_ok, D, BLOCK_D, FMT, CODE_DTYPE, True)
+    return x
+
+
+@triton.jit
 def _fp8_tile(
     qc,
     acc,
@@ -211,24 +226,22 @@ def _fp8_tile(
     MASKED: tl.constexpr,
     DOT_PREC: tl.constexpr,
     CODE_DTYPE: tl.constexpr,
-    VALUES_ASM: tl.constexpr,
+    CODES_ASM: tl.constexpr,
     LAZY: tl.constexpr,
 ):
     """A cold tile of FP8 keys and values (BF16 model, `attend._cold_tile`'s ``NORM_W`` and ``POW2_W``
-    path) with pass 9's options: ``VALUES_ASM`` value codes converted to FP16 by `fp8_f16` before the
-    product (FP16 ``CODE_DTYPE`` on a GPU), ``LAZY`` the softmax state by `_lazy_online_pow2`."""
+    path) with pass 9's options: ``CODES_ASM`` key and value codes converted to FP16 by `fp8_f16`
+    before the products (FP16 ``CODE_DTYPE`` on a GPU: `_fp8_operand`), ``LAZY`` the softmax state
+    by `_lazy_online_pow2`."""
     ok = j < end
     row = (page * P + (j % P).to(tl.int64)) * H + h
     d_ok = (d < D)[None, :]
-    k = _codes(K0, row[:, None], d[None, :], d_ok, D, BLOCK_D, K_FMT, CODE_DTYPE, True)
+    k = _fp8_operand(K0, row, d, d_ok, D, BLOCK_D, K_FMT, CODE_DTYPE, CODES_ASM)
     s = tl.dot(qc, tl.trans(k), input_precision=DOT_PREC)
     if MASKED:
         s = tl.where(ok[None, :], s, float("-inf"))
     ks = pow2_scale(tl.load(K1 + page * H + h))  # > 0: masked scores stay -inf
-    if VALUES_ASM:  # the raw codes (format 0: loaded as they are), then the PTX conversion
-        v = fp8_f16(_codes(V0, row[:, None], d[None, :], d_ok, D, BLOCK_D, 0, tl.uint8, False), V_FMT == 2)
-    else:
-        v = _codes(V0, row[:, None], d[None, :], d_ok, D, BLOCK_D, V_FMT, CODE_DTYPE, True)
+    v = _fp8_operand(V0, row, d, d_ok, D, BLOCK_D, V_FMT, CODE_DTYPE, CODES_ASM)
     if LAZY:
         w, acc, m_i, l_i = _lazy_online_pow2(s, ks, tl.load(V1 + row), acc, m_i, l_i)
     else:
@@ -269,17 +282,17 @@ def _decode_cold_tile(
     NORM_W: tl.constexpr,
     HALVES: tl.constexpr,
     SWAP: tl.constexpr,
-    VALUES_ASM: tl.constexpr,
+    CODES_ASM: tl.constexpr,
     LAZY: tl.constexpr,
 ):
-    """One cold tile of the decode loop: `_fp8_tile` where pass 9's options apply (``VALUES_ASM`` or
+    """One cold tile of the decode loop: `_fp8_tile` where pass 9's options apply (``CODES_ASM`` or
     ``LAZY``, set by `decode_options` for FP8 keys and values only), `_cold_tile_t` (``SWAP``) or
     `_cold_tile` with the decode module's value scales (its last argument), so the full tiles and the
     masked last one share a call."""
-    if VALUES_ASM or LAZY:
+    if CODES_ASM or LAZY:
         acc, m_i, l_i = _fp8_tile(
             qc, acc, m_i, l_i, page, K0, K1, V0, V1, j, end, d, h,
-            H, P, D, BLOCK_D, K_FMT, V_FMT, MASKED, DOT_PREC, CODE_DTYPE, VALUES_ASM, LAZY,
+            H, P, D, BLOCK_D, K_FMT, V_FMT, MASKED, DOT_PREC, CODE_DTYPE, CODES_ASM, LAZY,
         )  # fmt: skip
     elif SWAP:
         acc, m_i, l_i = _cold_tile_t(
@@ -343,7 +356,7 @@ def _decode_kernel(
     NORM_W: tl.constexpr,
     HALVES: tl.constexpr,
     MERGED_TAIL: tl.constexpr,
-    VALUES_ASM: tl.constexpr,
+    CODES_ASM: tl.constexpr,
     LAZY_RESCALE: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -386,7 +399,7 @@ def _decode_kernel(
         acc, m_i, l_i = _decode_cold_tile(
             qd, qc, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, j0 + n, end, d, h,
             H, P, D, BLOCK_D, K_FMT, V_FMT, False, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES, SWAP,
-            VALUES_ASM, LAZY_RESCALE,
+            CODES_ASM, LAZY_RESCALE,
         )  # fmt: skip
         if PREFETCH:
             page = page_ahead
@@ -396,7 +409,7 @@ def _decode_kernel(
         acc, m_i, l_i = _decode_cold_tile(
             qd, qc, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, full + n, end, d, h,
             H, P, D, BLOCK_D, K_FMT, V_FMT, True, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES, SWAP,
-            VALUES_ASM, LAZY_RESCALE,
+            CODES_ASM, LAZY_RESCALE,
         )  # fmt: skip
     if SWAP:
         acc = tl.trans(acc)
@@ -465,7 +478,7 @@ def decode_options(group: int, launch: dict, one_dtype: bool, meta: dict) -> dic
     ``maxnreg``: a register cap per thread for coded history, so more programs fit an SM, or None;
     ``merged_tail``: the sink page, ring rows and new key as one run of tiles, where ``one_dtype``:
     the step's K/V, the ring and the sinks share a dtype). Pass 9, FP8 keys and values of a BF16 model
-    only (`fp8_options`): ``values_asm`` and ``lazy_rescale``. The kernel's runtime arguments are
+    only (`fp8_options`): ``codes_asm`` and ``lazy_rescale``. The kernel's runtime arguments are
     `_attend_kernel`'s without ``T``, its grid (sequences, KV heads, splits)."""
     swap = launch.get("swap_ab", False)
     halves = bool(launch.get("halves")) and halves_apply(meta)
@@ -488,12 +501,12 @@ def decode_options(group: int, launch: dict, one_dtype: bool, meta: dict) -> dic
 
 
 def fp8_options(launch: dict, meta: dict, other_layout: bool) -> dict:
-    """``VALUES_ASM`` and ``LAZY_RESCALE`` of `_decode_kernel`: the launch's ``values_asm`` (value
-    codes converted by PTX: FP16 code operands, so on a GPU only; under the interpreter the plain
+    """``CODES_ASM`` and ``LAZY_RESCALE`` of `_decode_kernel`: the launch's ``codes_asm`` (key and
+    value codes converted by PTX: FP16 code operands, so on a GPU only; under the interpreter the plain
     conversion runs) and ``lazy_rescale``, for FP8 keys and values with normalised weights (a BF16
     model), in the plain layout (not ``swap_ab`` or ``halves``: ``other_layout``); off elsewhere."""
     fp8 = meta["K_FMT"] in (1, 2) and meta["V_FMT"] in (1, 2) and meta["NORM_W"] and not other_layout
     return dict(
-        VALUES_ASM=fp8 and bool(launch.get("values_asm")) and meta["CODE_DTYPE"] == tl.float16,
+        CODES_ASM=fp8 and bool(launch.get("codes_asm")) and meta["CODE_DTYPE"] == tl.float16,
         LAZY_RESCALE=fp8 and bool(launch.get("lazy_rescale")),
     )
