@@ -112,10 +112,16 @@ EXTEND_4BIT = [shape(128, 64, 8, 2, True, 4, programs=0)]
 # ``wide_programs`` (`attend.FP8_WIDE_PROGRAMS` for the variant; 1: the wide shape at every batch, B=1
 # included) and pass 9's options (`decode.fp8_options`), the default first. Predicted from the sm_90 code
 # (Triton 3.6, offline; the wide shape's cold loop in warp instructions a 32-key tile, 255 registers,
-# 8 programs an SM, no spill in any): default 920 (28.8 a key); ``codes_asm`` 802 (25.1: value codes
-# to FP16 before the product, 16 transposing ldmatrix instead of 130 byte loads and 64 byte packs);
-# ``lazy_rescale`` 867 on the tiles that keep the max (941 with the rescale's 74); both 727 (22.7 a key;
-# 801 with the rescale), the ~24 a key pass 8's model puts at about 1.07 ms at B=64, 32K.
+# no spill, 8 programs an SM in each): default 920 (28.8 a key); ``codes_asm`` 733 (22.9: key and
+# value codes converted to FP16 by PTX before their layout change, so values load by transposing
+# ldmatrix instead of 130 byte loads and 64 byte packs, and q's operand without ~90 register moves);
+# ``lazy_rescale`` 867 on the tiles that keep the running max (941 on those that move it); both 674
+# (21.1 a key; 748). At pass 8's fixed issue share (1.300 ms for 920) that is 1.04 ms for ``codes_asm``
+# and 0.95 for both at B=64, 32K, where 4.33 GB of FP8 history at ~4.5 TB/s (SDPA BF16's rate) takes
+# 0.96: expected bandwidth-bound near 1.0 ms. The 4-warp shape (B=1 here): 1,025 a warp a 128-key
+# tile, 884 with ``codes_asm`` but 77.8 KB of shared memory instead of 73.7 (2 programs an SM, not 3).
+# The last variant also splits B=1's 32K into 256 splits of 8 pages (min_pages 8; 2,048 one-warp
+# programs of 4 tiles) instead of 65 of 32 (520 programs of 16 tiles); it changes nothing at B >= 64.
 _F16 = dict(f16=True)
 _NEW = dict(min_pages=32, tail_apart=True, **_F16)
 _FP8 = dict(_NEW, blocks=8, scaled_keys_by_blocks=True, programs=1024, maxnreg=168)  # the entry's shape
@@ -127,7 +133,7 @@ DECODE = [
     dict(_DEFAULT, codes_asm=True),
     dict(_DEFAULT, lazy_rescale=True),
     dict(_DEFAULT, codes_asm=True, lazy_rescale=True),
-    dict(_EVERY, codes_asm=True, lazy_rescale=True),
+    dict(_EVERY, codes_asm=True, lazy_rescale=True, min_pages=8),
 ]
 # int8 keys (per-channel scales) by keys or by 16-token blocks; not part of the fastest-shape pick
 # (it would set the entry FP8 shares).
