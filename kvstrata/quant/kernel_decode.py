@@ -88,6 +88,19 @@ def fp8_f16(codes, E5M2: tl.constexpr):
     return x
 
 
+F32_F16_ASM = tl.constexpr("cvt.rn.f16x2.f32 $0, $2, $1;")  # two float32 to an FP16 pair, the first low
+
+
+@triton.jit
+def f16_opaque(x):
+    """float32 ``x`` as FP16 (round to nearest) by PTX: GPU only. Impure, like `fp8_f16`: Triton 3.6
+    sizes a dot operand's register layout (``kWidth``) by the narrowest element type it finds walking
+    back through pure element-wise operations, and the FP8 value scales' uint8 bytes among the softmax
+    weights' inputs would give them (and the values) 8-bit operand layouts that take shuffles and
+    register moves; the asm stops that walk at FP16."""
+    return tl.inline_asm_elementwise(F32_F16_ASM, "=r,f,f", [x], tl.float16, False, 2)
+
+
 @triton.jit
 def pow2_scale(e):
     """The scale ``2 ** (e - 127)`` of a uint8 E8M0 exponent, built from its bits (no exp2)."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvstrata.quant.kernel_decode import fp8_f16, load_decoded, pow2_scale, value_tile_scales
+from kvstrata.quant.kernel_decode import f16_opaque, fp8_f16, load_decoded, pow2_scale, value_tile_scales
 from kvstrata.radix.kernels.attend import (
     STEP_INTS,
     STEP_POINTERS,
@@ -247,6 +247,8 @@ def _fp8_tile(
     else:
         w, alpha, m_i, l_i = _online_pow2_scaled(s * ks[None, :], tl.load(V1 + row), m_i, l_i)
         acc = acc * alpha[:, None]
+    if CODES_ASM:
+        w = f16_opaque(w)
     acc += tl.dot(w.to(CODE_DTYPE), v, input_precision=DOT_PREC)
     return acc, m_i, l_i
 
