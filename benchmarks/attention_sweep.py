@@ -111,15 +111,16 @@ EXTEND_4BIT = [shape(128, 64, 8, 2, True, 4, programs=0)]
 # Pass 9 (FP8, prepared offline; docs/kernels-h200.md): every variant is the 4-warp entry below with
 # ``wide_programs`` (`attend.FP8_WIDE_PROGRAMS` for the variant; 1: the wide shape at every batch, B=1
 # included) and pass 9's options (`decode.fp8_options`), the default first. Predicted from the sm_90 code
-# (Triton 3.6, offline; the wide shape's cold loop in warp instructions a 32-key tile, 255 registers,
-# no spill, 8 programs an SM in each): default 920 (28.8 a key); ``codes_asm`` 733 (22.9: key and
-# value codes converted to FP16 by PTX before their layout change, so values load by transposing
-# ldmatrix instead of 130 byte loads and 64 byte packs, and q's operand without ~90 register moves);
-# ``lazy_rescale`` 867 on the tiles that keep the running max (941 on those that move it); both 674
-# (21.1 a key; 748). At pass 8's fixed issue share (1.300 ms for 920) that is 1.04 ms for ``codes_asm``
-# and 0.95 for both at B=64, 32K, where 4.33 GB of FP8 history at ~4.5 TB/s (SDPA BF16's rate) takes
-# 0.96: expected bandwidth-bound near 1.0 ms. The 4-warp shape (B=1 here): 1,025 a warp a 128-key
-# tile, 884 with ``codes_asm`` but 77.8 KB of shared memory instead of 73.7 (2 programs an SM, not 3).
+# (`decode_compiled.py`, Triton 3.6; the wide shape's cold loop in warp instructions a 32-key tile, 254-255
+# registers, no spill, 8 programs an SM in each): default 920 (28.8 a key); ``codes_asm`` 652 (20.4: key
+# and value codes and the softmax weights converted to FP16 by PTX, so values load by transposing ldmatrix
+# instead of 130 byte loads and 64 byte packs, and the operands take FP16 register layouts without ~140
+# register moves, selects and shuffles); ``lazy_rescale`` 867 on the tiles that keep the running max (941
+# on those that move it); both 595 (18.6 a key; 669). At pass 8's issue share (1.300 ms for 920) that is
+# 0.92 / 0.84 ms at B=64, 32K, under the 0.96 ms 4.33 GB of FP8 history take at SDPA BF16's ~4.5 TB/s:
+# expected bandwidth-bound near 1.0 ms (B=256 / 1,024 at 2K, ring tiles included: about 0.26 / 1.02 ms,
+# also at that rate). The 4-warp shape (B=1): 1,025 a warp a 128-key tile (32.0 a key), 707 with
+# ``codes_asm`` (22.1) but 77.8 KB of shared memory instead of 73.7 (2 programs an SM, not 3).
 # The last variant also splits B=1's 32K into 256 splits of 8 pages (min_pages 8; 2,048 one-warp
 # programs of 4 tiles) instead of 65 of 32 (520 programs of 16 tiles); it changes nothing at B >= 64.
 _F16 = dict(f16=True)
