@@ -92,6 +92,20 @@ def skipped(body: list[str]) -> list[int]:
     return spans
 
 
+def shared_wavefronts(body: list[str]) -> int:
+    """Shared-memory wavefronts of a loop body's loads and stores, at one a 128 bytes a warp (no bank
+    conflicts counted): byte to 32-bit accesses 1, 64-bit 2, 128-bit 4, ``ldmatrix`` one a matrix."""
+    total = 0
+    for text in body:
+        op = re.sub(r"^@!?U?P\w+\s+", "", text).split()[0]
+        parts = op.split(".")
+        if parts[0] in ("LDS", "STS"):
+            total += {"64": 2, "128": 4}.get(parts[-1], 1)
+        elif parts[0] in ("LDSM", "STSM"):
+            total += int(parts[-1]) if parts[-1].isdigit() else 1
+    return total
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("codec")
@@ -131,7 +145,7 @@ def main() -> None:
         print(
             f"  loop {i}: {len(body)} instructions"
             + (f" (forward branches skip {branches})" if branches else "")
-            + "; "
+            + f", {shared_wavefronts(body)} shared-memory wavefronts; "
             + " ".join(f"{op} {ops[op]}" for op in OPS_8BIT if ops[op])
         )
     if args.sass:

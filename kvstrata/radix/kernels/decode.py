@@ -230,24 +230,24 @@ def _fp8_tile(
     LAZY: tl.constexpr,
 ):
     """A cold tile of FP8 keys and values (BF16 model, `attend._cold_tile`'s ``NORM_W`` and ``POW2_W``
-    path) with pass 9's options: ``CODES_ASM`` key and value codes converted to FP16 by `fp8_f16`
-    before the products (FP16 ``CODE_DTYPE`` on a GPU: `_fp8_operand`), ``LAZY`` the softmax state
-    by `_lazy_online_pow2`."""
+    path) with pass 9's options: ``CODES_ASM`` value codes (1), or key and value codes (2), converted
+    to FP16 by `fp8_f16` before the products (FP16 ``CODE_DTYPE`` on a GPU: `_fp8_operand`), and the
+    softmax weights by `f16_opaque`; ``LAZY`` the softmax state by `_lazy_online_pow2`."""
     ok = j < end
     row = (page * P + (j % P).to(tl.int64)) * H + h
     d_ok = (d < D)[None, :]
-    k = _fp8_operand(K0, row, d, d_ok, D, BLOCK_D, K_FMT, CODE_DTYPE, CODES_ASM)
+    k = _fp8_operand(K0, row, d, d_ok, D, BLOCK_D, K_FMT, CODE_DTYPE, CODES_ASM == 2)
     s = tl.dot(qc, tl.trans(k), input_precision=DOT_PREC)
     if MASKED:
         s = tl.where(ok[None, :], s, float("-inf"))
     ks = pow2_scale(tl.load(K1 + page * H + h))  # > 0: masked scores stay -inf
-    v = _fp8_operand(V0, row, d, d_ok, D, BLOCK_D, V_FMT, CODE_DTYPE, CODES_ASM)
+    v = _fp8_operand(V0, row, d, d_ok, D, BLOCK_D, V_FMT, CODE_DTYPE, CODES_ASM > 0)
     if LAZY:
         w, acc, m_i, l_i = _lazy_online_pow2(s, ks, tl.load(V1 + row), acc, m_i, l_i)
     else:
         w, alpha, m_i, l_i = _online_pow2_scaled(s * ks[None, :], tl.load(V1 + row), m_i, l_i)
         acc = acc * alpha[:, None]
-    if CODES_ASM:
+    if CODES_ASM > 0:
         w = f16_opaque(w)
     acc += tl.dot(w.to(CODE_DTYPE), v, input_precision=DOT_PREC)
     return acc, m_i, l_i
@@ -291,7 +291,7 @@ def _decode_cold_tile(
     ``LAZY``, set by `decode_options` for FP8 keys and values only), `_cold_tile_t` (``SWAP``) or
     `_cold_tile` with the decode module's value scales (its last argument), so the full tiles and the
     masked last one share a call."""
-    if CODES_ASM or LAZY:
+    if CODES_ASM > 0 or LAZY:
         acc, m_i, l_i = _fp8_tile(
             qc, acc, m_i, l_i, page, K0, K1, V0, V1, j, end, d, h,
             H, P, D, BLOCK_D, K_FMT, V_FMT, MASKED, DOT_PREC, CODE_DTYPE, CODES_ASM, LAZY,
@@ -502,13 +502,18 @@ def decode_options(group: int, launch: dict, one_dtype: bool, meta: dict) -> dic
     return options
 
 
+CODES_ASM = {False: 0, "values": 1, True: 2}  # a launch's ``codes_asm``: `_fp8_tile`'s ``CODES_ASM``
+
+
 def fp8_options(launch: dict, meta: dict, other_layout: bool) -> dict:
-    """``CODES_ASM`` and ``LAZY_RESCALE`` of `_decode_kernel`: the launch's ``codes_asm`` (key and
-    value codes converted by PTX: FP16 code operands, so on a GPU only; under the interpreter the plain
-    conversion runs) and ``lazy_rescale``, for FP8 keys and values with normalised weights (a BF16
-    model), in the plain layout (not ``swap_ab`` or ``halves``: ``other_layout``); off elsewhere."""
+    """``CODES_ASM`` and ``LAZY_RESCALE`` of `_decode_kernel`: the launch's ``codes_asm`` (`CODES_ASM`:
+    ``"values"`` value codes, True key and value codes converted by PTX; FP16 code operands, so on a
+    GPU only, under the interpreter the plain conversion runs) and ``lazy_rescale``, for FP8 keys and
+    values with normalised weights (a BF16 model), in the plain layout (not ``swap_ab`` or ``halves``:
+    ``other_layout``); off elsewhere."""
     fp8 = meta["K_FMT"] in (1, 2) and meta["V_FMT"] in (1, 2) and meta["NORM_W"] and not other_layout
+    asm = fp8 and meta["CODE_DTYPE"] == tl.float16
     return dict(
-        CODES_ASM=fp8 and bool(launch.get("codes_asm")) and meta["CODE_DTYPE"] == tl.float16,
+        CODES_ASM=CODES_ASM[launch.get("codes_asm", False)] if asm else 0,
         LAZY_RESCALE=fp8 and bool(launch.get("lazy_rescale")),
     )
