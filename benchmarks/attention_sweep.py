@@ -51,7 +51,7 @@ def shape(
     merged_tail: bool = True,
     scaled_keys_by_blocks: bool = False,
     tail_apart: bool = False,
-    codes_asm: bool = False,
+    codes_asm: bool | str = False,
     lazy_rescale: bool = False,
 ) -> dict:
     return dict(
@@ -111,18 +111,20 @@ EXTEND_4BIT = [shape(128, 64, 8, 2, True, 4, programs=0)]
 # Pass 9 (FP8, prepared offline; docs/kernels-h200.md): every variant is the 4-warp entry below with
 # ``wide_programs`` (`attend.FP8_WIDE_PROGRAMS` for the variant; 1: the wide shape at every batch, B=1
 # included) and pass 9's options (`decode.fp8_options`), the default first. Predicted from the sm_90 code
-# (`decode_compiled.py`, Triton 3.6; the wide shape's cold loop in warp instructions a 32-key tile, 254-255
-# registers, no spill, 8 programs an SM in each): default 920 (28.8 a key); ``codes_asm`` 652 (20.4: key
-# and value codes and the softmax weights converted to FP16 by PTX, so values load by transposing ldmatrix
-# instead of 130 byte loads and 64 byte packs, and the operands take FP16 register layouts without ~140
-# register moves, selects and shuffles); ``lazy_rescale`` 867 on the tiles that keep the running max (941
-# on those that move it); both 595 (18.6 a key; 669). At pass 8's issue share (1.300 ms for 920) that is
-# 0.92 / 0.84 ms at B=64, 32K, under the 0.96 ms 4.33 GB of FP8 history take at SDPA BF16's ~4.5 TB/s:
-# expected bandwidth-bound near 1.0 ms (B=256 / 1,024 at 2K, ring tiles included: about 0.26 / 1.02 ms,
-# also at that rate). The 4-warp shape (B=1): 1,025 a warp a 128-key tile (32.0 a key), 707 with
-# ``codes_asm`` (22.1) but 77.8 KB of shared memory instead of 73.7 (2 programs an SM, not 3).
-# The last variant also splits B=1's 32K into 256 splits of 8 pages (min_pages 8; 2,048 one-warp
-# programs of 4 tiles) instead of 65 of 32 (520 programs of 16 tiles); it changes nothing at B >= 64.
+# (`decode_compiled.py`, Triton 3.6; the wide shape's cold loop in warp instructions a 32-key tile and
+# shared-memory wavefronts, 254-255 registers, no spill, 8 programs an SM in each): default 920 (28.8 a
+# key), 253 wavefronts; ``codes_asm`` "values" 703 (22.0), 249: value codes and the softmax weights
+# converted to FP16 by PTX, so values load by transposing ldmatrix instead of 130 byte loads and 64 byte
+# packs, and P.V's operands take FP16 register layouts; ``codes_asm`` True (keys too) 652 (20.4) but 377
+# wavefronts (keys staged as FP16: q's operand then loads without ~90 register moves); ``lazy_rescale``
+# skips 74 on the tiles that keep the running max: 661 / 595 (18.6 a key) with the two. At pass 8's
+# issue share (1.300 ms for 920) B=64 at 32K would take 0.99 / 0.92 / 0.84 ms (values / keys too / keys
+# too and lazy), under or at the 0.96 ms its 4.33 GB of FP8 history take at SDPA BF16's ~4.5 TB/s; keys
+# staged as FP16 would use ~80% of an SM's shared-memory bandwidth there, which may cap them. The
+# 4-warp shape (B=1): 1,025 a warp a 128-key tile, 707 with ``codes_asm`` True but 77.8 KB of shared
+# memory instead of 73.7 (2 programs an SM, not 3). The last variant also splits B=1's 32K into 256
+# splits of 8 pages (min_pages 8; 2,048 one-warp programs of 4 tiles) instead of 65 of 32 (520 programs
+# of 16 tiles); it changes nothing at B >= 64.
 _F16 = dict(f16=True)
 _NEW = dict(min_pages=32, tail_apart=True, **_F16)
 _FP8 = dict(_NEW, blocks=8, scaled_keys_by_blocks=True, programs=1024, maxnreg=168)  # the entry's shape
@@ -131,8 +133,8 @@ _EVERY = dict(_DEFAULT, wide_programs=1)  # the wide shape at B=1 too
 DECODE = [
     _DEFAULT,
     _EVERY,
+    dict(_DEFAULT, codes_asm="values", lazy_rescale=True),
     dict(_DEFAULT, codes_asm=True),
-    dict(_DEFAULT, lazy_rescale=True),
     dict(_DEFAULT, codes_asm=True, lazy_rescale=True),
     dict(_EVERY, codes_asm=True, lazy_rescale=True, min_pages=8),
 ]
@@ -355,7 +357,7 @@ def sweep() -> dict[tuple[str, bool | str], dict]:
         blocks += ", tail rows" if s.get("tail_rows") else ""
         blocks += ", value offsets apart" if s.get("value_offsets_apart") else ""
         blocks += f", fp8 wide from {s['wide_programs']} programs" if "wide_programs" in s else ""
-        blocks += ", codes asm" if s.get("codes_asm") else ""
+        blocks += {True: ", codes asm", "values": ", values asm"}.get(s.get("codes_asm"), "")
         blocks += ", lazy rescale" if s.get("lazy_rescale") else ""
         print(
             f"| {kind} | {batch} | {context} | {codec} | {s['block_m']} x {s['block_n']} | "
