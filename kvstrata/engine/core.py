@@ -24,8 +24,8 @@ import torch
 
 from kvstrata.engine.attention import get_backend, resolve_backend
 from kvstrata.engine.cuda_graph import graph_memory_bytes, graphs_wanted
-from kvstrata.engine.full_graph import decode_graphs, full_graph_memory_bytes, full_graph_unsupported
 from kvstrata.engine.drift import DriftJob, DriftMonitor, fallback_window, summarize_codecs
+from kvstrata.engine.full_graph import decode_graphs, full_graph_memory_bytes, full_graph_unsupported
 from kvstrata.engine.kvplan import plan_key_centers, raise_codecs, resolve_plan
 from kvstrata.engine.loader import LoadedModel
 from kvstrata.engine.memory import image_pool_need, plan_memory, weight_bytes, with_raised_pool
@@ -97,7 +97,9 @@ class EngineCore:
         if graphs_wanted(model.net, args.disable_cuda_graph):
             graph_bytes = graph_memory_bytes(cfg, graph_bs, self.dtype)
             backend_name = resolve_backend(attention_backend, self.device)
-            whole = full_graph_unsupported(backend_name, image_codec is not None, drift_on, scales is not None)
+            whole = full_graph_unsupported(
+                backend_name, image_codec is not None, drift_on, scales is not None
+            )
             if args.cuda_graph_mode == "full" and whole is None:
                 ring = self.cache_config.ring_tokens
                 graph_bytes += full_graph_memory_bytes(cfg, graph_bs, self.max_context, args.page_size, ring)

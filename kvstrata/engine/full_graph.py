@@ -67,7 +67,9 @@ def full_graph_unsupported(backend_name: str, images: bool, raised: bool, scales
 def cache_unsupported(cache: Any, backend_name: str) -> str | None:
     """`full_graph_unsupported` for a built cache."""
     scales = any(clip is not None for pair in cache.clips for clip in pair)
-    return full_graph_unsupported(backend_name, cache.image_pool is not None, cache.raised_pool is not None, scales)
+    return full_graph_unsupported(
+        backend_name, cache.image_pool is not None, cache.raised_pool is not None, scales
+    )
 
 
 def width_classes(max_width: int) -> list[int]:
@@ -162,7 +164,13 @@ class StaticDecodeStep:
         write._kernel_sources = self.sources[: bs * self.page_size]  # what `kernel_sources` returns
         write.__dict__["kernel_sink_slots"] = self.sink_slots[:bs]
         return StepBatch(
-            seqs=[], n_new=[1] * bs, num_tokens=bs, groups=[group], write=write, new_ring_start=[], new_pages=[]
+            seqs=[],
+            n_new=[1] * bs,
+            num_tokens=bs,
+            groups=[group],
+            write=write,
+            new_ring_start=[],
+            new_pages=[],
         )
 
     def fits(self, batch: StepBatch) -> bool:
@@ -304,7 +312,9 @@ class FullDecodeGraphs(DecodeGraphs):
         return self.logits[:n]
 
 
-def full_graph_memory_bytes(cfg: ModelConfig, max_bs: int, max_context: int, page_size: int, ring: int) -> int:
+def full_graph_memory_bytes(
+    cfg: ModelConfig, max_bs: int, max_context: int, page_size: int, ring: int
+) -> int:
     """What the full graph holds beyond the piecewise graphs' estimate: the static step, and the split
     partials of one layer's attention in the graphs' pool (`memory.split_partial_bytes`)."""
     from kvstrata.engine.memory import split_partial_bytes
