@@ -199,7 +199,7 @@ class StaticDecodeStep:
         step = self.step_for(bs, width)
         self.page_table[:n, : g.page_table.shape[1]].copy_(g.page_table)
         self.ring_rows[:n, : g.ring_rows.shape[1]].copy_(g.ring_rows)
-        self.lengths[:, :n].copy_(g.kernel_lengths)
+        self.lengths[:, :n].copy_(g.lengths if g.lengths is not None else g.kernel_lengths)  # to int32
         if n < bs:
             self.lengths[:, n:bs].zero_()
         if self.sink_table is not None:
