@@ -33,7 +33,8 @@ also gives the rate the matmuls ran at (FLOP/s of ``2 x batch x weights`` and we
 
 ``--graph piecewise,full`` runs every codec with the piecewise decode graphs (attention launched eagerly
 between 33 dense graphs; the engine's default) and with the whole step in one graph
-(`kvstrata.engine.full_graph`, ``--cuda-graph-mode full``), one after the other in one process.
+(`kvstrata.engine.full_graph`, ``--cuda-graph-mode full``), one after the other in one process (on the
+CPU neither captures: both rows run the step without graphs).
 
 ``--geometry tiny --device cpu`` runs the same code on a small model on the CPU (a smoke test).
 """
@@ -382,7 +383,8 @@ def run_codec(
     graphs = None
     if device.type == "cuda":
         if graph == "full":
-            graphs = FullDecodeGraphs(net, args.batch, cache, backend, cfg.max_position_embeddings)
+            context = max(cfg.max_position_embeddings, total)  # the engine's bound, or the run's if longer
+            graphs = FullDecodeGraphs(net, args.batch, cache, backend, context)
         else:
             graphs = DecodeGraphs(net, args.batch)
         graphs.sizes = [args.batch]  # only the measured batch size is captured
