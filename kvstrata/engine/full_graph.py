@@ -346,3 +346,10 @@ def decode_graphs(
         time.perf_counter() - start,
     )
     return graphs
+
+
+def graph_kind(graphs: DecodeGraphs | None) -> str:
+    """What decode steps replay: "full", "piecewise" or "off" (the server info's ``cuda_graphs``)."""
+    if graphs is None:
+        return "off"
+    return "full" if isinstance(graphs, FullDecodeGraphs) else "piecewise"

@@ -21,7 +21,9 @@ from kvstrata.engine.full_graph import (  # noqa: E402
     NO_PAGE,
     FullDecodeGraphs,
     StaticDecodeStep,
+    decode_graphs,
     full_graph_unsupported,
+    graph_kind,
     width_classes,
 )
 from kvstrata.engine.loader import load_model  # noqa: E402
@@ -143,6 +145,13 @@ def test_static_step_load_pads_and_marks_no_page(tiny):
         cache.cancel_step(batch)
     finally:
         engine.shutdown()
+
+
+def test_decode_graphs_off_on_cpu_and_modes_checked(tiny):
+    assert decode_graphs(tiny.net, False, 4, "full", None, None, 256) is None  # CPU: nothing captured
+    with pytest.raises(ValueError, match="cuda_graph_mode"):
+        decode_graphs(tiny.net, False, 4, "whole", None, None, 256)
+    assert graph_kind(None) == "off"
 
 
 def test_width_classes_and_support():

@@ -53,6 +53,7 @@ def greedy(model, kv_cache_dtype: str, mode: str | None, ps, sinks: bool = False
         graphs = engine.runner.graphs
         assert (graphs is not None) == (mode is not None)
         assert isinstance(graphs, FullDecodeGraphs) == (mode == "full")
+        assert engine.get_server_info()["cuda_graphs"] == (mode or "off")
         params = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
         outs = engine.generate(input_ids=ps, sampling_params=params)
         stats = engine.check_invariants()  # ring null row zero, pages as written
