@@ -100,7 +100,7 @@ class StaticDecodeStep:
         self.max_bs, self.page_size = B, P
         self.width = -(-max_context // P)
         self.widths = width_classes(self.width)
-        self.null_sink = nulls.sink
+        self.null_sink, self.null_page = nulls.sink, nulls.page
         self.scratch_row = cache.ring.scratch_row
 
         def ids(*shape: int, fill: int) -> Tensor:
@@ -197,7 +197,11 @@ class StaticDecodeStep:
         g, w = batch.groups[0], batch.write
         n = g.batch
         step = self.step_for(bs, width)
-        self.page_table[:n, : g.page_table.shape[1]].copy_(g.page_table)
+        cols = g.page_table.shape[1]
+        self.page_table[:n, :cols].copy_(g.page_table)
+        # A partial cold tile reads the table past an entry's pages (their keys masked, their values
+        # times 0): the null page there, as in the plan's own table, not an older step's pages.
+        self.page_table[:n, cols:width].fill_(self.null_page)
         self.ring_rows[:n, : g.ring_rows.shape[1]].copy_(g.ring_rows)
         self.lengths[:, :n].copy_(g.lengths if g.lengths is not None else g.kernel_lengths)  # to int32
         if n < bs:

@@ -131,10 +131,13 @@ def test_static_step_load_pads_and_marks_no_page(tiny):
                 cache.attention(layer, batch, q, k, v, 1.0)
             cache.end_step(batch)
         static = StaticDecodeStep(cache, 4, 256)
+        static.page_table.fill_(5)  # an older step's pages
         step = static.load(batch, 4, static.width_for(batch))
         g, w = batch.groups[0], batch.write
+        cols = g.page_table.shape[1]
         assert static.width_for(batch) == 32 and step.groups[0].page_table.shape == (4, 32)
-        assert torch.equal(step.groups[0].page_table[:3, : g.page_table.shape[1]], g.page_table)
+        assert torch.equal(step.groups[0].page_table[:3, :cols], g.page_table)
+        assert bool((step.groups[0].page_table[:3, cols:] == cache.nulls.page).all())
         assert step.groups[0].kernel_lengths[:, :3].tolist() == g.kernel_lengths.tolist()
         assert step.groups[0].kernel_lengths[:, 3].tolist() == [0, 0, 0]
         assert w.page_ids.numel() == 1  # length 7 -> 8 completes its second page
