@@ -104,6 +104,19 @@ LAUNCHES = {
         tail_rows=True,
         value_offsets_apart=True,
     ),
+    "2 blocks, folded, keys as rows": dict(
+        blocks=2,
+        num_warps=1,
+        prefetch=False,
+        fold_key_scales=True,
+        heads_together=True,
+        tail_rows=True,
+        value_offsets_apart=True,
+        keys_as_rows=True,
+    ),
+    "4 blocks, folded, keys as rows, prefetch, offsets per tile": dict(
+        blocks=4, prefetch=True, fold_key_scales=True, keys_as_rows=True
+    ),
 }
 
 

@@ -204,6 +204,7 @@ def _cold_tile4(
     DOT_PREC: tl.constexpr,
     FOLD: tl.constexpr,
     OFFSETS_APART: tl.constexpr,
+    KEYS_AS_ROWS: tl.constexpr,
 ):
     """Keys ``j0`` to ``j0 + 16 * BLOCKS`` of the sequence's cold pages, in pages ``pb`` (``[BLOCKS]``,
     each block's) and ``pv`` (``[16 * BLOCKS]``, each key's), with the tile's `_side_scales`
@@ -229,15 +230,29 @@ def _cold_tile4(
     else:
         s0, s1, o0, o1 = key_block_scales(K1, K2, pb, tb, h, 2 * ck, 2 * ck + 1, ck < HD, H, P, D, K_FMT)
         k0, k1 = nibble_pairs(kbytes, s0, o0, s1, o1, 5, True, ASM, CODE_DTYPE)
-    s = tl.dot(qc0, tl.trans(tl.reshape(k0, [N, HD])), input_precision=DOT_PREC)
-    s += tl.dot(qc1, tl.trans(tl.reshape(k1, [N, HD])), input_precision=DOT_PREC)
-    if FOLD:
+    k0 = tl.reshape(k0, [N, HD])
+    k1 = tl.reshape(k1, [N, HD])
+    if KEYS_AS_ROWS:  # scores k . q^T [N, rows], the softmax along the keys (axis 0)
+        s = tl.dot(k0, tl.trans(qc0), input_precision=DOT_PREC)
+        s += tl.dot(k1, tl.trans(qc1), input_precision=DOT_PREC)
         if K_FMT == 5:
-            s += kc[:, None]
-        s = tl.where(slot[:, None] == (tl.arange(0, N) // 16)[None, :], s * kd[:, None], float("-inf"))
-    elif K_FMT == 6:  # the page's global scale (times 2**14) on each key's column
-        s = s * kc[None, :]
-    p, alpha, m_i, l_i = _online(s, m_i, l_i)
+            s += kc[None, :]
+        s = tl.where((tl.arange(0, N) // 16)[:, None] == slot[None, :], s * kd[None, :], float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        p = tl.exp2(s - m_new[None, :])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 0)
+        m_i = m_new
+    else:
+        s = tl.dot(qc0, tl.trans(k0), input_precision=DOT_PREC)
+        s += tl.dot(qc1, tl.trans(k1), input_precision=DOT_PREC)
+        if FOLD:
+            if K_FMT == 5:
+                s += kc[:, None]
+            s = tl.where(slot[:, None] == (tl.arange(0, N) // 16)[None, :], s * kd[:, None], float("-inf"))
+        elif K_FMT == 6:  # the page's global scale (times 2**14) on each key's column
+            s = s * kc[None, :]
+        p, alpha, m_i, l_i = _online(s, m_i, l_i)
 
     if V_FMT == 6:  # [N, 32-channel blocks, 16 bytes]: a block's scale loads once per row
         g = tl.arange(0, HD // 16)[None, :, None]
@@ -251,13 +266,24 @@ def _cold_tile4(
         v0, v1 = nibble_pairs(vb, 1.0, 0.0, 1.0, 0.0, 5, False, ASM, CODE_DTYPE)
         vs = vx
     top = tl.max(vs, 0) + 1.1754943508222875e-38
-    w = (p * (vs * (1.0 / top))[None, :]).to(CODE_DTYPE)
-    acc0 = acc0 * alpha[:, None] + tl.dot(w, v0, input_precision=DOT_PREC) * top
-    acc1 = acc1 * alpha[:, None] + tl.dot(w, v1, input_precision=DOT_PREC) * top
+    if KEYS_AS_ROWS:  # the output transposed, [D/2, rows] halves: v^T . p
+        w = (p * (vs * (1.0 / top))[:, None]).to(CODE_DTYPE)
+        acc0 = acc0 * alpha[None, :] + tl.dot(tl.trans(v0), w, input_precision=DOT_PREC) * top
+        acc1 = acc1 * alpha[None, :] + tl.dot(tl.trans(v1), w, input_precision=DOT_PREC) * top
+    else:
+        w = (p * (vs * (1.0 / top))[None, :]).to(CODE_DTYPE)
+        acc0 = acc0 * alpha[:, None] + tl.dot(w, v0, input_precision=DOT_PREC) * top
+        acc1 = acc1 * alpha[:, None] + tl.dot(w, v1, input_precision=DOT_PREC) * top
     if V_FMT == 5:
-        off = tl.sum(p * vy[None, :], 1)
+        if KEYS_AS_ROWS:
+            off = tl.sum(p * vy[:, None], 0)
+        else:
+            off = tl.sum(p * vy[None, :], 1)
         if OFFSETS_APART:
             o_i = o_i * alpha + off
+        elif KEYS_AS_ROWS:
+            acc0 += off[None, :]
+            acc1 += off[None, :]
         else:
             acc0 += off[:, None]
             acc1 += off[:, None]
@@ -319,6 +345,7 @@ def _decode4_kernel(
     HEADS_TOGETHER: tl.constexpr,
     TAIL_ROWS: tl.constexpr,
     OFFSETS_APART: tl.constexpr,
+    KEYS_AS_ROWS: tl.constexpr,
 ):
     if HEADS_TOGETHER:  # consecutive programs: the KV heads of one sequence (same grid, ids remapped)
         pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
@@ -342,8 +369,12 @@ def _decode4_kernel(
     q1 = tl.load(q_at + c1[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * qk_scale
     m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc0 = tl.zeros([BLOCK_H, D // 2], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_H, D // 2], dtype=tl.float32)
+    if KEYS_AS_ROWS:  # the cold tiles' output transposed (`_cold_tile4`), turned back after them
+        acc0 = tl.zeros([D // 2, BLOCK_H], dtype=tl.float32)
+        acc1 = tl.zeros([D // 2, BLOCK_H], dtype=tl.float32)
+    else:
+        acc0 = tl.zeros([BLOCK_H, D // 2], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_H, D // 2], dtype=tl.float32)
     o_i = tl.zeros([BLOCK_H], dtype=tl.float32)  # int4 values' offsets with OFFSETS_APART
 
     # Cold keys of this split: tiles of BLOCKS blocks, then the blocks left one at a time (a split's
@@ -398,7 +429,7 @@ def _decode4_kernel(
             )  # fmt: skip
         acc0, acc1, m_i, l_i, o_i = _cold_tile4(
             qc0, qc1, acc0, acc1, m_i, l_i, o_i, K0, K1, K2, V0, j0, pb, pv, side, slot, h, H,
-            P, D, BLOCKS, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC, FOLD, OFFSETS_APART,
+            P, D, BLOCKS, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC, FOLD, OFFSETS_APART, KEYS_AS_ROWS,
         )  # fmt: skip
         if PREFETCH:
             pb = pb_ahead
@@ -415,9 +446,12 @@ def _decode4_kernel(
         )  # fmt: skip
         acc0, acc1, m_i, l_i, o_i = _cold_tile4(
             qc0, qc1, acc0, acc1, m_i, l_i, o_i, K0, K1, K2, V0, j0, pb1, pv1, side1, slot, h, H,
-            P, D, 1, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC, FOLD, OFFSETS_APART,
+            P, D, 1, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC, FOLD, OFFSETS_APART, KEYS_AS_ROWS,
         )  # fmt: skip
 
+    if KEYS_AS_ROWS:
+        acc0 = tl.trans(acc0)
+        acc1 = tl.trans(acc1)
     if OFFSETS_APART and V_FMT == 5:  # the cold keys' value offsets, at the same running max
         acc0 += o_i[:, None]
         acc1 += o_i[:, None]
@@ -485,7 +519,11 @@ def decode4_options(group: int, launch: dict, interpreted: bool, meta: dict) -> 
     Operands are FP16 for 16-bit models on a GPU, else float32 (``interpreted``, float32 models)."""
     f16 = not interpreted and meta["DOT_DTYPE"] in (tl.bfloat16, tl.float16)
     fold = bool(launch.get("fold_key_scales"))
-    rows = max(triton.next_power_of_2(group), 16 // launch["blocks"])  # a block's rows with ``fold``
+    keys_as_rows = bool(launch.get("keys_as_rows"))
+    if keys_as_rows and not fold:
+        raise ValueError("decode4: keys_as_rows needs fold_key_scales")
+    rows = triton.next_power_of_2(group)  # a block's rows with ``fold``, 16 in all unless keys are rows
+    rows = rows if keys_as_rows else max(rows, 16 // launch["blocks"])
     block_h = rows * launch["blocks"] if fold else max(16, triton.next_power_of_2(group))
     options = dict(
         meta,
@@ -500,6 +538,7 @@ def decode4_options(group: int, launch: dict, interpreted: bool, meta: dict) -> 
         HEADS_TOGETHER=bool(launch.get("heads_together")),
         TAIL_ROWS=bool(launch.get("tail_rows")),
         OFFSETS_APART=bool(launch.get("value_offsets_apart")),
+        KEYS_AS_ROWS=keys_as_rows,
         num_warps=launch["num_warps"],
         num_stages=launch["num_stages"],
     )
