@@ -117,6 +117,13 @@ LAUNCHES = {
     "4 blocks, folded, keys as rows, prefetch, offsets per tile": dict(
         blocks=4, prefetch=True, fold_key_scales=True, keys_as_rows=True
     ),
+    "2 blocks, folded, keys as rows, value reference": dict(
+        blocks=2, num_warps=1, fold_key_scales=True, value_offsets_apart=True, keys_as_rows=True,
+        value_reference=True,
+    ),  # fmt: skip
+    "4 blocks, folded, value reference, offsets per tile": dict(
+        blocks=4, prefetch=True, fold_key_scales=True, value_reference=True
+    ),
 }
 
 

@@ -60,6 +60,10 @@ from kvstrata.radix.kernels.jit import jit_unspecialized
 # Keys a tile of the sink page, ring rows and the new key (BF16 channel halves loaded element by
 # element; a few tiles in one split a step).
 TAIL_N = tl.constexpr(32)
+# ``VALUE_REF``: the reference scale of a tile is at least the largest value scale seen times this, so
+# that the accumulator (in units of it) stays within float32 (sums of at most 2**20 weights of 1 times
+# codes under 2**4: under 2**114).
+VALUE_REF_FLOOR = tl.constexpr(2.0**-90)
 
 
 def applies(k_fmt: int, v_fmt: int, head_dim: int, page_size: int) -> bool:
@@ -183,6 +187,8 @@ def _cold_tile4(
     m_i,
     l_i,
     o_i,
+    v_ref,
+    v_hi,
     K0,
     K1,
     K2,
@@ -205,6 +211,7 @@ def _cold_tile4(
     FOLD: tl.constexpr,
     OFFSETS_APART: tl.constexpr,
     KEYS_AS_ROWS: tl.constexpr,
+    VALUE_REF: tl.constexpr,
 ):
     """Keys ``j0`` to ``j0 + 16 * BLOCKS`` of the sequence's cold pages, in pages ``pb`` (``[BLOCKS]``,
     each block's) and ``pv`` (``[16 * BLOCKS]``, each key's), with the tile's `_side_scales`
@@ -265,15 +272,34 @@ def _cold_tile4(
         vb = tl.load(V0 + rv[:, None] * HD + c[None, :])
         v0, v1 = nibble_pairs(vb, 1.0, 0.0, 1.0, 0.0, 5, False, ASM, CODE_DTYPE)
         vs = vx
-    top = tl.max(vs, 0) + 1.1754943508222875e-38
+    if VALUE_REF:  # the weights over the new reference, the accumulator carried to it in the product
+        v_hi = tl.maximum(v_hi, tl.max(vs, 0))
+        top = tl.maximum(tl.maximum(tl.max(vs, 0), v_hi * VALUE_REF_FLOOR), 1.1754943508222875e-38)
+        carry = alpha * (v_ref / top)
+        v_ref = top
+    else:
+        top = tl.max(vs, 0) + 1.1754943508222875e-38
+        carry = alpha
     if KEYS_AS_ROWS:  # the output transposed, [D/2, rows] halves: v^T . p
         w = (p * (vs * (1.0 / top))[:, None]).to(CODE_DTYPE)
-        acc0 = acc0 * alpha[None, :] + tl.dot(tl.trans(v0), w, input_precision=DOT_PREC) * top
-        acc1 = acc1 * alpha[None, :] + tl.dot(tl.trans(v1), w, input_precision=DOT_PREC) * top
+        v0 = tl.trans(v0)
+        v1 = tl.trans(v1)
+        carry = carry[None, :]
     else:
         w = (p * (vs * (1.0 / top))[None, :]).to(CODE_DTYPE)
-        acc0 = acc0 * alpha[:, None] + tl.dot(w, v0, input_precision=DOT_PREC) * top
-        acc1 = acc1 * alpha[:, None] + tl.dot(w, v1, input_precision=DOT_PREC) * top
+        carry = carry[:, None]
+    if VALUE_REF and KEYS_AS_ROWS:
+        acc0 = tl.dot(v0, w, acc0 * carry, input_precision=DOT_PREC)
+        acc1 = tl.dot(v1, w, acc1 * carry, input_precision=DOT_PREC)
+    elif VALUE_REF:
+        acc0 = tl.dot(w, v0, acc0 * carry, input_precision=DOT_PREC)
+        acc1 = tl.dot(w, v1, acc1 * carry, input_precision=DOT_PREC)
+    elif KEYS_AS_ROWS:
+        acc0 = acc0 * carry + tl.dot(v0, w, input_precision=DOT_PREC) * top
+        acc1 = acc1 * carry + tl.dot(v1, w, input_precision=DOT_PREC) * top
+    else:
+        acc0 = acc0 * carry + tl.dot(w, v0, input_precision=DOT_PREC) * top
+        acc1 = acc1 * carry + tl.dot(w, v1, input_precision=DOT_PREC) * top
     if V_FMT == 5:
         if KEYS_AS_ROWS:
             off = tl.sum(p * vy[:, None], 0)
@@ -287,7 +313,7 @@ def _cold_tile4(
         else:
             acc0 += off[:, None]
             acc1 += off[:, None]
-    return acc0, acc1, m_i, l_i, o_i
+    return acc0, acc1, m_i, l_i, o_i, v_ref, v_hi
 
 
 @jit_unspecialized(  # the per-step arguments, as `attend._attend_kernel`'s
@@ -346,6 +372,7 @@ def _decode4_kernel(
     TAIL_ROWS: tl.constexpr,
     OFFSETS_APART: tl.constexpr,
     KEYS_AS_ROWS: tl.constexpr,
+    VALUE_REF: tl.constexpr,
 ):
     if HEADS_TOGETHER:  # consecutive programs: the KV heads of one sequence (same grid, ids remapped)
         pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
@@ -376,6 +403,8 @@ def _decode4_kernel(
         acc0 = tl.zeros([BLOCK_H, D // 2], dtype=tl.float32)
         acc1 = tl.zeros([BLOCK_H, D // 2], dtype=tl.float32)
     o_i = tl.zeros([BLOCK_H], dtype=tl.float32)  # int4 values' offsets with OFFSETS_APART
+    v_ref = tl.full([], 1.0, tl.float32)  # with VALUE_REF the cold tiles' output is acc * v_ref
+    v_hi = tl.zeros([], dtype=tl.float32)  # the largest per-token value scale seen
 
     # Cold keys of this split: tiles of BLOCKS blocks, then the blocks left one at a time (a split's
     # keys are whole pages of whole blocks, so no tile is masked and no key is padding).
@@ -427,9 +456,9 @@ def _decode4_kernel(
                 K1, K2, V1, V2, j0, pb, pv, pr, qc0, qc1, q_mul, h, H,
                 P, D, BLOCKS, K_FMT, V_FMT, FOLD, CODE_DTYPE,
             )  # fmt: skip
-        acc0, acc1, m_i, l_i, o_i = _cold_tile4(
-            qc0, qc1, acc0, acc1, m_i, l_i, o_i, K0, K1, K2, V0, j0, pb, pv, side, slot, h, H,
-            P, D, BLOCKS, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC, FOLD, OFFSETS_APART, KEYS_AS_ROWS,
+        acc0, acc1, m_i, l_i, o_i, v_ref, v_hi = _cold_tile4(
+            qc0, qc1, acc0, acc1, m_i, l_i, o_i, v_ref, v_hi, K0, K1, K2, V0, j0, pb, pv, side, slot, h, H,
+            P, D, BLOCKS, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC, FOLD, OFFSETS_APART, KEYS_AS_ROWS, VALUE_REF,
         )  # fmt: skip
         if PREFETCH:
             pb = pb_ahead
@@ -444,11 +473,14 @@ def _decode4_kernel(
             K1, K2, V1, V2, j0, pb1, pv1, pr1, qc0, qc1, q_mul, h, H,
             P, D, 1, K_FMT, V_FMT, FOLD, CODE_DTYPE,
         )  # fmt: skip
-        acc0, acc1, m_i, l_i, o_i = _cold_tile4(
-            qc0, qc1, acc0, acc1, m_i, l_i, o_i, K0, K1, K2, V0, j0, pb1, pv1, side1, slot, h, H,
-            P, D, 1, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC, FOLD, OFFSETS_APART, KEYS_AS_ROWS,
+        acc0, acc1, m_i, l_i, o_i, v_ref, v_hi = _cold_tile4(
+            qc0, qc1, acc0, acc1, m_i, l_i, o_i, v_ref, v_hi, K0, K1, K2, V0, j0, pb1, pv1, side1, slot, h, H,
+            P, D, 1, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC, FOLD, OFFSETS_APART, KEYS_AS_ROWS, VALUE_REF,
         )  # fmt: skip
 
+    if VALUE_REF:
+        acc0 *= v_ref
+        acc1 *= v_ref
     if KEYS_AS_ROWS:
         acc0 = tl.trans(acc0)
         acc1 = tl.trans(acc1)
@@ -539,6 +571,7 @@ def decode4_options(group: int, launch: dict, interpreted: bool, meta: dict) -> 
         TAIL_ROWS=bool(launch.get("tail_rows")),
         OFFSETS_APART=bool(launch.get("value_offsets_apart")),
         KEYS_AS_ROWS=keys_as_rows,
+        VALUE_REF=bool(launch.get("value_reference")),
         num_warps=launch["num_warps"],
         num_stages=launch["num_stages"],
     )
