@@ -118,9 +118,13 @@ LAUNCHES = {
         blocks=4, prefetch=True, fold_key_scales=True, keys_as_rows=True
     ),
     "2 blocks, folded, keys as rows, value reference": dict(
-        blocks=2, num_warps=1, fold_key_scales=True, value_offsets_apart=True, keys_as_rows=True,
+        blocks=2,
+        num_warps=1,
+        fold_key_scales=True,
+        value_offsets_apart=True,
+        keys_as_rows=True,
         value_reference=True,
-    ),  # fmt: skip
+    ),
     "4 blocks, folded, value reference, offsets per tile": dict(
         blocks=4, prefetch=True, fold_key_scales=True, value_reference=True
     ),
@@ -162,7 +166,12 @@ def test_decode4_float32(codec, launch, monkeypatch):
 
 @pytest.mark.parametrize(
     "launch",
-    ["4 blocks, prefetch", "4 blocks, folded key scales", "2 blocks, folded, heads together, tail rows"],
+    [
+        "4 blocks, prefetch",
+        "4 blocks, folded key scales",
+        "2 blocks, folded, heads together, tail rows",
+        "2 blocks, folded, keys as rows, value reference",
+    ],
 )
 @pytest.mark.parametrize("asm", ASM)
 @pytest.mark.parametrize("codec", ["int4", "fp4_e2m1", "int4/fp4_e2m1"])

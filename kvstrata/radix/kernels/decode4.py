@@ -301,7 +301,7 @@ def _cold_tile4(
         acc0 = acc0 * carry + tl.dot(w, v0, input_precision=DOT_PREC) * top
         acc1 = acc1 * carry + tl.dot(w, v1, input_precision=DOT_PREC) * top
     if V_FMT == 5:
-        if KEYS_AS_ROWS:
+        if KEYS_AS_ROWS:  # noqa: SIM108  (constexpr branches of a Triton function)
             off = tl.sum(p * vy[:, None], 0)
         else:
             off = tl.sum(p * vy[None, :], 1)
@@ -458,7 +458,8 @@ def _decode4_kernel(
             )  # fmt: skip
         acc0, acc1, m_i, l_i, o_i, v_ref, v_hi = _cold_tile4(
             qc0, qc1, acc0, acc1, m_i, l_i, o_i, v_ref, v_hi, K0, K1, K2, V0, j0, pb, pv, side, slot, h, H,
-            P, D, BLOCKS, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC, FOLD, OFFSETS_APART, KEYS_AS_ROWS, VALUE_REF,
+            P, D, BLOCKS, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC, FOLD, OFFSETS_APART, KEYS_AS_ROWS,
+            VALUE_REF,
         )  # fmt: skip
         if PREFETCH:
             pb = pb_ahead
@@ -475,7 +476,8 @@ def _decode4_kernel(
         )  # fmt: skip
         acc0, acc1, m_i, l_i, o_i, v_ref, v_hi = _cold_tile4(
             qc0, qc1, acc0, acc1, m_i, l_i, o_i, v_ref, v_hi, K0, K1, K2, V0, j0, pb1, pv1, side1, slot, h, H,
-            P, D, 1, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC, FOLD, OFFSETS_APART, KEYS_AS_ROWS, VALUE_REF,
+            P, D, 1, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC, FOLD, OFFSETS_APART, KEYS_AS_ROWS,
+            VALUE_REF,
         )  # fmt: skip
 
     if VALUE_REF:
