@@ -225,3 +225,15 @@ def test_applies_only_to_4bit_layers():
     assert applies(5, 6, 128, 16) and applies(6, 5, 32, 64)
     assert not applies(5, 3, 128, 16) and not applies(1, 6, 128, 16)
     assert not applies(5, 5, 96, 16) and not applies(5, 5, 16, 16) and not applies(5, 5, 128, 8)
+
+
+def test_keys_as_rows_needs_folded_key_scales():
+    """``keys_as_rows`` turns the folded product over; without ``fold_key_scales`` it is refused."""
+    from kvstrata.radix.kernels.decode4 import decode4_options
+
+    launch = dict(blocks=2, num_warps=1, num_stages=2, keys_as_rows=True)
+    meta = dict(DOT_DTYPE=tl.float32)
+    with pytest.raises(ValueError, match="fold_key_scales"):
+        decode4_options(4, launch, True, meta)
+    options = decode4_options(4, dict(launch, fold_key_scales=True), True, meta)
+    assert options["BLOCK_H"] == 8 and options["SLOT_R"] == 4 and options["KEYS_AS_ROWS"]

@@ -36,6 +36,12 @@ cold blocks a split has past its last whole tile one block at a time (slot 0; a 
 are whole pages of whole blocks: no tile is ever masked). ``PREFETCH`` loads the page-table entries
 and the scales Triton's pipeliner leaves in the loop (`_side_scales`) a tile ahead. Measured on the
 H200: docs/kernels-h200.md, passes 5 and 7.
+
+Launch options of pass 9 (docs/kernels-h200.md, "Pass 9, 4-bit"), with ``FOLD``: ``KEYS_AS_ROWS``
+turns the products over (scores ``k . q^T``, the output ``v^T . p``), so that the query side is the
+product's N (8 columns for the 8B's group of 4 at 2 blocks, against M's 16 rows, half of them padding,
+without it): half the tensor-core products, score and accumulator elements a tile. ``VALUE_REF``
+keeps the accumulator in units of a running value scale (`_cold_tile4`).
 """
 
 from __future__ import annotations
@@ -220,7 +226,12 @@ def _cold_tile4(
     terms in ``side`` (``qc0``/``qc1`` unused); else every row sees every key. int4 values'
     offsets ``sum(p * o)`` (one number a row) add to every channel of the accumulator, or with
     ``OFFSETS_APART`` to ``o_i``, a row's running sum of them (rescaled as ``l_i``), which the
-    kernel adds to the accumulator once, after the cold tiles."""
+    kernel adds to the accumulator once, after the cold tiles. ``KEYS_AS_ROWS``: the products turned
+    over, scores ``k . q^T`` ``[keys, rows]`` (softmax along axis 0) and the output ``v^T . p`` in
+    ``[D/2, rows]`` halves (``acc0``/``acc1``). ``VALUE_REF``: the accumulator is kept in units of
+    ``v_ref``, the tile's largest value scale (at least ``VALUE_REF_FLOOR`` times ``v_hi``, the
+    largest seen), so that the product adds to the accumulator carried into the new units
+    (``acc * alpha * old / new``) with no multiply of the product by the tile's scale."""
     HD: tl.constexpr = D // 2
     N: tl.constexpr = BLOCKS * 16
     ka, kb, kc, kd, vx, vy = side
@@ -549,7 +560,9 @@ def decode4_options(group: int, launch: dict, interpreted: bool, meta: dict) -> 
     a power of two, and to 16 rows over the tile's blocks), ``heads_together``: program ids remapped
     so that consecutive programs are the KV heads of one sequence (the same grid), ``tail_rows``:
     the decode tail's rows loaded whole (`_tail_tile`), ``value_offsets_apart``: int4 value offsets
-    summed per row (`_cold_tile4`); the last three off unless set (docs/kernels-h200.md, pass 8).
+    summed per row (`_cold_tile4`); the last three off unless set (docs/kernels-h200.md, pass 8);
+    ``keys_as_rows`` (with ``fold_key_scales`` only; slots of the group padded to a power of two,
+    no 16-row minimum) and ``value_reference`` (`_cold_tile4`; pass 9), off unless set.
     Operands are FP16 for 16-bit models on a GPU, else float32 (``interpreted``, float32 models)."""
     f16 = not interpreted and meta["DOT_DTYPE"] in (tl.bfloat16, tl.float16)
     fold = bool(launch.get("fold_key_scales"))
