@@ -140,7 +140,7 @@ DECODE_INT8 = [
 # every option, as `use` merges entries into the table). Predictions from the sm_90 code (Triton 3.6,
 # offline, int4 / fp4 instructions of the cold loop, a 32-key tile, B=64 32K and B=256 2K alike): the
 # default 1,578 / 1,597 at 255 registers (8 programs an SM). ``keys_as_rows`` (scores k . q^T, 8 query
-# columns instead of 16 padded rows: half the products and accumulator) 1,327 / 1,319 (-16% / -17%);
+# columns instead of 16 padded rows: half the products and accumulator) 1,332 / 1,319 (-16% / -17%);
 # with ``value_reference`` (the accumulator in units of a running value scale, no per-tile product
 # rescale) 1,288 / 1,297; one stage (no cp.async pipeline) 1,091 / 1,290 (-31% / -19%); capped at 168
 # registers (12 programs an SM) 1,114 / 1,302 without spills in the cold loop (the ring tile spills:
