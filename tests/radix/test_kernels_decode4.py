@@ -12,8 +12,13 @@ import triton
 import triton.language as tl
 
 from kvstrata.quant.fp4 import _table
-from kvstrata.quant.int4 import KEY_SCALE, key_words
-from kvstrata.quant.kernel_decode import INT4_KEY_F16_UNIT, int4_key_scale_codes, nibble_pairs
+from kvstrata.quant.int4 import KEY_SCALE, key_words, scale_offset, value_words
+from kvstrata.quant.kernel_decode import (
+    INT4_KEY_F16_UNIT,
+    int4_key_scale_codes,
+    int4_value_scale,
+    nibble_pairs,
+)
 from kvstrata.quant.nibbles import unpack
 
 DEVICE = kernel_helpers.DEVICES[0]
@@ -86,6 +91,28 @@ def test_int4_key_scale_codes_exact():
     _key_codes_kernel[(1,)](key_words(code, zero).to(DEVICE), *out)
     assert torch.equal(out[0].cpu() * INT4_KEY_F16_UNIT.value, KEY_SCALE.decode(code))
     assert torch.equal(out[1].cpu(), zero.float())
+
+
+@triton.jit
+def _value_scale_kernel(W, S, OFF):
+    i = tl.arange(0, 1024)
+    s, o = int4_value_scale(tl.load(W + i).to(tl.int32))
+    tl.store(S + i, s)
+    tl.store(OFF + i, o)
+
+
+def test_int4_value_scale_exact():
+    """Every int4 value scale code (E5M5: subnormal codes, FP16's binades and the one above them),
+    read from the float32 bits it is shifted under, beside zero points 0 to 63: the codec's scale and
+    offset exactly."""
+    code = torch.arange(1024, dtype=torch.int32)
+    zero = torch.randint(0, 64, (1024,), generator=torch.Generator().manual_seed(8), dtype=torch.int32)
+    words = value_words(code, zero)
+    out = [torch.empty(1024, device=DEVICE) for _ in range(2)]
+    _value_scale_kernel[(1,)](words.to(DEVICE), *out)
+    scale, offset = scale_offset(words, "token", 0)
+    assert torch.equal(out[0].cpu(), scale) and torch.equal(out[1].cpu(), offset)
+    assert scale[1] > 0 and scale[-1] > 65504  # a subnormal code and the binade above FP16's
 
 
 LAUNCHES = {
