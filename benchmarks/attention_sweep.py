@@ -139,13 +139,13 @@ DECODE_INT8 = [
 # Pass 9 (prepared offline, docs/kernels-h200.md; the first entry is the default, every entry sets
 # every option, as `use` merges entries into the table). Predictions from the sm_90 code (Triton 3.6,
 # offline, int4 / fp4 instructions of the cold loop, a 32-key tile, B=64 32K and B=256 2K alike): the
-# default 1,578 / 1,597 at 255 registers (8 programs an SM). ``keys_as_rows`` (scores k . q^T, 8 query
-# columns instead of 16 padded rows: half the products and accumulator) 1,332 / 1,319 (-16% / -17%);
-# with ``value_reference`` (the accumulator in units of a running value scale, no per-tile product
-# rescale) 1,288 / 1,297; one stage (no cp.async pipeline) 1,091 / 1,290 (-31% / -19%); capped at 168
-# registers (12 programs an SM) 1,114 / 1,302 without spills in the cold loop (the ring tile spills:
-# about 1,070 against 972); at 144 (14 programs) 1,176 / 1,329 (19 / 12 reloads a tile); two stages at
-# 168: 1,416 (65 reloads, 21 stores) / 1,321 (no spill).
+# default 1,453 / 1,597 at 255 registers (8 programs an SM; int4 1,578 before its value scales were read
+# from their bits). ``keys_as_rows`` (scores k . q^T, 8 query columns instead of 16 padded rows: half
+# the products and accumulator) 1,294 / 1,319; with ``value_reference`` (the accumulator in units of a
+# running value scale, no per-tile product rescale) 1,257 / 1,297; one stage (no cp.async pipeline)
+# 1,050 / 1,290 (-28% / -19%); capped at 168 registers (12 programs an SM) 1,079 / 1,302 without
+# spills in the cold loop (the ring tile spills: about 1,070 against 976); at 144 (14 programs) 1,138 /
+# 1,329 (19 / 12 reloads a tile); two stages at 168: 1,379 (65 reloads, 22 stores) / 1,321 (no spill).
 _D4 = dict(
     shape(64, 32, 1, 2, True, 2, programs=4096, module="decode4", tail_apart=True),
     asm=True,
