@@ -255,7 +255,8 @@ def test_applies_only_to_4bit_layers():
 
 
 def test_keys_as_rows_needs_folded_key_scales():
-    """``keys_as_rows`` turns the folded product over; without ``fold_key_scales`` it is refused."""
+    """``keys_as_rows`` turns the folded product over (the query side 8 rows at least, the product's
+    N, instead of 16); without ``fold_key_scales`` it is refused."""
     from kvstrata.radix.kernels.decode4 import decode4_options
 
     launch = dict(blocks=2, num_warps=1, num_stages=2, keys_as_rows=True)
@@ -264,3 +265,7 @@ def test_keys_as_rows_needs_folded_key_scales():
         decode4_options(4, launch, True, meta)
     options = decode4_options(4, dict(launch, fold_key_scales=True), True, meta)
     assert options["BLOCK_H"] == 8 and options["SLOT_R"] == 4 and options["KEYS_AS_ROWS"]
+    options = decode4_options(1, dict(launch, fold_key_scales=True), True, meta)  # N at least 8
+    assert options["BLOCK_H"] == 8 and options["SLOT_R"] == 4
+    options = decode4_options(4, dict(launch, fold_key_scales=True, keys_as_rows=False), True, meta)
+    assert options["BLOCK_H"] == 16 and options["SLOT_R"] == 8 and not options["KEYS_AS_ROWS"]

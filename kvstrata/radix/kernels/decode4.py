@@ -561,16 +561,17 @@ def decode4_options(group: int, launch: dict, interpreted: bool, meta: dict) -> 
     so that consecutive programs are the KV heads of one sequence (the same grid), ``tail_rows``:
     the decode tail's rows loaded whole (`_tail_tile`), ``value_offsets_apart``: int4 value offsets
     summed per row (`_cold_tile4`); the last three off unless set (docs/kernels-h200.md, pass 8);
-    ``keys_as_rows`` (with ``fold_key_scales`` only; slots of the group padded to a power of two,
-    no 16-row minimum) and ``value_reference`` (`_cold_tile4`; pass 9), off unless set.
+    ``keys_as_rows`` (with ``fold_key_scales`` only; the slots padded to 8 rows in all, not 16: the
+    query side is then the product's N, whose tensor-core minimum is 8) and ``value_reference``
+    (`_cold_tile4`; pass 9), off unless set.
     Operands are FP16 for 16-bit models on a GPU, else float32 (``interpreted``, float32 models)."""
     f16 = not interpreted and meta["DOT_DTYPE"] in (tl.bfloat16, tl.float16)
     fold = bool(launch.get("fold_key_scales"))
     keys_as_rows = bool(launch.get("keys_as_rows"))
     if keys_as_rows and not fold:
         raise ValueError("decode4: keys_as_rows needs fold_key_scales")
-    rows = triton.next_power_of_2(group)  # a block's rows with ``fold``, 16 in all unless keys are rows
-    rows = rows if keys_as_rows else max(rows, 16 // launch["blocks"])
+    least = 8 if keys_as_rows else 16  # a tile's query rows at least: the product's N, or its M
+    rows = max(triton.next_power_of_2(group), least // launch["blocks"])  # a block's rows with ``fold``
     block_h = rows * launch["blocks"] if fold else max(16, triton.next_power_of_2(group))
     options = dict(
         meta,
