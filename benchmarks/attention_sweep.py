@@ -160,35 +160,39 @@ DECODE_INT8 = [
 # 1.910 / 0.079 / 0.777 and 2.196 / 0.081 / 0.859. Second call (int4 at B=1 32K / 2K): the
 # default's split sizes, 16 / 8 / 4 pages at least 0.073 / 0.062, 0.113 / 0.058, 0.183 / 0.054 ms, and the
 # decode tail in a split of its own 0.066 / 0.048 (now the default; fp4 the same within 0.01 ms).
-# Pass 8 (prepared offline, docs/kernels-h200.md; the first entry is the default, every entry sets
-# every option, as `use` merges entries into the table): the serving shapes (B=256 and 1,024 at 2K)
-# against B=64 at 32K. Predictions from the sm_90 code (Triton 3.6, offline, int4 / fp4): the loop is
-# 1,630 / 1,609 instructions a 32-key tile at 255 registers (8 programs an SM), no spill in it.
-# ``heads_together``: the same loop, programs remapped so that the programs running at once read
-# whole 512-byte token rows of a page (all 8 KV heads of a sequence) instead of 64 bytes of each (at
-# B=256 only heads 0-3 run in the first waves, at B=1,024 one head); no effect expected at B=64, 32K
-# (every head of every sequence runs at once there). ``tail_rows``: the ring's 32-key tile 765
-# instructions instead of 1,134 (1 global load a tile, pipelined, instead of 257 two-byte loads): a
-# few % at 2K (127 ring rows next to 1,920 cold keys), nothing at 32K. ``value_offsets_apart``: int4
-# values' offsets summed per row and added to the accumulator once, the int4 loop 1,555 instructions
-# (fp4 unchanged). ``maxnreg`` 168 / 128 (with the three): 12 / 16 programs an SM, the loop 1,833 /
-# 1,931 (int4) and 1,694 / 1,821 (fp4) with its spills.
+# Pass 8 (docs/kernels-h200.md): ``heads_together``, ``tail_rows`` and ``value_offsets_apart`` together
+# took 32-41% off the serving shapes (B=256 and 1,024 at 2K) and are the default since; register caps
+# (168, 128) lost everywhere (spills).
+# Pass 9 (prepared offline, docs/kernels-h200.md; the first entry is the default, every entry sets
+# every option, as `use` merges entries into the table). Predictions from the sm_90 code (Triton 3.6,
+# offline, int4 / fp4 instructions of the cold loop, a 32-key tile, B=64 32K and B=256 2K alike): the
+# default 1,453 / 1,597 at 255 registers (8 programs an SM; int4 1,578 before its value scales were read
+# from their bits). ``keys_as_rows`` (scores k . q^T, 8 query columns instead of 16 padded rows: half
+# the products and accumulator) 1,294 / 1,319; with ``value_reference`` (the accumulator in units of a
+# running value scale, no per-tile product rescale) 1,257 / 1,297; one stage (no cp.async pipeline)
+# 1,050 / 1,290 (-28% / -19%); capped at 168 registers (12 programs an SM) 1,079 / 1,302 without
+# spills in the cold loop (the ring tile spills: about 1,070 against 976); at 144 (14 programs) 1,138 /
+# 1,329 (19 / 12 reloads a tile); two stages at 168: 1,379 (65 reloads, 22 stores) / 1,321 (no spill).
 _D4 = dict(
     shape(64, 32, 1, 2, True, 2, programs=4096, module="decode4", tail_apart=True),
     asm=True,
     fold_key_scales=True,
-    heads_together=False,
-    tail_rows=False,
-    value_offsets_apart=False,
+    heads_together=True,
+    tail_rows=True,
+    value_offsets_apart=True,
+    keys_as_rows=False,
+    value_reference=False,
 )
-_D4_NEW = dict(_D4, heads_together=True, tail_rows=True, value_offsets_apart=True)
+_D4_ROWS = dict(_D4, keys_as_rows=True, value_reference=True)
+_D4_ROWS_1 = dict(_D4_ROWS, num_stages=1)
 DECODE_4BIT: list[dict] = [
     _D4,
-    dict(_D4, heads_together=True),
-    _D4_NEW,
-    dict(_D4_NEW, maxnreg=168),
-    dict(_D4_NEW, maxnreg=128),
-    dict(_D4, maxnreg=168),
+    dict(_D4, keys_as_rows=True),
+    _D4_ROWS,
+    _D4_ROWS_1,
+    dict(_D4_ROWS_1, maxnreg=168),
+    dict(_D4_ROWS_1, maxnreg=144),
+    dict(_D4_ROWS, maxnreg=168),
 ]
 # SWEEP_KINDS (environment): the kinds swept, "decode,extend" by default.
 KINDS = os.environ.get("SWEEP_KINDS", "decode,extend").split(",")
@@ -359,6 +363,8 @@ def sweep() -> dict[tuple[str, bool | str], dict]:
         blocks += f", fp8 wide from {s['wide_programs']} programs" if "wide_programs" in s else ""
         blocks += {True: ", codes asm", "values": ", values asm"}.get(s.get("codes_asm"), "")
         blocks += ", lazy rescale" if s.get("lazy_rescale") else ""
+        blocks += ", keys as rows" if s.get("keys_as_rows") else ""
+        blocks += ", value reference" if s.get("value_reference") else ""
         print(
             f"| {kind} | {batch} | {context} | {codec} | {s['block_m']} x {s['block_n']} | "
             f"{s['num_warps']} | "

@@ -42,6 +42,8 @@ INT4_VALUE_EMIN = tl.constexpr(int4.VALUE_SCALE.emin)
 INT4_VALUE_BITS = tl.constexpr(int4.VALUE_SCALE.bits)
 INT4_VALUE_MASK = tl.constexpr((1 << int4.VALUE_SCALE.bits) - 1)
 INT4_ZERO_STEP = tl.constexpr(1.0 / int4.ZERO_STEPS)
+# A value scale code shifted under a float32 exponent reads as the scale over INT4_VALUE_F32_UNIT.
+INT4_VALUE_F32_UNIT = tl.constexpr(2.0 ** (126 + int4.VALUE_SCALE.emin))
 # A key scale code shifted under an FP16 exponent reads as the scale (in units) over INT4_KEY_F16_UNIT.
 INT4_KEY_F16_SHIFT = tl.constexpr(10 - int4.KEY_SCALE.mantissa_bits)
 INT4_KEY_F16_UNIT = tl.constexpr(2.0 ** (14 + int4.KEY_SCALE.emin))
@@ -163,9 +165,13 @@ def int4_key_scale_codes(word):
 
 @triton.jit
 def int4_value_scale(word):
-    """int4 value ``(scale, offset)`` (float32) of int32 scale words."""
+    """int4 value ``(scale, offset)`` (float32) of int32 scale words. The scale's code placed under a
+    float32 exponent reads as the scale over ``INT4_VALUE_F32_UNIT`` (an E5M5 code is a float32
+    with a smaller exponent bias; its subnormal codes are float32 subnormals), one exact multiply
+    instead of `minifloat_value`'s arithmetic."""
     w = word & 0xFFFF
-    scale = minifloat_value(w & INT4_VALUE_MASK, INT4_VALUE_M, INT4_VALUE_EMIN)
+    bits = (w & INT4_VALUE_MASK) << (23 - INT4_VALUE_M)
+    scale = bits.to(tl.float32, bitcast=True) * INT4_VALUE_F32_UNIT
     return scale, -((w >> INT4_VALUE_BITS).to(tl.float32) * scale) * INT4_ZERO_STEP
 
 

@@ -12,8 +12,13 @@ import triton
 import triton.language as tl
 
 from kvstrata.quant.fp4 import _table
-from kvstrata.quant.int4 import KEY_SCALE, key_words
-from kvstrata.quant.kernel_decode import INT4_KEY_F16_UNIT, int4_key_scale_codes, nibble_pairs
+from kvstrata.quant.int4 import KEY_SCALE, key_words, scale_offset, value_words
+from kvstrata.quant.kernel_decode import (
+    INT4_KEY_F16_UNIT,
+    int4_key_scale_codes,
+    int4_value_scale,
+    nibble_pairs,
+)
 from kvstrata.quant.nibbles import unpack
 
 DEVICE = kernel_helpers.DEVICES[0]
@@ -88,6 +93,28 @@ def test_int4_key_scale_codes_exact():
     assert torch.equal(out[1].cpu(), zero.float())
 
 
+@triton.jit
+def _value_scale_kernel(W, S, OFF):
+    i = tl.arange(0, 1024)
+    s, o = int4_value_scale(tl.load(W + i).to(tl.int32))
+    tl.store(S + i, s)
+    tl.store(OFF + i, o)
+
+
+def test_int4_value_scale_exact():
+    """Every int4 value scale code (E5M5: subnormal codes, FP16's binades and the one above them),
+    read from the float32 bits it is shifted under, beside zero points 0 to 63: the codec's scale and
+    offset exactly."""
+    code = torch.arange(1024, dtype=torch.int32)
+    zero = torch.randint(0, 64, (1024,), generator=torch.Generator().manual_seed(8), dtype=torch.int32)
+    words = value_words(code, zero)
+    out = [torch.empty(1024, device=DEVICE) for _ in range(2)]
+    _value_scale_kernel[(1,)](words.to(DEVICE), *out)
+    scale, offset = scale_offset(words, "token", 0)
+    assert torch.equal(out[0].cpu(), scale) and torch.equal(out[1].cpu(), offset)
+    assert scale[1] > 0 and scale[-1] > 65504  # a subnormal code and the binade above FP16's
+
+
 LAUNCHES = {
     "2 blocks": dict(blocks=2, prefetch=False),
     "4 blocks, prefetch": dict(blocks=4, prefetch=True),
@@ -103,6 +130,30 @@ LAUNCHES = {
         heads_together=True,
         tail_rows=True,
         value_offsets_apart=True,
+    ),
+    "2 blocks, folded, keys as rows": dict(
+        blocks=2,
+        num_warps=1,
+        prefetch=False,
+        fold_key_scales=True,
+        heads_together=True,
+        tail_rows=True,
+        value_offsets_apart=True,
+        keys_as_rows=True,
+    ),
+    "4 blocks, folded, keys as rows, prefetch, offsets per tile": dict(
+        blocks=4, prefetch=True, fold_key_scales=True, keys_as_rows=True
+    ),
+    "2 blocks, folded, keys as rows, value reference": dict(
+        blocks=2,
+        num_warps=1,
+        fold_key_scales=True,
+        value_offsets_apart=True,
+        keys_as_rows=True,
+        value_reference=True,
+    ),
+    "4 blocks, folded, value reference, offsets per tile": dict(
+        blocks=4, prefetch=True, fold_key_scales=True, value_reference=True
     ),
 }
 
@@ -142,7 +193,12 @@ def test_decode4_float32(codec, launch, monkeypatch):
 
 @pytest.mark.parametrize(
     "launch",
-    ["4 blocks, prefetch", "4 blocks, folded key scales", "2 blocks, folded, heads together, tail rows"],
+    [
+        "4 blocks, prefetch",
+        "4 blocks, folded key scales",
+        "2 blocks, folded, heads together, tail rows",
+        "2 blocks, folded, keys as rows, value reference",
+    ],
 )
 @pytest.mark.parametrize("asm", ASM)
 @pytest.mark.parametrize("codec", ["int4", "fp4_e2m1", "int4/fp4_e2m1"])
@@ -196,3 +252,20 @@ def test_applies_only_to_4bit_layers():
     assert applies(5, 6, 128, 16) and applies(6, 5, 32, 64)
     assert not applies(5, 3, 128, 16) and not applies(1, 6, 128, 16)
     assert not applies(5, 5, 96, 16) and not applies(5, 5, 16, 16) and not applies(5, 5, 128, 8)
+
+
+def test_keys_as_rows_needs_folded_key_scales():
+    """``keys_as_rows`` turns the folded product over (the query side 8 rows at least, the product's
+    N, instead of 16); without ``fold_key_scales`` it is refused."""
+    from kvstrata.radix.kernels.decode4 import decode4_options
+
+    launch = dict(blocks=2, num_warps=1, num_stages=2, keys_as_rows=True)
+    meta = dict(DOT_DTYPE=tl.float32)
+    with pytest.raises(ValueError, match="fold_key_scales"):
+        decode4_options(4, launch, True, meta)
+    options = decode4_options(4, dict(launch, fold_key_scales=True), True, meta)
+    assert options["BLOCK_H"] == 8 and options["SLOT_R"] == 4 and options["KEYS_AS_ROWS"]
+    options = decode4_options(1, dict(launch, fold_key_scales=True), True, meta)  # N at least 8
+    assert options["BLOCK_H"] == 8 and options["SLOT_R"] == 4
+    options = decode4_options(4, dict(launch, fold_key_scales=True, keys_as_rows=False), True, meta)
+    assert options["BLOCK_H"] == 16 and options["SLOT_R"] == 8 and not options["KEYS_AS_ROWS"]

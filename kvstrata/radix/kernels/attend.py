@@ -140,6 +140,11 @@ DECODE_LAUNCH = {
         heads_together=True,
         tail_rows=True,
         value_offsets_apart=True,
+        # Pass 9 (prepared offline, docs/kernels-h200.md; `decode4.decode4_options`): ``keys_as_rows``
+        # (scores k . q^T: the query side 8 columns, not 16 padded rows), ``value_reference`` (the
+        # accumulator in units of a running value scale); off until the sweep times them.
+        keys_as_rows=False,
+        value_reference=False,
     ),
 }
 # 4-bit decode layers `decode4` does not read (one side 8/16-bit, or head_dim not a power of two): the

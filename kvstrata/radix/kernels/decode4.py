@@ -36,6 +36,12 @@ cold blocks a split has past its last whole tile one block at a time (slot 0; a 
 are whole pages of whole blocks: no tile is ever masked). ``PREFETCH`` loads the page-table entries
 and the scales Triton's pipeliner leaves in the loop (`_side_scales`) a tile ahead. Measured on the
 H200: docs/kernels-h200.md, passes 5 and 7.
+
+Launch options of pass 9 (docs/kernels-h200.md, "Pass 9, 4-bit"), with ``FOLD``: ``KEYS_AS_ROWS``
+turns the products over (scores ``k . q^T``, the output ``v^T . p``), so that the query side is the
+product's N (8 columns for the 8B's group of 4 at 2 blocks, against M's 16 rows, half of them padding,
+without it): half the tensor-core products, score and accumulator elements a tile. ``VALUE_REF``
+keeps the accumulator in units of a running value scale (`_cold_tile4`).
 """
 
 from __future__ import annotations
@@ -60,6 +66,10 @@ from kvstrata.radix.kernels.jit import jit_unspecialized
 # Keys a tile of the sink page, ring rows and the new key (BF16 channel halves loaded element by
 # element; a few tiles in one split a step).
 TAIL_N = tl.constexpr(32)
+# ``VALUE_REF``: the reference scale of a tile is at least the largest value scale seen times this, so
+# that the accumulator (in units of it) stays within float32 (sums of at most 2**20 weights of 1 times
+# codes under 2**4: under 2**114).
+VALUE_REF_FLOOR = tl.constexpr(2.0**-90)
 
 
 def applies(k_fmt: int, v_fmt: int, head_dim: int, page_size: int) -> bool:
@@ -183,6 +193,8 @@ def _cold_tile4(
     m_i,
     l_i,
     o_i,
+    v_ref,
+    v_hi,
     K0,
     K1,
     K2,
@@ -204,6 +216,8 @@ def _cold_tile4(
     DOT_PREC: tl.constexpr,
     FOLD: tl.constexpr,
     OFFSETS_APART: tl.constexpr,
+    KEYS_AS_ROWS: tl.constexpr,
+    VALUE_REF: tl.constexpr,
 ):
     """Keys ``j0`` to ``j0 + 16 * BLOCKS`` of the sequence's cold pages, in pages ``pb`` (``[BLOCKS]``,
     each block's) and ``pv`` (``[16 * BLOCKS]``, each key's), with the tile's `_side_scales`
@@ -212,7 +226,12 @@ def _cold_tile4(
     terms in ``side`` (``qc0``/``qc1`` unused); else every row sees every key. int4 values'
     offsets ``sum(p * o)`` (one number a row) add to every channel of the accumulator, or with
     ``OFFSETS_APART`` to ``o_i``, a row's running sum of them (rescaled as ``l_i``), which the
-    kernel adds to the accumulator once, after the cold tiles."""
+    kernel adds to the accumulator once, after the cold tiles. ``KEYS_AS_ROWS``: the products turned
+    over, scores ``k . q^T`` ``[keys, rows]`` (softmax along axis 0) and the output ``v^T . p`` in
+    ``[D/2, rows]`` halves (``acc0``/``acc1``). ``VALUE_REF``: the accumulator is kept in units of
+    ``v_ref``, the tile's largest value scale (at least ``VALUE_REF_FLOOR`` times ``v_hi``, the
+    largest seen), so that the product adds to the accumulator carried into the new units
+    (``acc * alpha * old / new``) with no multiply of the product by the tile's scale."""
     HD: tl.constexpr = D // 2
     N: tl.constexpr = BLOCKS * 16
     ka, kb, kc, kd, vx, vy = side
@@ -229,15 +248,29 @@ def _cold_tile4(
     else:
         s0, s1, o0, o1 = key_block_scales(K1, K2, pb, tb, h, 2 * ck, 2 * ck + 1, ck < HD, H, P, D, K_FMT)
         k0, k1 = nibble_pairs(kbytes, s0, o0, s1, o1, 5, True, ASM, CODE_DTYPE)
-    s = tl.dot(qc0, tl.trans(tl.reshape(k0, [N, HD])), input_precision=DOT_PREC)
-    s += tl.dot(qc1, tl.trans(tl.reshape(k1, [N, HD])), input_precision=DOT_PREC)
-    if FOLD:
+    k0 = tl.reshape(k0, [N, HD])
+    k1 = tl.reshape(k1, [N, HD])
+    if KEYS_AS_ROWS:  # scores k . q^T [N, rows], the softmax along the keys (axis 0)
+        s = tl.dot(k0, tl.trans(qc0), input_precision=DOT_PREC)
+        s += tl.dot(k1, tl.trans(qc1), input_precision=DOT_PREC)
         if K_FMT == 5:
-            s += kc[:, None]
-        s = tl.where(slot[:, None] == (tl.arange(0, N) // 16)[None, :], s * kd[:, None], float("-inf"))
-    elif K_FMT == 6:  # the page's global scale (times 2**14) on each key's column
-        s = s * kc[None, :]
-    p, alpha, m_i, l_i = _online(s, m_i, l_i)
+            s += kc[None, :]
+        s = tl.where((tl.arange(0, N) // 16)[:, None] == slot[None, :], s * kd[None, :], float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        p = tl.exp2(s - m_new[None, :])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 0)
+        m_i = m_new
+    else:
+        s = tl.dot(qc0, tl.trans(k0), input_precision=DOT_PREC)
+        s += tl.dot(qc1, tl.trans(k1), input_precision=DOT_PREC)
+        if FOLD:
+            if K_FMT == 5:
+                s += kc[:, None]
+            s = tl.where(slot[:, None] == (tl.arange(0, N) // 16)[None, :], s * kd[:, None], float("-inf"))
+        elif K_FMT == 6:  # the page's global scale (times 2**14) on each key's column
+            s = s * kc[None, :]
+        p, alpha, m_i, l_i = _online(s, m_i, l_i)
 
     if V_FMT == 6:  # [N, 32-channel blocks, 16 bytes]: a block's scale loads once per row
         g = tl.arange(0, HD // 16)[None, :, None]
@@ -250,18 +283,48 @@ def _cold_tile4(
         vb = tl.load(V0 + rv[:, None] * HD + c[None, :])
         v0, v1 = nibble_pairs(vb, 1.0, 0.0, 1.0, 0.0, 5, False, ASM, CODE_DTYPE)
         vs = vx
-    top = tl.max(vs, 0) + 1.1754943508222875e-38
-    w = (p * (vs * (1.0 / top))[None, :]).to(CODE_DTYPE)
-    acc0 = acc0 * alpha[:, None] + tl.dot(w, v0, input_precision=DOT_PREC) * top
-    acc1 = acc1 * alpha[:, None] + tl.dot(w, v1, input_precision=DOT_PREC) * top
+    if VALUE_REF:  # the weights over the new reference, the accumulator carried to it in the product
+        v_hi = tl.maximum(v_hi, tl.max(vs, 0))
+        top = tl.maximum(tl.maximum(tl.max(vs, 0), v_hi * VALUE_REF_FLOOR), 1.1754943508222875e-38)
+        carry = alpha * (v_ref / top)
+        v_ref = top
+    else:
+        top = tl.max(vs, 0) + 1.1754943508222875e-38
+        carry = alpha
+    if KEYS_AS_ROWS:  # the output transposed, [D/2, rows] halves: v^T . p
+        w = (p * (vs * (1.0 / top))[:, None]).to(CODE_DTYPE)
+        v0 = tl.trans(v0)
+        v1 = tl.trans(v1)
+        carry = carry[None, :]
+    else:
+        w = (p * (vs * (1.0 / top))[None, :]).to(CODE_DTYPE)
+        carry = carry[:, None]
+    if VALUE_REF and KEYS_AS_ROWS:
+        acc0 = tl.dot(v0, w, acc0 * carry, input_precision=DOT_PREC)
+        acc1 = tl.dot(v1, w, acc1 * carry, input_precision=DOT_PREC)
+    elif VALUE_REF:
+        acc0 = tl.dot(w, v0, acc0 * carry, input_precision=DOT_PREC)
+        acc1 = tl.dot(w, v1, acc1 * carry, input_precision=DOT_PREC)
+    elif KEYS_AS_ROWS:
+        acc0 = acc0 * carry + tl.dot(v0, w, input_precision=DOT_PREC) * top
+        acc1 = acc1 * carry + tl.dot(v1, w, input_precision=DOT_PREC) * top
+    else:
+        acc0 = acc0 * carry + tl.dot(w, v0, input_precision=DOT_PREC) * top
+        acc1 = acc1 * carry + tl.dot(w, v1, input_precision=DOT_PREC) * top
     if V_FMT == 5:
-        off = tl.sum(p * vy[None, :], 1)
+        if KEYS_AS_ROWS:  # noqa: SIM108  (constexpr branches of a Triton function)
+            off = tl.sum(p * vy[:, None], 0)
+        else:
+            off = tl.sum(p * vy[None, :], 1)
         if OFFSETS_APART:
             o_i = o_i * alpha + off
+        elif KEYS_AS_ROWS:
+            acc0 += off[None, :]
+            acc1 += off[None, :]
         else:
             acc0 += off[:, None]
             acc1 += off[:, None]
-    return acc0, acc1, m_i, l_i, o_i
+    return acc0, acc1, m_i, l_i, o_i, v_ref, v_hi
 
 
 @jit_unspecialized(  # the per-step arguments, as `attend._attend_kernel`'s
@@ -319,6 +382,8 @@ def _decode4_kernel(
     HEADS_TOGETHER: tl.constexpr,
     TAIL_ROWS: tl.constexpr,
     OFFSETS_APART: tl.constexpr,
+    KEYS_AS_ROWS: tl.constexpr,
+    VALUE_REF: tl.constexpr,
 ):
     if HEADS_TOGETHER:  # consecutive programs: the KV heads of one sequence (same grid, ids remapped)
         pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
@@ -342,9 +407,15 @@ def _decode4_kernel(
     q1 = tl.load(q_at + c1[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * qk_scale
     m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc0 = tl.zeros([BLOCK_H, D // 2], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_H, D // 2], dtype=tl.float32)
+    if KEYS_AS_ROWS:  # the cold tiles' output transposed (`_cold_tile4`), turned back after them
+        acc0 = tl.zeros([D // 2, BLOCK_H], dtype=tl.float32)
+        acc1 = tl.zeros([D // 2, BLOCK_H], dtype=tl.float32)
+    else:
+        acc0 = tl.zeros([BLOCK_H, D // 2], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_H, D // 2], dtype=tl.float32)
     o_i = tl.zeros([BLOCK_H], dtype=tl.float32)  # int4 values' offsets with OFFSETS_APART
+    v_ref = tl.full([], 1.0, tl.float32)  # with VALUE_REF the cold tiles' output is acc * v_ref
+    v_hi = tl.zeros([], dtype=tl.float32)  # the largest per-token value scale seen
 
     # Cold keys of this split: tiles of BLOCKS blocks, then the blocks left one at a time (a split's
     # keys are whole pages of whole blocks, so no tile is masked and no key is padding).
@@ -396,9 +467,10 @@ def _decode4_kernel(
                 K1, K2, V1, V2, j0, pb, pv, pr, qc0, qc1, q_mul, h, H,
                 P, D, BLOCKS, K_FMT, V_FMT, FOLD, CODE_DTYPE,
             )  # fmt: skip
-        acc0, acc1, m_i, l_i, o_i = _cold_tile4(
-            qc0, qc1, acc0, acc1, m_i, l_i, o_i, K0, K1, K2, V0, j0, pb, pv, side, slot, h, H,
-            P, D, BLOCKS, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC, FOLD, OFFSETS_APART,
+        acc0, acc1, m_i, l_i, o_i, v_ref, v_hi = _cold_tile4(
+            qc0, qc1, acc0, acc1, m_i, l_i, o_i, v_ref, v_hi, K0, K1, K2, V0, j0, pb, pv, side, slot, h, H,
+            P, D, BLOCKS, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC, FOLD, OFFSETS_APART, KEYS_AS_ROWS,
+            VALUE_REF,
         )  # fmt: skip
         if PREFETCH:
             pb = pb_ahead
@@ -413,11 +485,18 @@ def _decode4_kernel(
             K1, K2, V1, V2, j0, pb1, pv1, pr1, qc0, qc1, q_mul, h, H,
             P, D, 1, K_FMT, V_FMT, FOLD, CODE_DTYPE,
         )  # fmt: skip
-        acc0, acc1, m_i, l_i, o_i = _cold_tile4(
-            qc0, qc1, acc0, acc1, m_i, l_i, o_i, K0, K1, K2, V0, j0, pb1, pv1, side1, slot, h, H,
-            P, D, 1, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC, FOLD, OFFSETS_APART,
+        acc0, acc1, m_i, l_i, o_i, v_ref, v_hi = _cold_tile4(
+            qc0, qc1, acc0, acc1, m_i, l_i, o_i, v_ref, v_hi, K0, K1, K2, V0, j0, pb1, pv1, side1, slot, h, H,
+            P, D, 1, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC, FOLD, OFFSETS_APART, KEYS_AS_ROWS,
+            VALUE_REF,
         )  # fmt: skip
 
+    if VALUE_REF:
+        acc0 *= v_ref
+        acc1 *= v_ref
+    if KEYS_AS_ROWS:
+        acc0 = tl.trans(acc0)
+        acc1 = tl.trans(acc1)
     if OFFSETS_APART and V_FMT == 5:  # the cold keys' value offsets, at the same running max
         acc0 += o_i[:, None]
         acc1 += o_i[:, None]
@@ -481,11 +560,18 @@ def decode4_options(group: int, launch: dict, interpreted: bool, meta: dict) -> 
     a power of two, and to 16 rows over the tile's blocks), ``heads_together``: program ids remapped
     so that consecutive programs are the KV heads of one sequence (the same grid), ``tail_rows``:
     the decode tail's rows loaded whole (`_tail_tile`), ``value_offsets_apart``: int4 value offsets
-    summed per row (`_cold_tile4`); the last three off unless set (docs/kernels-h200.md, pass 8).
+    summed per row (`_cold_tile4`); the last three off unless set (docs/kernels-h200.md, pass 8);
+    ``keys_as_rows`` (with ``fold_key_scales`` only; the slots padded to 8 rows in all, not 16: the
+    query side is then the product's N, whose tensor-core minimum is 8) and ``value_reference``
+    (`_cold_tile4`; pass 9), off unless set.
     Operands are FP16 for 16-bit models on a GPU, else float32 (``interpreted``, float32 models)."""
     f16 = not interpreted and meta["DOT_DTYPE"] in (tl.bfloat16, tl.float16)
     fold = bool(launch.get("fold_key_scales"))
-    rows = max(triton.next_power_of_2(group), 16 // launch["blocks"])  # a block's rows with ``fold``
+    keys_as_rows = bool(launch.get("keys_as_rows"))
+    if keys_as_rows and not fold:
+        raise ValueError("decode4: keys_as_rows needs fold_key_scales")
+    least = 8 if keys_as_rows else 16  # a tile's query rows at least: the product's N, or its M
+    rows = max(triton.next_power_of_2(group), least // launch["blocks"])  # a block's rows with ``fold``
     block_h = rows * launch["blocks"] if fold else max(16, triton.next_power_of_2(group))
     options = dict(
         meta,
@@ -500,6 +586,8 @@ def decode4_options(group: int, launch: dict, interpreted: bool, meta: dict) -> 
         HEADS_TOGETHER=bool(launch.get("heads_together")),
         TAIL_ROWS=bool(launch.get("tail_rows")),
         OFFSETS_APART=bool(launch.get("value_offsets_apart")),
+        KEYS_AS_ROWS=keys_as_rows,
+        VALUE_REF=bool(launch.get("value_reference")),
         num_warps=launch["num_warps"],
         num_stages=launch["num_stages"],
     )
