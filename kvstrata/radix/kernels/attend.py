@@ -955,6 +955,7 @@ def pass_launch(
     kernel = _attend_kernel if T == 1 else _extend_kernel
     grid, scalars = (B * m_blocks, h, splits), (scale * LOG2E, T, h, *strides)
     options: dict[str, Any] | None = None
+    extend_options: dict[str, Any] | None = None
     if T == 1 and launch.get("module") == "decode4" and decode4.applies(k_fmt, v_fmt, d, page):
         kernel, options = decode4._decode4_kernel, decode4.decode4_options(group, launch, interpreted, meta)
     elif T == 1 and not fold and launch.get("module", "decode") == "decode":
@@ -963,8 +964,16 @@ def pass_launch(
         sink_kv = (sinks.k, sinks.v) if has_sinks and sinks is not None else (ring.k, ring.v)
         one_dtype = len({k.dtype, v.dtype, ring.k.dtype, *(t.dtype for t in sink_kv)}) == 1
         kernel, options = decode._decode_kernel, decode.decode_options(group, launch, one_dtype, meta)
+    elif T > 1 and launch.get("module") == "extend":
+        from kvstrata.radix.kernels import extend  # it imports this module's tile functions
+
+        if extend.applies(k_fmt, v_fmt):  # others: this module's kernel
+            kernel = extend._flash_extend_kernel
+            extend_options = extend.extend_options(group, block_m, launch, meta)
     if options is not None:  # the decode kernels: one program per (sequence, KV head, split), no T
         grid, scalars = (B, h, splits), (scale * LOG2E, h, *strides)
+    elif extend_options is not None:  # the extend kernel: this kernel's grid and arguments
+        options = extend_options
     else:
         options = dict(
             meta,
