@@ -71,6 +71,20 @@ def _weigh(s, acc, m_i, l_i, v, e_bits, POW2: tl.constexpr, DOT_PREC: tl.constex
 
 
 @triton.jit
+def _scales(K1, V1, page, j, h, H, P: tl.constexpr, K_FMT: tl.constexpr, V_FMT: tl.constexpr):
+    """The FP8 scale bytes of cold keys ``j`` in pages ``page``: the key exponent of each key's page
+    and head, the value exponent of each key (uint8, ``[N]``); ``page`` itself in place of the raw
+    formats' (nothing loaded)."""
+    ks = page
+    ve = page
+    if K_FMT != 0:
+        ks = tl.load(K1 + page * H + h)
+    if V_FMT != 0:
+        ve = tl.load(V1 + (page * P + (j % P).to(tl.int64)) * H + h)
+    return ks, ve
+
+
+@triton.jit
 def _cold(
     qd,
     qc,
@@ -78,10 +92,10 @@ def _cold(
     m_i,
     l_i,
     page,
+    ks,
+    ve,
     K0,
-    K1,
     V0,
-    V1,
     j,
     end,
     d,
@@ -99,9 +113,10 @@ def _cold(
     DIRECT: tl.constexpr,
 ):
     """One tile of cold keys ``j`` (``[N]`` positions in the sequence's cold pages; ``MASKED``: those
-    at or past ``end`` are padding) in pages ``page`` (``[N]`` int64). Raw codes enter the dots as
-    ``DOT_DTYPE``, FP8 codes as ``CODE_DTYPE`` (``qc`` is q in it; ``DIRECT``: converted straight to
-    it, `attend._codes`) with the page's key exponent on the score columns."""
+    at or past ``end`` are padding) in pages ``page`` (``[N]`` int64), ``ks``/``ve`` their FP8 scale
+    bytes (`_scales`). Raw codes enter the dots as ``DOT_DTYPE``, FP8 codes as ``CODE_DTYPE`` (``qc``
+    is q in it; ``DIRECT``: converted straight to it, `attend._codes`) with the page's key exponent on
+    the score columns."""
     row = (page * P + (j % P).to(tl.int64)) * H + h
     d_ok = (d < D)[None, :]
     if K_FMT == 0:
@@ -109,15 +124,14 @@ def _cold(
         s = tl.dot(qd, tl.trans(k), input_precision=DOT_PREC)
     else:
         k = _codes(K0, row[:, None], d[None, :], d_ok, D, BLOCK_D, K_FMT, CODE_DTYPE, DIRECT)
-        s = tl.dot(qc, tl.trans(k), input_precision=DOT_PREC)
-        s = s * pow2_scale(tl.load(K1 + page * H + h))[None, :]
+        s = tl.dot(qc, tl.trans(k), input_precision=DOT_PREC) * pow2_scale(ks)[None, :]
     if MASKED:
         s = tl.where((j < end)[None, :], s, float("-inf"))
     if V_FMT == 0:
         v = _codes(V0, row[:, None], d[None, :], d_ok, D, BLOCK_D, V_FMT, DOT_DTYPE, False)
-        return _weigh(s, acc, m_i, l_i, v, row, False, DOT_PREC)
-    v = _codes(V0, row[:, None], d[None, :], d_ok, D, BLOCK_D, V_FMT, CODE_DTYPE, DIRECT)
-    return _weigh(s, acc, m_i, l_i, v, tl.load(V1 + row), True, DOT_PREC)
+    else:
+        v = _codes(V0, row[:, None], d[None, :], d_ok, D, BLOCK_D, V_FMT, CODE_DTYPE, DIRECT)
+    return _weigh(s, acc, m_i, l_i, v, ve, V_FMT != 0, DOT_PREC)
 
 
 @triton.jit
@@ -232,24 +246,30 @@ def _flash_extend_kernel(
     end = tl.minimum(split * pages_per_split + pages_per_split, tl.load(COLD_LEN + b)) * P
     full = lo + tl.maximum(end - lo, 0) // BLOCK_N * BLOCK_N
     pt = PT + b * pt_stride
-    if PREFETCH:  # page-table entries a tile ahead: a tile's copies do not wait on its table load
+    if PREFETCH:
+        # Page-table entries and FP8 scale bytes a tile ahead: a tile's copies do not wait on its
+        # table load, nor its softmax on scale loads issued in the same tile.
         page = tl.load(pt + (lo + n) // P, mask=lo + n < end, other=0).to(tl.int64)
+        ks, ve = _scales(K1, V1, page, lo + n, h, H, P, K_FMT, V_FMT)
     for j0 in range(lo, full, BLOCK_N):
         if PREFETCH:
             ahead = j0 + BLOCK_N + n
             page_ahead = tl.load(pt + ahead // P, mask=ahead < end, other=0).to(tl.int64)
+            ks_ahead, ve_ahead = _scales(K1, V1, page_ahead, ahead, h, H, P, K_FMT, V_FMT)
         else:
             page = tl.load(pt + (j0 + n) // P).to(tl.int64)
+            ks, ve = _scales(K1, V1, page, j0 + n, h, H, P, K_FMT, V_FMT)
         acc, m_i, l_i = _cold(
-            qd, qc, acc, m_i, l_i, page, K0, K1, V0, V1, j0 + n, end, d, h, H,
+            qd, qc, acc, m_i, l_i, page, ks, ve, K0, V0, j0 + n, end, d, h, H,
             P, D, BLOCK_D, K_FMT, V_FMT, False, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W,
         )  # fmt: skip
         if PREFETCH:
-            page = page_ahead
+            page, ks, ve = page_ahead, ks_ahead, ve_ahead
     if full < end:
         page = tl.load(pt + (full + n) // P, mask=full + n < end, other=0).to(tl.int64)
+        ks, ve = _scales(K1, V1, page, full + n, h, H, P, K_FMT, V_FMT)
         acc, m_i, l_i = _cold(
-            qd, qc, acc, m_i, l_i, page, K0, K1, V0, V1, full + n, end, d, h, H,
+            qd, qc, acc, m_i, l_i, page, ks, ve, K0, V0, full + n, end, d, h, H,
             P, D, BLOCK_D, K_FMT, V_FMT, True, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W,
         )  # fmt: skip
 
