@@ -31,8 +31,6 @@ from kvstrata.radix.kernels.attend import (
     STEP_INTS,
     STEP_POINTERS,
     _codes,
-    _online,
-    _online_pow2_scaled,
 )
 from kvstrata.radix.kernels.jit import jit_unspecialized
 
@@ -58,16 +56,25 @@ def extend_options(group: int, block_m: int, launch: dict, meta: dict) -> dict:
 
 
 @triton.jit
-def _weigh(s, acc, m_i, l_i, v, e_bits, POW2: tl.constexpr, DOT_PREC: tl.constexpr):
-    """One tile's online softmax and ``acc * alpha + w . v`` with the product accumulating into the
-    rescaled output. ``POW2``: ``e_bits`` (``[N]`` uint8 exponents) are the values' power-of-two
-    scales, joined to the softmax exponent."""
+def _weigh(s, sc, acc, m_i, l_i, v, e_bits, POW2: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One tile's online softmax (base 2) of the scores ``s * sc`` and ``acc * alpha + w . v``, the
+    product accumulating into the rescaled output. The scale multiplies inside the exponent's
+    subtraction (one fused multiply-add an element) and on each row's maximum, so q enters the
+    products as the model gave it. ``POW2``: ``e_bits`` (``[N]`` uint8 exponents) are the values'
+    power-of-two scales, joined to the softmax exponent as `attend._online_pow2_scaled` does (the
+    weights ``2**(x + e - m)`` stay at most 1, the sums add ``2**(x - m)``; ``e`` clamped at -100)."""
     if POW2:
-        w, alpha, m_i, l_i = _online_pow2_scaled(s, e_bits, m_i, l_i)
+        eb = tl.maximum(e_bits.to(tl.int32), 27)  # e = eb - 127 >= -100
+        m_new = tl.maximum(m_i, tl.max(s * sc + (eb - 127).to(tl.float32)[None, :], 1))
     else:
-        w, alpha, m_i, l_i = _online(s, m_i, l_i)
-    acc = tl.dot(w.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
-    return acc, m_i, l_i
+        m_new = tl.maximum(m_i, tl.max(s, 1) * sc)
+    p = tl.exp2(s * sc - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if POW2:
+        p = p * (eb << 23).to(tl.float32, bitcast=True)[None, :]  # times 2**e, from its bits
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
+    return acc, m_new, l_i
 
 
 @triton.jit
@@ -88,6 +95,7 @@ def _scales(K1, V1, page, j, h, H, P: tl.constexpr, K_FMT: tl.constexpr, V_FMT: 
 def _cold(
     qd,
     qc,
+    qk_scale,
     acc,
     m_i,
     l_i,
@@ -122,21 +130,24 @@ def _cold(
     if K_FMT == 0:
         k = _codes(K0, row[:, None], d[None, :], d_ok, D, BLOCK_D, K_FMT, DOT_DTYPE, False)
         s = tl.dot(qd, tl.trans(k), input_precision=DOT_PREC)
+        sc = qk_scale
     else:
         k = _codes(K0, row[:, None], d[None, :], d_ok, D, BLOCK_D, K_FMT, CODE_DTYPE, DIRECT)
         s = tl.dot(qc, tl.trans(k), input_precision=DOT_PREC) * pow2_scale(ks)[None, :]
+        sc = 1.0
     if MASKED:
         s = tl.where((j < end)[None, :], s, float("-inf"))
     if V_FMT == 0:
         v = _codes(V0, row[:, None], d[None, :], d_ok, D, BLOCK_D, V_FMT, DOT_DTYPE, False)
     else:
         v = _codes(V0, row[:, None], d[None, :], d_ok, D, BLOCK_D, V_FMT, CODE_DTYPE, DIRECT)
-    return _weigh(s, acc, m_i, l_i, v, ve, V_FMT != 0, DOT_PREC)
+    return _weigh(s, sc, acc, m_i, l_i, v, ve, V_FMT != 0, DOT_PREC)
 
 
 @triton.jit
 def _raw(
     qd,
+    qk_scale,
     acc,
     m_i,
     l_i,
@@ -168,7 +179,7 @@ def _raw(
     s = tl.dot(qd, tl.trans(k.to(qd.dtype)), input_precision=DOT_PREC)
     if MASKED:
         s = tl.where(seen, s, float("-inf"))
-    return _weigh(s, acc, m_i, l_i, v.to(qd.dtype), row, False, DOT_PREC)
+    return _weigh(s, qk_scale, acc, m_i, l_i, v.to(qd.dtype), row, False, DOT_PREC)
 
 
 @jit_unspecialized(ints=(*STEP_INTS, "T"), pointers=STEP_POINTERS)  # as `attend._extend_kernel`'s
@@ -230,11 +241,10 @@ def _flash_extend_kernel(
     row_ok = t < T
     q_row = (b * T + t).to(tl.int64) * (H * GROUP) + h * GROUP + r % GROUP
     d = tl.arange(0, BLOCK_D)
-    # q in float32 with the softmax scale (base 2) folded in, then as each dot's operand.
+    # q as the dot operand of raw keys (the softmax scale, base 2, applied in `_weigh`).
     q = tl.load(Q + q_row[:, None] * D + d[None, :], mask=row_ok[:, None] & (d < D)[None, :], other=0.0)
-    q = q.to(tl.float32) * qk_scale
     qd = q.to(DOT_DTYPE)
-    qc = q.to(CODE_DTYPE)
+    qc = (q.to(tl.float32) * qk_scale).to(CODE_DTYPE)  # FP8 key codes: the scale folded into q
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -260,7 +270,7 @@ def _flash_extend_kernel(
             page = tl.load(pt + (j0 + n) // P).to(tl.int64)
             ks, ve = _scales(K1, V1, page, j0 + n, h, H, P, K_FMT, V_FMT)
         acc, m_i, l_i = _cold(
-            qd, qc, acc, m_i, l_i, page, ks, ve, K0, V0, j0 + n, end, d, h, H,
+            qd, qc, qk_scale, acc, m_i, l_i, page, ks, ve, K0, V0, j0 + n, end, d, h, H,
             P, D, BLOCK_D, K_FMT, V_FMT, False, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W,
         )  # fmt: skip
         if PREFETCH:
@@ -269,7 +279,7 @@ def _flash_extend_kernel(
         page = tl.load(pt + (full + n) // P, mask=full + n < end, other=0).to(tl.int64)
         ks, ve = _scales(K1, V1, page, full + n, h, H, P, K_FMT, V_FMT)
         acc, m_i, l_i = _cold(
-            qd, qc, acc, m_i, l_i, page, ks, ve, K0, V0, full + n, end, d, h, H,
+            qd, qc, qk_scale, acc, m_i, l_i, page, ks, ve, K0, V0, full + n, end, d, h, H,
             P, D, BLOCK_D, K_FMT, V_FMT, True, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W,
         )  # fmt: skip
 
@@ -280,7 +290,7 @@ def _flash_extend_kernel(
             for j0 in range(0, sink_len, BLOCK_N):
                 ok = j0 + n < sink_len
                 acc, m_i, l_i = _raw(
-                    qd, acc, m_i, l_i, SK, SV, (slot * P + j0 + n) * H + h, ok, ok[None, :], d,
+                    qd, qk_scale, acc, m_i, l_i, SK, SV, (slot * P + j0 + n) * H + h, ok, ok[None, :], d,
                     D, BLOCK_D, True, DOT_PREC,
                 )  # fmt: skip
         ring_len = tl.load(RING_LEN + b)
@@ -288,8 +298,9 @@ def _flash_extend_kernel(
             ok = j0 + n < ring_len
             ring_row = tl.load(RR + b * rr_stride + j0 + n, mask=ok, other=0).to(tl.int64)
             acc, m_i, l_i = _raw(
-                qd, acc, m_i, l_i, RK, RV, ring_row * H + h, ok, ok[None, :], d, D, BLOCK_D, True, DOT_PREC
-            )
+                qd, qk_scale, acc, m_i, l_i, RK, RV, ring_row * H + h, ok, ok[None, :], d,
+                D, BLOCK_D, True, DOT_PREC,
+            )  # fmt: skip
         # New tokens, causal: keys before the block's first token are seen by all its rows (whole
         # tiles of them unmasked); the tiles from there to the block's last token are masked.
         first = mb * BLOCK_M // GROUP
@@ -297,7 +308,7 @@ def _flash_extend_kernel(
         for j0 in range(0, seen_all, BLOCK_N):
             new_row = (b * T + j0 + n).to(tl.int64) * H + h
             acc, m_i, l_i = _raw(
-                qd, acc, m_i, l_i, KN, VN, new_row, None, None, d, D, BLOCK_D, False, DOT_PREC
+                qd, qk_scale, acc, m_i, l_i, KN, VN, new_row, None, None, d, D, BLOCK_D, False, DOT_PREC
             )
         last = tl.minimum(T, (mb * BLOCK_M + BLOCK_M - 1) // GROUP + 1)
         for j0 in range(seen_all, last, BLOCK_N):
@@ -305,7 +316,9 @@ def _flash_extend_kernel(
             ok = j < T
             seen = ok[None, :] & (j[None, :] <= t[:, None])
             new_row = (b * T + j).to(tl.int64) * H + h
-            acc, m_i, l_i = _raw(qd, acc, m_i, l_i, KN, VN, new_row, ok, seen, d, D, BLOCK_D, True, DOT_PREC)
+            acc, m_i, l_i = _raw(
+                qd, qk_scale, acc, m_i, l_i, KN, VN, new_row, ok, seen, d, D, BLOCK_D, True, DOT_PREC
+            )
 
     if SPLIT:
         has = l_i > 0
