@@ -76,9 +76,32 @@ def shape(
 # Prefetched page-table entries (Triton 3.6, sm_90, read from the compiled code): 128 x 64 with 4
 # stages keeps three tiles of copies in flight without spills; 128 x 128 with 3 stages spills.
 # ``f16``: 8-bit codes enter the dots as FP16 (FP8 E4M3 -> FP16 two codes an instruction).
+# Pass 9 (prepared offline; docs/kernels-h200.md): ``module`` "extend", the flash-shaped extend kernel
+# (`kvstrata.radix.kernels.extend`: q unscaled in the products, the scale in the exponent's FMA, FP8
+# value scales in the exponent, FP8 scale bytes a tile ahead, causal mask on diagonal tiles only).
+# Predicted from the sm_90 code Triton 3.6 compiles (cold loop: instructions a warp a tile, registers,
+# shared memory), BF16 / FP8 history; the pass-4 kernel at 128 x 64, 4 stages, prefetch: 431 / 971
+# (255 registers, 72 bytes of stack for FP8), at 128 x 128, 3 stages: 1,674 for FP8 (152 of stack).
+_EXT = dict(programs=0, f16=True, module="extend")
 EXTEND = [
     shape(128, 128, 8, 3, False, programs=0, f16=True),
     shape(128, 64, 8, 4, False, prefetch=True, programs=0, f16=True),
+    # The default's shape in the new kernel: 426 / 849 (215 / 252 registers, no spills): a few % from
+    # the loop, more from the new tokens (unmasked tiles 368 instructions instead of 613).
+    shape(128, 64, 8, 4, False, prefetch=True, **_EXT),
+    # 128-key tiles: BF16 700 a tile (5.5 a key against 6.7: the rescale and waits once per 128 keys),
+    # 255 registers, 32 bytes of stack outside the loop, 224 KB shared; FP8 spills in the loop (40
+    # local loads and stores a tile): expected slower for FP8.
+    shape(128, 128, 8, 3, False, prefetch=True, **_EXT),
+    shape(128, 128, 8, 2, False, prefetch=True, **_EXT),  # 693 a tile, 160 KB shared (1 tile ahead)
+    # Without prefetch: FP8 1,523 / 1,503 a tile (11.8 a key against 13.3), no spills (scales loaded
+    # in the tile); BF16 690 with 32 bytes of stack outside the loop.
+    shape(128, 128, 8, 3, False, **_EXT),
+    shape(128, 128, 8, 2, False, **_EXT),
+    # 64 rows, one warp group: 235 / 240 registers and 112 KB shared, so two programs share an SM and
+    # one's softmax can overlap the other's products (Triton 3.6 gives neither warp specialization nor
+    # an asynchronous Q.K across the softmax here); K/V read from L2 twice as often. 490 / 956 a tile.
+    shape(64, 64, 4, 3, False, prefetch=True, **_EXT),
 ]
 EXTEND_4BIT = [shape(128, 64, 8, 2, True, 4, programs=0)]
 # Decode. Sweeps of pass 4 (H200, Triton 3.6, FP8 at 32K; registers of the compiled kernels): 128-key
@@ -238,11 +261,12 @@ _REPORTED: set[int] = set()
 def compiled_report() -> str:
     """Registers, spills and shared memory of the attention kernels compiled since the last call
     (Triton's per-device kernel caches; empty where this Triton keeps them elsewhere)."""
-    from kvstrata.radix.kernels import decode, decode4
+    from kvstrata.radix.kernels import decode, decode4, extend
 
     got = []
+    kernels_run = (decode._decode_kernel, decode4._decode4_kernel, kernels._attend_kernel)
     try:
-        for fn in (decode._decode_kernel, decode4._decode4_kernel, kernels._attend_kernel):
+        for fn in (*kernels_run, kernels._extend_kernel, extend._flash_extend_kernel):
             for cache in getattr(fn, "device_caches", {}).values():
                 compiled = cache[0] if isinstance(cache, tuple) else cache
                 for k in list(compiled.values()):
@@ -306,6 +330,7 @@ def sweep() -> dict[tuple[str, bool | str], dict]:
         blocks += f", maxnreg {s['maxnreg']}" if s.get("maxnreg") else ""
         blocks += ", halves" if s.get("halves") else ""
         blocks += ", attend kernel" if kind == "decode" and s.get("module") == "attend" else ""
+        blocks += ", extend kernel" if kind == "extend" and s.get("module") == "extend" else ""
         blocks += ", tail by parts" if kind == "decode" and not s.get("merged_tail", True) else ""
         blocks += ", tail apart" if kind == "decode" and s.get("tail_apart") else ""
         blocks += f", int8 keys by {s['blocks']} blocks" if s.get("scaled_keys_by_blocks") else ""

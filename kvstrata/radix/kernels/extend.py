@@ -3,16 +3,18 @@
 
 The extend-only twin of `kvstrata.radix.kernels.attend`'s kernel, driven by the same plan and launch
 table, with the same grid (query blocks of ``BLOCK_M`` (token, query head) rows per sequence, KV
-heads, splits) and the same order of keys: cold pages by keys across pages, the sink page, the ring
-rows, then the new tokens. What differs is the loop body, shaped after the sm_90 code Triton 3.6
-compiles for it (docs/kernels-h200.md, pass 9):
+heads, splits), the same runtime arguments and the same order of keys: cold pages by keys across
+pages, the sink page, the ring rows, then the new tokens. What differs is the loop body, shaped after
+the sm_90 code Triton 3.6 compiles for it (docs/kernels-h200.md, pass 9):
 
-- P.V accumulates into the running output inside the product (``tl.dot(p, v, acc * alpha)``), not as
-  ``acc * alpha + tl.dot(p, v)``: no separate product tile (64 float32 registers a thread at 128 rows
-  and 8 warps) and no 64 additions a tile, and the product's wait moves to the next tile's rescale,
-  so on Hopper the P.V warp-group product runs while the next tile's scores and softmax are computed.
-- FP8 values: the power-of-two value scales join the softmax exponent (`attend._online_pow2_scaled`)
-  instead of a cross-warp maximum of the tile's scales and two extra passes over the output.
+- q enters the products as the model gave it; the softmax scale (base 2) multiplies inside the
+  exponent's subtraction (a fused multiply-add an element) and each row's maximum. q's operand then
+  stays in shared memory for the warp-group product (BF16, 128 x 64 tiles: 215 registers instead of
+  250), which leaves room for 128-key tiles without spills in the loop.
+- P.V accumulates into the rescaled output inside the product (``tl.dot(p, v, acc * alpha)``).
+- FP8 values: the power-of-two value scales join the softmax exponent (as `attend._online_pow2_scaled`)
+  instead of a cross-warp maximum of the tile's scales and two more passes over the output; with
+  ``prefetch`` the FP8 scale bytes load a tile ahead with the page-table entries.
 - New tokens: the tiles every query row of the block sees in full (keys before the block's first
   token) run without a causal mask; only the tiles on the diagonal are masked.
 
