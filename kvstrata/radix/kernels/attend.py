@@ -436,6 +436,22 @@ def _channels(HALF: tl.constexpr, BLOCK: tl.constexpr):
         return i, i
 
 
+@triton.jit
+def _out_rows(m_i, l_i, q_row, row_ok, split, num_splits, OUT, PO, PL, D: tl.constexpr, SPLIT: tl.constexpr):
+    """Where the rows' outputs go and the factor that normalises them: the output itself, or with
+    ``SPLIT`` the split's partial (whose base-2 log-sum-exp it stores; -inf where no key was seen)."""
+    if SPLIT:
+        has = l_i > 0
+        inv = 1.0 / tl.where(has, l_i, 1.0)
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        o_at = PO + (q_row * num_splits + split)[:, None] * D
+        tl.store(PL + q_row * num_splits + split, lse, mask=row_ok)
+    else:
+        inv = 1.0 / l_i
+        o_at = OUT + q_row[:, None] * D
+    return o_at, inv
+
+
 STEP_INTS = ("pt_stride", "rr_stride", "pages_per_split", "num_splits", "tail_split")
 STEP_POINTERS = ("PT", "COLD_LEN", "ST", "SINK_OK", "RR", "RING_LEN")
 
@@ -637,15 +653,7 @@ def _attend_kernel(
                 ck0, ck1, cv0, cv1, D, HALF_K, HALF_V, DOT_PREC,
             )  # fmt: skip
 
-    if SPLIT:
-        has = l_i > 0
-        inv = 1.0 / tl.where(has, l_i, 1.0)
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        o_at = PO + (q_row * num_splits + split)[:, None] * D
-        tl.store(PL + q_row * num_splits + split, lse, mask=row_ok)
-    else:
-        inv = 1.0 / l_i
-        o_at = OUT + q_row[:, None] * D
+    o_at, inv = _out_rows(m_i, l_i, q_row, row_ok, split, num_splits, OUT, PO, PL, D, SPLIT)
     tl.store(o_at + cv0[None, :], (acc0 * inv[:, None]).to(o_at.dtype.element_ty),
              mask=row_ok[:, None] & (cv0 < D)[None, :])  # fmt: skip
     if HALF_V:

@@ -33,6 +33,7 @@ from kvstrata.radix.kernels.attend import (
     STEP_INTS,
     STEP_POINTERS,
     _codes,
+    _out_rows,
 )
 from kvstrata.radix.kernels.jit import jit_unspecialized
 
@@ -322,14 +323,6 @@ def _flash_extend_kernel(
                 qd, qk_scale, acc, m_i, l_i, KN, VN, new_row, ok, seen, d, D, BLOCK_D, True, DOT_PREC
             )
 
-    if SPLIT:
-        has = l_i > 0
-        inv = 1.0 / tl.where(has, l_i, 1.0)
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        o_at = PO + (q_row * num_splits + split)[:, None] * D
-        tl.store(PL + q_row * num_splits + split, lse, mask=row_ok)
-    else:
-        inv = 1.0 / l_i
-        o_at = OUT + q_row[:, None] * D
+    o_at, inv = _out_rows(m_i, l_i, q_row, row_ok, split, num_splits, OUT, PO, PL, D, SPLIT)
     out_ok = row_ok[:, None] & (d < D)[None, :]
     tl.store(o_at + d[None, :], (acc * inv[:, None]).to(o_at.dtype.element_ty), mask=out_ok)
