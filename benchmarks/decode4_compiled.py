@@ -139,6 +139,25 @@ def loop_counts(sass: str, ops: list[str]) -> list[str]:
     return lines
 
 
+def set_launch(entry: dict, items: list[str]) -> None:
+    """Set ``key=value`` items (values as Python literals) in a launch-table entry."""
+    for item in items:
+        key, value = item.split("=", 1)
+        entry[key] = ast.literal_eval(value)
+
+
+def report(kernel, head: str, ops: list[str], sass_path: str | None) -> None:
+    """Print ``head`` with the kernel's registers, stack and shared memory, then each loop's counts of
+    ``ops``; write the SASS to ``sass_path`` if given."""
+    regs, stack, sass = sass_of(kernel)
+    print(
+        f"{head}; {regs} registers, {stack} bytes of stack, {kernel.metadata.shared} bytes of shared memory"
+    )
+    print("\n".join(loop_counts(sass, ops)))
+    if sass_path:
+        Path(sass_path).write_text(sass)
+
+
 def loops(sass: str) -> list[list[str]]:
     """The instructions of each loop (a backward branch's target to the branch), in program order."""
     addresses: list[int] = []
@@ -162,19 +181,13 @@ def main() -> None:
     ap.add_argument("launch", nargs="*", help="DECODE_LAUNCH[True] overrides, key=value (Python literals)")
     ap.add_argument("--sass", help="write the SASS here")
     args = ap.parse_args()
-    for item in args.launch:
-        key, value = item.split("=", 1)
-        attend.DECODE_LAUNCH[True][key] = ast.literal_eval(value)
+    set_launch(attend.DECODE_LAUNCH[True], args.launch)
     launch, options, kernel = compile_case(args.codec, args.batch, args.context)
-    regs, stack, sass = sass_of(kernel)
-    print(
+    head = (
         f"{args.codec} B={args.batch} context {args.context}, Triton {triton.__version__}: "
-        f"grid {launch.grid}, BLOCK_H {options['BLOCK_H']}, SLOT_R {options['SLOT_R']}; "
-        f"{regs} registers, {stack} bytes of stack"
+        f"grid {launch.grid}, BLOCK_H {options['BLOCK_H']}, SLOT_R {options['SLOT_R']}"
     )
-    print("\n".join(loop_counts(sass, OPS)))
-    if args.sass:
-        Path(args.sass).write_text(sass)
+    report(kernel, head, OPS, args.sass)
 
 
 if __name__ == "__main__":

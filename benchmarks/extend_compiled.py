@@ -15,7 +15,6 @@ loop), the ring, then the new tokens (the flash kernel: unmasked tiles, then the
 from __future__ import annotations
 
 import argparse
-import ast
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).parent))
 from attention_gpu import GEOMETRIES, build  # noqa: E402
-from decode4_compiled import OPS, compile_sm90, launch_args, loop_counts, sass_of  # noqa: E402
+from decode4_compiled import OPS, compile_sm90, launch_args, report, set_launch  # noqa: E402
 
 from kvstrata.radix.kernels import attend  # noqa: E402
 
@@ -42,9 +41,7 @@ def main() -> None:
     )[:5]
     k_fmt, _, v_fmt, _ = attend.layer_parts(cache.pool, 0)
     entry = attend.EXTEND_LAUNCH[attend.extend_kind(k_fmt, v_fmt)]
-    for item in args.launch:
-        key, value = item.split("=", 1)
-        entry[key] = ast.literal_eval(value)
+    set_launch(entry, args.launch)
     launch = attend.pass_launch(plan, k_fmt, v_fmt, q, k, v, 0.088, cache.ring, None, None, True, True)
     options = dict(launch.options)
     codes = (k_fmt, v_fmt) != (0, 0)  # the CPU launch has float32 operands: a GPU's BF16 model's here
@@ -52,15 +49,9 @@ def main() -> None:
     options.update(DOT_PREC="tf32", DOT_DTYPE=tl.bfloat16, CODE_DTYPE=tl.float16 if f16 else tl.bfloat16)
     options["NORM_W"] = f16
     kernel = compile_sm90(launch.kernel, launch_args(cache, plan, q, k, v, launch), options)
-    regs, stack, sass = sass_of(kernel)
     name = getattr(launch.kernel, "__name__", launch.kernel.fn.__name__)
-    print(
-        f"{args.codec} {entry}: {name}, grid {launch.grid}, BLOCK_M {options['BLOCK_M']}; {regs} registers, "
-        f"{stack} bytes of stack, {kernel.metadata.shared} bytes of shared memory"
-    )
-    print("\n".join(loop_counts(sass, EXTEND_OPS)))
-    if args.sass:
-        Path(args.sass).write_text(sass)
+    head = f"{args.codec} {entry}: {name}, grid {launch.grid}, BLOCK_M {options['BLOCK_M']}"
+    report(kernel, head, EXTEND_OPS, args.sass)
 
 
 if __name__ == "__main__":
