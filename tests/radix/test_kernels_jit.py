@@ -17,11 +17,12 @@ import kvstrata
 
 CHILD = """
 import json
-from kvstrata.radix.kernels import attend, decode, decode4, page_quantize
+from kvstrata.radix.kernels import attend, decode, decode4, extend, page_quantize
 out = {}
 kernels = {
     "_attend_kernel": attend._attend_kernel,
     "_extend_kernel": attend._extend_kernel,
+    "_flash_extend_kernel": extend._flash_extend_kernel,
     "_decode_kernel": decode._decode_kernel,
     "_decode4_kernel": decode4._decode4_kernel,
     "_merge_kernel": attend._merge_kernel,
@@ -51,6 +52,7 @@ def test_step_varying_arguments_are_not_specialized():
         "_attend_kernel": attention,
         # the extend launches' copy: T (new tokens a sequence) varies from chunk to chunk too
         "_extend_kernel": {**attention, "ints": sorted([*attention["ints"], "T"])},
+        "_flash_extend_kernel": {**attention, "ints": sorted([*attention["ints"], "T"])},
         "_decode_kernel": attention,
         "_decode4_kernel": attention,
         "_merge_kernel": {"ints": ["num_splits"], "pointers": []},
