@@ -29,6 +29,7 @@ in `_cold_passes` (`GroupPlan.raised_plan`), read the same way.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 from weakref import WeakKeyDictionary
 
@@ -802,6 +803,8 @@ def attend_group(
             )
             if launches is not None:
                 launches[key] = launch
+        if launch.dequant:
+            kp, vp = dequantized_parts(cold, layer, plan.page_table, q.dtype)
         got = launch.run(layer, q, k, v, kp, vp, ring, sinks, out)
         if got is not None:
             parts.append(got)
@@ -835,7 +838,8 @@ class PassLaunch(NamedTuple):
     """One pass's kernel launch without the layer's tensors: the same in every layer of a step whose
     layers share codecs, so a decode step works it out once and each layer only launches.
     ``scalars``: the runtime arguments after the tensors; ``options`` the constexprs and launch options;
-    ``sinks``: the pass reads the sink page; ``partial``: it writes split partials."""
+    ``sinks``: the pass reads the sink page; ``partial``: it writes split partials; ``dequant``: it reads
+    its cold pages dequantized first, through the identity page table ``g.page_table``."""
 
     kernel: Any
     grid: tuple[int, int, int]
@@ -847,6 +851,7 @@ class PassLaunch(NamedTuple):
     direct: bool
     partial: bool
     sinks: bool
+    dequant: bool = False  # `attend_group` gives it the pass's pages dequantized (`dequantized_parts`)
 
     def run(
         self,
@@ -908,6 +913,11 @@ def pass_launch(
     # tokens; other page sizes read keys across pages (`_cold_tile`).
     four_bit = k_fmt in HALF_FORMATS or v_fmt in HALF_FORMATS
     launch = DECODE_LAUNCH[four_bit] if T == 1 else EXTEND_LAUNCH[extend_kind(k_fmt, v_fmt)]
+    dequant = T > 1 and dequantizes(launch, k_fmt, v_fmt, T * group, g, h, d, q.dtype)
+    if dequant:  # raw history in the pass's page order: the identity table
+        k_fmt = v_fmt = 0
+        identity = torch.arange(g.page_table.numel(), device=g.device, dtype=g.page_table.dtype)
+        g = dataclasses.replace(g, page_table=identity.view(g.page_table.shape))
     if T == 1 and launch.get("module") == "decode4":
         from kvstrata.radix.kernels import decode4
 
@@ -1000,7 +1010,32 @@ def pass_launch(
             num_stages=launch["num_stages"],
         )
     lengths = tuple(g.kernel_lengths.unbind(0))
-    return PassLaunch(kernel, grid, scalars, options, g, lengths, splits, direct, partial, has_sinks)
+    return PassLaunch(kernel, grid, scalars, options, g, lengths, splits, direct, partial, has_sinks, dequant)
+
+
+def dequantizes(
+    launch: dict, k_fmt: int, v_fmt: int, rows: int, g: GroupPlan, h: int, d: int, dtype: torch.dtype
+) -> bool:
+    """An extend pass over coded history dequantizes its cold pages to the model dtype first and reads
+    them as raw history (`dequantized_parts`), when its launch allows it: ``dequant_bytes`` (the most
+    bytes of K and V so made; 0 never) holds them, ``module`` is the flash kernel, and a sequence's
+    ``rows`` (new tokens x query heads a KV head) make several query blocks, each of which would
+    otherwise decode every code again."""
+    cap = launch.get("dequant_bytes", 0)
+    if not cap or launch.get("module") != "extend" or (k_fmt, v_fmt) == (0, 0):
+        return False
+    if triton.cdiv(rows, query_block(rows, launch["block_m"])) < 2:
+        return False
+    return 2 * g.page_table.numel() * g.page_size * h * d * dtype.itemsize <= cap
+
+
+def dequantized_parts(
+    pool: ColdPool, layer: int, page_table: torch.Tensor, dtype: torch.dtype
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """K and V of every entry of ``page_table`` (padding included) dequantized to ``dtype``, ``[pages,
+    P, H, D]`` in the table's order, as raw kernel parts (`layer_parts`' layout)."""
+    k, v = pool.read(layer, page_table.reshape(-1), dtype)
+    return [k.contiguous()] * 3, [v.contiguous()] * 3
 
 
 def _take(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
