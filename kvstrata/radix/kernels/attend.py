@@ -157,7 +157,8 @@ FP8_WIDE_PROGRAMS = 512
 # copies in flight; H200, 2K chunk over 30K: 2.692 ms against 3.101 for the 8-bit shape, 0.66x SDPA
 # in `attention_sweep.py`). 8-bit codes by keys, 128 a tile, 3 stages (FP8 4.904 ms; the raw shape
 # took 9.526). 4-bit by blocks. Extend does not split. ``module`` "extend" (an option, not yet set):
-# raw and FP8 layers take the flash-shaped kernel of `kvstrata.radix.kernels.extend` (docs pass 9).
+# raw and FP8 layers take the flash-shaped kernel of `kvstrata.radix.kernels.extend` (docs pass 9);
+# ``dequant_bytes`` (not yet set) with it: coded history dequantized first (`dequantizes`).
 EXTEND_LAUNCH = {
     "raw": dict(
         block_m=128,
