@@ -111,7 +111,7 @@ EXTEND_4BIT = [shape(128, 64, 8, 2, True, 4, programs=0)]
 # Coded history dequantized to BF16 first (`attend.dequantizes`, up to 1 GiB of K/V a pass: the case's
 # 30,592 cold keys make 125 MB), then the flash kernel's BF16 loop at the default's shape: each of the
 # 64 query blocks a head no longer decodes every code again. Expected about the BF16 line plus one
-# read of the codes and a write and read of 125 MB (~0.1 ms at 4 TB/s); FP8 and int4.
+# read of the codes and a write of 125 MB by `attend._dequant_kernel` (~0.05 ms at 4 TB/s); FP8, int4.
 EXTEND_DEQUANT = [_ext(128, 64, 8, 4, prefetch=True, dequant_bytes=1 << 30)]
 # Decode. Sweeps of pass 4 (H200, Triton 3.6, FP8 at 32K; registers of the compiled kernels): 128-key
 # tiles with 4 warps 1.777 ms at B=64 (255 registers); ``halves`` 2.24-2.58; swapped operands 3.710;

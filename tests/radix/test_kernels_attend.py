@@ -256,9 +256,9 @@ def test_extend_dequantized_first(codec, device, monkeypatch):
     made = []
     parts = attend.dequantized_parts
 
-    def counted(pool, layer, table, dtype):
+    def counted(pool, layer, table, heads, dtype):
         made.append(table.numel())
-        return parts(pool, layer, table, dtype)
+        return parts(pool, layer, table, heads, dtype)
 
     monkeypatch.setattr(attend, "dequantized_parts", counted)
     for kind in ("8bit", "4bit"):

@@ -805,7 +805,7 @@ def attend_group(
             if launches is not None:
                 launches[key] = launch
         if launch.dequant:
-            kp, vp = dequantized_parts(cold, layer, plan.page_table, q.dtype)
+            kp, vp = dequantized_parts(cold, layer, plan.page_table, k.shape[1], q.dtype)
         got = launch.run(layer, q, k, v, kp, vp, ring, sinks, out)
         if got is not None:
             parts.append(got)
@@ -1030,13 +1030,57 @@ def dequantizes(
     return 2 * g.page_table.numel() * g.page_size * h * d * dtype.itemsize <= cap
 
 
+@jit_unspecialized(pointers=("PT",))  # a view into the step's uploaded tables, as the attention kernels'
+def _dequant_kernel(
+    PT,
+    K0,
+    K1,
+    K2,
+    V0,
+    V1,
+    V2,
+    KO,
+    VO,
+    H,
+    P: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    K_FMT: tl.constexpr,
+    V_FMT: tl.constexpr,
+):
+    """One (page-table entry, KV head): the page's keys and values decoded (`load_decoded`, as the
+    attention kernels decode them) into row ``entry`` of ``KO``/``VO`` ``[entries, P, H, D]``."""
+    entry = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    tok = tl.arange(0, BLOCK_P).to(tl.int64)[:, None]
+    page = tl.load(PT + entry).to(tl.int64) + 0 * tok  # [BLOCK_P, 1], as `load_decoded` takes it
+    d = tl.arange(0, BLOCK_D)[None, :]
+    row_ok = tok < P
+    ok = row_ok & (d < D)
+    k = load_decoded(K0, K1, K2, page, tok, h, d, ok, row_ok, H, P, D, BLOCK_D, K_FMT, True)
+    v = load_decoded(V0, V1, V2, page, tok, h, d, ok, row_ok, H, P, D, BLOCK_D, V_FMT, False)
+    at = ((entry * P + tok) * H + h) * D + d
+    tl.store(KO + at, k.to(KO.dtype.element_ty), mask=ok)
+    tl.store(VO + at, v.to(VO.dtype.element_ty), mask=ok)
+
+
 def dequantized_parts(
-    pool: ColdPool, layer: int, page_table: torch.Tensor, dtype: torch.dtype
+    pool: ColdPool, layer: int, page_table: torch.Tensor, H: int, dtype: torch.dtype
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """K and V of every entry of ``page_table`` (padding included) dequantized to ``dtype``, ``[pages,
-    P, H, D]`` in the table's order, as raw kernel parts (`layer_parts`' layout)."""
-    k, v = pool.read(layer, page_table.reshape(-1), dtype)
-    return [k.contiguous()] * 3, [v.contiguous()] * 3
+    """K and V (``H`` heads) of every entry of ``page_table`` (padding included) decoded to ``dtype`` by
+    one kernel pass, ``[entries, P, H, D]`` in the table's order, as raw kernel parts (`layer_parts`'
+    layout)."""
+    k_fmt, kp, v_fmt, vp = layer_parts(pool, layer)
+    entries, P, D = page_table.numel(), pool.page_size, pool.head_dim
+    ko = torch.empty((entries, P, H, D), dtype=dtype, device=page_table.device)
+    vo = torch.empty_like(ko)
+    _dequant_kernel[(entries, H)](
+        page_table.reshape(-1), *kp, *vp, ko, vo, H,
+        P=P, BLOCK_P=triton.next_power_of_2(P), D=D, BLOCK_D=triton.next_power_of_2(D),
+        K_FMT=k_fmt, V_FMT=v_fmt,
+    )  # fmt: skip
+    return [ko] * 3, [vo] * 3
 
 
 def _take(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
