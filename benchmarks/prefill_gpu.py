@@ -57,6 +57,7 @@ def compiled_variants() -> int:
         attend._attend_kernel,
         attend._extend_kernel,
         extend._flash_extend_kernel,
+        attend._dequant_kernel,
         attend._merge_kernel,
         page_quantize._page_quantize_kernel,
     )

@@ -26,6 +26,7 @@ kernels = {
     "_decode_kernel": decode._decode_kernel,
     "_decode4_kernel": decode4._decode4_kernel,
     "_merge_kernel": attend._merge_kernel,
+    "_dequant_kernel": attend._dequant_kernel,
     "_page_quantize_kernel": page_quantize._page_quantize_kernel,
 }
 for name, fn in kernels.items():
@@ -56,5 +57,6 @@ def test_step_varying_arguments_are_not_specialized():
         "_decode_kernel": attention,
         "_decode4_kernel": attention,
         "_merge_kernel": {"ints": ["num_splits"], "pointers": []},
+        "_dequant_kernel": {"ints": [], "pointers": ["PT"]},
         "_page_quantize_kernel": {"ints": [], "pointers": sorted(["SRC", "PAGE_IDS", "SINK_SLOTS"])},
     }
