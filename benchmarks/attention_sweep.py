@@ -51,6 +51,8 @@ def shape(
     merged_tail: bool = True,
     scaled_keys_by_blocks: bool = False,
     tail_apart: bool = False,
+    codes_asm: bool | str = False,
+    lazy_rescale: bool = False,
 ) -> dict:
     return dict(
         block_m=m,
@@ -70,6 +72,8 @@ def shape(
         merged_tail=merged_tail,
         scaled_keys_by_blocks=scaled_keys_by_blocks,
         tail_apart=tail_apart,
+        codes_asm=codes_asm,
+        lazy_rescale=lazy_rescale,
     )
 
 
@@ -132,16 +136,39 @@ EXTEND_DEQUANT = [_ext(128, 64, 8, 4, prefetch=True, dequant_bytes=1 << 30)]
 # a tile, 16 programs (16 warps an SM, the most of any; 2 warps of 32 keys at 128 registers: 47 a
 # key, 8 programs, cross-warp barriers). The programs targets are about 4 waves of each shape's
 # programs an SM over the H200's 132 SMs (B=64 at 32K: 8, 10, 5 and 16 splits).
+# Pass 8's measured pick (H200, B=64 32K / B=256 2K / B=1,024 2K): 1 warp, 32 keys, 4,096 programs
+# 1.300 / 0.355 / 1.416 ms against the 4-warp entry's 1.573 / 0.430 / 1.580; `halves` 1.720, caps of
+# 200 / 128 registers 1.538 / 1.501, 2 warps of 64 keys 1.610 (B=64, 32K). It is `attend.FP8_WIDE_DECODE`
+# where a step has `FP8_WIDE_PROGRAMS` (sequence, KV head) programs or more.
+# Pass 9 (FP8, prepared offline; docs/kernels-h200.md): every variant is the 4-warp entry below with
+# ``wide_programs`` (`attend.FP8_WIDE_PROGRAMS` for the variant; 1: the wide shape at every batch, B=1
+# included) and pass 9's options (`decode.fp8_options`), the default first. Predicted from the sm_90 code
+# (`decode_compiled.py`, Triton 3.6; the wide shape's cold loop in warp instructions a 32-key tile and
+# shared-memory wavefronts, 254-255 registers, no spill, 8 programs an SM in each): default 920 (28.8 a
+# key), 253 wavefronts; ``codes_asm`` "values" 703 (22.0), 249: value codes and the softmax weights
+# converted to FP16 by PTX, so values load by transposing ldmatrix instead of 130 byte loads and 64 byte
+# packs, and P.V's operands take FP16 register layouts; ``codes_asm`` True (keys too) 652 (20.4) but 377
+# wavefronts (keys staged as FP16: q's operand then loads without ~90 register moves); ``lazy_rescale``
+# skips 74 on the tiles that keep the running max: 661 / 595 (18.6 a key) with the two. At pass 8's
+# issue share (1.300 ms for 920) B=64 at 32K would take 0.99 / 0.92 / 0.84 ms (values / keys too / keys
+# too and lazy), under or at the 0.96 ms its 4.33 GB of FP8 history take at SDPA BF16's ~4.5 TB/s; keys
+# staged as FP16 would use ~80% of an SM's shared-memory bandwidth there, which may cap them. The
+# 4-warp shape (B=1): 1,025 a warp a 128-key tile, 707 with ``codes_asm`` True but 77.8 KB of shared
+# memory instead of 73.7 (2 programs an SM, not 3). The last variant also splits B=1's 32K into 256
+# splits of 8 pages (min_pages 8; 2,048 one-warp programs of 4 tiles) instead of 65 of 32 (520 programs
+# of 16 tiles); it changes nothing at B >= 64.
 _F16 = dict(f16=True)
 _NEW = dict(min_pages=32, tail_apart=True, **_F16)
-_FP8 = dict(_NEW, blocks=8, scaled_keys_by_blocks=True)  # int8 keys as the default reads them
+_FP8 = dict(_NEW, blocks=8, scaled_keys_by_blocks=True, programs=1024, maxnreg=168)  # the entry's shape
+_DEFAULT = dict(shape(64, 128, 4, 2, False, **_FP8), wide_programs=512)
+_EVERY = dict(_DEFAULT, wide_programs=1)  # the wide shape at B=1 too
 DECODE = [
-    shape(64, 128, 4, 2, False, maxnreg=168, programs=1024, **_FP8),
-    shape(64, 32, 1, 2, False, programs=4096, **_FP8),
-    shape(64, 32, 1, 2, False, programs=4096, halves=True, **_FP8),
-    shape(64, 32, 1, 2, False, programs=5120, maxnreg=200, **_FP8),
-    shape(64, 64, 2, 2, False, programs=2560, maxnreg=200, **_FP8),
-    shape(64, 16, 1, 2, False, programs=8192, maxnreg=128, **_FP8),
+    _DEFAULT,
+    _EVERY,
+    dict(_DEFAULT, codes_asm="values", lazy_rescale=True),
+    dict(_DEFAULT, codes_asm=True),
+    dict(_DEFAULT, codes_asm=True, lazy_rescale=True),
+    dict(_EVERY, codes_asm=True, lazy_rescale=True, min_pages=8),
 ]
 # int8 keys (per-channel scales) by keys or by 16-token blocks; not part of the fastest-shape pick
 # (it would set the entry FP8 shares).
@@ -246,7 +273,16 @@ def table_of(key: tuple[str, bool | str]) -> dict:
 
 def use(kind: str, codec: str, launch: dict | None) -> None:
     if launch is not None:
-        table_of(entry(kind, codec)).update(launch)
+        apply(entry(kind, codec), launch)
+
+
+def apply(key: tuple[str, bool | str], launch: dict) -> None:
+    """Set launch table entry ``key`` to ``launch``; a decode variant's ``wide_programs`` goes to
+    `attend.FP8_WIDE_PROGRAMS` (from how many programs FP8 history takes `attend.FP8_WIDE_DECODE`)."""
+    launch = dict(launch)
+    if "wide_programs" in launch:
+        kernels.FP8_WIDE_PROGRAMS = launch.pop("wide_programs")
+    table_of(key).update(launch)
 
 
 def warm(index: int) -> None:
@@ -259,8 +295,14 @@ def warm(index: int) -> None:
     splits = None
     if kind == "decode" and batch >= 64:
         plan = args[1]
-        launch = kernels.DECODE_LAUNCH[codec in FOUR_BIT]
+        launch = dict(kernels.DECODE_LAUNCH[codec in FOUR_BIT])
         hkv = bench.GEOMETRIES["8b"][1]
+        if (
+            kernel_format(get_codec(codec))[0] in kernels.FP8_FORMATS
+            and batch * hkv >= kernels.FP8_WIDE_PROGRAMS
+        ):
+            launch.update(kernels.FP8_WIDE_DECODE)  # the shape `batch` gets, at B=4 too
+            kernels.FP8_WIDE_PROGRAMS = 0
         least = launch.get("min_pages", kernels.MIN_PAGES_PER_SPLIT)
         splits = kernels._num_splits(batch * hkv, plan.page_table.shape[1], launch["programs"], least)
     kernels.attend_group(*args, splits=splits)
@@ -352,6 +394,9 @@ def sweep() -> dict[tuple[str, bool | str], dict]:
         blocks += ", heads together" if s.get("heads_together") else ""
         blocks += ", tail rows" if s.get("tail_rows") else ""
         blocks += ", value offsets apart" if s.get("value_offsets_apart") else ""
+        blocks += f", fp8 wide from {s['wide_programs']} programs" if "wide_programs" in s else ""
+        blocks += {True: ", codes asm", "values": ", values asm"}.get(s.get("codes_asm"), "")
+        blocks += ", lazy rescale" if s.get("lazy_rescale") else ""
         print(
             f"| {kind} | {batch} | {context} | {codec} | {s['block_m']} x {s['block_n']} | "
             f"{s['num_warps']} | "
@@ -393,7 +438,7 @@ def main() -> None:
         best = sweep()
         if args.then_bench is not None:
             for which, launch in best.items():
-                table_of(which).update(launch)
+                apply(which, launch)
             sys.argv = ["attention_gpu.py", *args.then_bench]
             bench.main()
 

@@ -31,6 +31,11 @@ markdown tables: kernel time per step by kind against the step's wall time (the 
 waiting on the host: launches, the plan, the sampler's read), and the top kernels; the matmul row
 also gives the rate the matmuls ran at (FLOP/s of ``2 x batch x weights`` and weight bytes/s).
 
+``--graph piecewise,full`` runs every codec with the piecewise decode graphs (attention launched eagerly
+between 33 dense graphs; the engine's default) and with the whole step in one graph
+(`kvstrata.engine.full_graph`, ``--cuda-graph-mode full``), one after the other in one process (on the
+CPU neither captures: both rows run the step without graphs).
+
 ``--geometry tiny --device cpu`` runs the same code on a small model on the CPU (a smoke test).
 """
 
@@ -50,6 +55,7 @@ from kvstrata.engine import fused
 from kvstrata.engine.attention import get_backend
 from kvstrata.engine.config import ModelConfig
 from kvstrata.engine.cuda_graph import DecodeGraphs
+from kvstrata.engine.full_graph import FullDecodeGraphs
 from kvstrata.engine.loader import dummy_model
 from kvstrata.engine.options import EngineArgs
 from kvstrata.engine.runner import Launched, StepRunner
@@ -359,6 +365,7 @@ def run_codec(
     plan: str,
     dense: str,
     loop: str,
+    graph: str,
     args: argparse.Namespace,
     bw: float,
 ) -> dict[str, Any]:
@@ -372,12 +379,16 @@ def run_codec(
     if plan == "lists":  # the plan's page tables and ring rows built on the host every step
         cache.page_tables = None
     reqs = fill(cache, cfg, args.batch, args.context, args.seed)
+    backend = get_backend("triton" if device.type == "cuda" else "torch", cache, cfg.attn_scale)
     graphs = None
     if device.type == "cuda":
-        graphs = DecodeGraphs(net, args.batch)
+        if graph == "full":
+            context = max(cfg.max_position_embeddings, total)  # the engine's bound, or the run's if longer
+            graphs = FullDecodeGraphs(net, args.batch, cache, backend, context)
+        else:
+            graphs = DecodeGraphs(net, args.batch)
         graphs.sizes = [args.batch]  # only the measured batch size is captured
         graphs.capture()
-    backend = get_backend("triton" if device.type == "cuda" else "torch", cache, cfg.attn_scale)
     runner = StepRunner(net, cache, backend, device, graphs)
     decoder = Decoder(cache, runner, reqs, overlap=loop == "overlap")
     with torch.inference_mode():
@@ -399,7 +410,7 @@ def run_codec(
         decoder.settle()
         sync(device)
         kv_bytes = step_bytes(cache, decoder.last_plan)
-        trace = f"{args.trace}.{kv}.{plan}.{dense}.{loop}.json" if args.trace else None
+        trace = f"{args.trace}.{kv}.{plan}.{dense}.{loop}.{graph}.json" if args.trace else None
         prof = profile_steps(decoder, args.profile_steps, device, trace)
     weights = sum(
         p.numel() * p.element_size() for n, p in net.named_parameters() if not n.startswith("embed.")
@@ -417,6 +428,7 @@ def run_codec(
         "plan": plan,
         "dense": dense,
         "loop": loop,
+        "graph": graph,
         "ms_per_step": ms,
         "ms_mean": 1e3 * statistics.mean(times),
         "ms_spread": [1e3 * min(times), 1e3 * max(times)],
@@ -432,6 +444,11 @@ def run_codec(
 
 DENSE_MODES = {"torch": "off", "fused": "auto"}
 LOOPS = ("sync", "overlap")
+GRAPHS = ("piecewise", "full")
+
+
+def run_name(r: dict[str, Any]) -> str:
+    return f"{r['plan']} {r['dense']} {r['loop']} {r['graph']}"
 
 
 def profile_table(r: dict[str, Any], batch: int) -> str:
@@ -443,7 +460,8 @@ def profile_table(r: dict[str, Any], batch: int) -> str:
     kinds = p["kernel_ms_per_step_by_kind"]
     weight_bytes = r["weight_bytes"]
     lines = [
-        f"#### dense {r['dense']}, history {r['kv']}, plan {r['plan']}, loop {r['loop']}: "
+        f"#### dense {r['dense']}, history {r['kv']}, plan {r['plan']}, loop {r['loop']}, "
+        f"graph {r['graph']}: "
         f"{p['kernels_per_step']:.0f} kernels "
         f"per step, profiled wall {wall:.2f} ms/step",
         "",
@@ -498,6 +516,12 @@ def main() -> None:
         help="comma-separated: sync (each step read back before the next is planned), overlap (the "
         "engine's CUDA default: step N+1 launched before step N is read back); each runs every codec",
     )
+    ap.add_argument(
+        "--graph",
+        default="piecewise",
+        help="comma-separated (CUDA): piecewise (dense parts in graphs, attention eager between them), "
+        "full (the whole step in one graph); each runs every codec",
+    )
     ap.add_argument("--profile", default=None, help="write the kernel tables (markdown) here")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument(
@@ -518,12 +542,16 @@ def main() -> None:
     loops = args.loop.split(",")
     if unknown := set(loops) - set(LOOPS):
         ap.error(f"--loop takes {', '.join(LOOPS)}, got {', '.join(sorted(unknown))}")
+    graph_modes = args.graph.split(",")
+    if unknown := set(graph_modes) - set(GRAPHS):
+        ap.error(f"--graph takes {', '.join(GRAPHS)}, got {', '.join(sorted(unknown))}")
     results = [
-        run_codec(net, cfg, kv, plan, dense, loop, args, bw)
+        run_codec(net, cfg, kv, plan, dense, loop, graph, args, bw)
         for dense in denses
         for plan in args.plan.split(",")
         for kv in args.kv.split(",")
         for loop in loops
+        for graph in graph_modes
     ]
     print(
         f"\ndecode step, {args.geometry} geometry (random BF16 weights), batch {args.batch}, context "
@@ -537,7 +565,7 @@ def main() -> None:
     for r in results:
         p = r["profile"]
         print(
-            f"| {args.label} {r['plan']} {r['dense']} {r['loop']} | {r['kv']} | {r['ms_per_step']:.2f} "
+            f"| {args.label} {run_name(r)} | {r['kv']} | {r['ms_per_step']:.2f} "
             f"| {r['ms_mean']:.2f} "
             f"| {r['floor_ms']:.2f} "
             f"({(r['weight_bytes'] + r['kv_bytes']) / 1e9:.1f} GB) | {r['ratio']:.2f}x "
@@ -547,7 +575,7 @@ def main() -> None:
     for r in results:
         kinds = r["profile"].get("kernel_ms_per_step_by_kind", {})
         parts = ", ".join(f"{k} {v:.2f}" for k, v in kinds.items())
-        print(f"{args.label} {r['plan']} {r['dense']} {r['loop']} {r['kv']}: kernel ms/step by kind: {parts}")
+        print(f"{args.label} {run_name(r)} {r['kv']}: kernel ms/step by kind: {parts}")
         for kernel, ms in r["profile"].get("top_kernels_ms_per_step", {}).items():
             print(f"    {ms:7.3f} ms  {kernel}")
     if args.profile:

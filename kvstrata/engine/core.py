@@ -23,8 +23,9 @@ from typing import Any
 import torch
 
 from kvstrata.engine.attention import get_backend, resolve_backend
-from kvstrata.engine.cuda_graph import decode_graphs_for, graph_memory_bytes, graphs_wanted
+from kvstrata.engine.cuda_graph import graph_memory_bytes, graphs_wanted
 from kvstrata.engine.drift import DriftJob, DriftMonitor, fallback_window, summarize_codecs
+from kvstrata.engine.full_graph import decode_graphs, full_graph_memory_bytes, full_graph_unsupported
 from kvstrata.engine.kvplan import plan_key_centers, raise_codecs, resolve_plan
 from kvstrata.engine.loader import LoadedModel
 from kvstrata.engine.memory import image_pool_need, plan_memory, weight_bytes, with_raised_pool
@@ -95,6 +96,14 @@ class EngineCore:
         graph_bytes = 0
         if graphs_wanted(model.net, args.disable_cuda_graph):
             graph_bytes = graph_memory_bytes(cfg, graph_bs, self.dtype)
+            backend_name = resolve_backend(attention_backend, self.device)
+            # ``raised``: the raised pool, unless the memory plan below leaves it no pages
+            whole = full_graph_unsupported(
+                backend_name, image_codec is not None, raised is not None, scales is not None
+            )
+            if args.cuda_graph_mode == "full" and whole is None:
+                ring = self.cache_config.ring_tokens
+                graph_bytes += full_graph_memory_bytes(cfg, graph_bs, self.max_context, args.page_size, ring)
         self.memory_plan = plan_memory(
             args,
             cfg,
@@ -131,7 +140,15 @@ class EngineCore:
         log.info("%s", self.memory_plan.table())
         self.cache = StratifiedKVCache(self.cache_config)
         backend = get_backend(attention_backend, self.cache, cfg.attn_scale)
-        graphs = decode_graphs_for(model.net, args.disable_cuda_graph, graph_bs)
+        graphs = decode_graphs(
+            model.net,
+            args.disable_cuda_graph,
+            graph_bs,
+            args.cuda_graph_mode,
+            self.cache,
+            backend,
+            self.max_context,
+        )
         self.runner = StepRunner(model.net, self.cache, backend, self.device, graphs)
         self.scheduler = Scheduler(
             self.cache,

@@ -24,6 +24,7 @@ import bisect
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -214,6 +215,37 @@ class DecodeGraphs:
             self.graphs[bs] = replays
         torch.cuda.synchronize()
 
+    def load_inputs(
+        self, ids: Sequence[int], positions: Sequence[int], fill: Callable[[Tensor], None] | None
+    ) -> int:
+        """Put a step's token ids and positions into the static input buffer; returns their count.
+        ``fill`` writes the ids that are still on the device (overlap scheduling)."""
+        n = len(ids)
+        # Pinned staging, copied without a host sync; the sampler's read-back of step N (at the end
+        # of step N, or after step N+1 is launched) orders this copy before step N+2 reuses the buffer.
+        turn = self._turn
+        self._turn ^= 1
+        self._host_np[turn, 0, :n] = ids
+        self._host_np[turn, 1, :n] = positions
+        for row in range(2):
+            self.inputs[row, :n].copy_(self.host[turn, row, :n], non_blocking=True)
+        if fill is not None:
+            fill(self.inputs[0, :n])
+        return n
+
+    def step(
+        self,
+        ids: Sequence[int],
+        positions: Sequence[int],
+        batch: Any,
+        bind: Callable[[Any], AttnFn],
+        fill: Callable[[Tensor], None] | None = None,
+    ) -> Tensor | None:
+        """One decode step over ``batch`` (the step's plan) with the attention ``bind(batch)`` makes:
+        float32 logits ``[n, V]`` (see `run`), or None if the step must run eager (never here: the
+        full graph's `FullDecodeGraphs.step` may)."""
+        return self.run(ids, positions, bind(batch), fill, writes_out=True)
+
     def run(
         self,
         ids: Sequence[int],
@@ -231,16 +263,7 @@ class DecodeGraphs:
         bs = self.bucket(n)
         if bs is None:
             raise ValueError(f"decode batch {n} exceeds the largest captured size {self.max_bs}")
-        # Pinned staging, copied without a host sync; the sampler's read-back of step N (at the end
-        # of step N, or after step N+1 is launched) orders this copy before step N+2 reuses the buffer.
-        turn = self._turn
-        self._turn ^= 1
-        self._host_np[turn, 0, :n] = ids
-        self._host_np[turn, 1, :n] = positions
-        for row in range(2):
-            self.inputs[row, :n].copy_(self.host[turn, row, :n], non_blocking=True)
-        if fill is not None:
-            fill(self.inputs[0, :n])
+        self.load_inputs(ids, positions, fill)
         pieces = self.graphs[bs]
         q, k, v, attn_out = self.q[:n], self.k[:n], self.v[:n], self.attn_out[:n]
         pieces[0]()

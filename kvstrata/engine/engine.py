@@ -21,6 +21,7 @@ from typing import Any
 from kvstrata.engine.core import EngineCore, ResultCallback
 from kvstrata.engine.delivery import LoopMailbox
 from kvstrata.engine.detokenizer import byte_table
+from kvstrata.engine.full_graph import graph_kind
 from kvstrata.engine.inputs import normalize_inputs
 from kvstrata.engine.kvplan import plan_summary
 from kvstrata.engine.loader import LoadedModel, load_model
@@ -283,6 +284,7 @@ class Engine:
             "max_running_requests": c.max_running,
             "chunked_prefill_size": self.args.chunked_prefill_size,
             "attention_backend": self.runner.backend.name,
+            "cuda_graphs": graph_kind(self.runner.graphs),
             "context_length": self.max_context,
             "drift_sample_rate": self.args.drift_sample_rate,
             "drift_threshold": self.args.drift_threshold,

@@ -41,6 +41,7 @@ from kvstrata.engine.config import ModelConfig
 from kvstrata.engine.options import EngineArgs, pool_pages
 from kvstrata.radix.config import CacheConfig
 from kvstrata.radix.pool import cold_page_bytes
+from kvstrata.radix.ring import PADDING_ROWS
 
 log = logging.getLogger("kvstrata.engine")
 DEFAULT_CUDA_MEM_FRACTION_STATIC = 0.85
@@ -71,9 +72,11 @@ def weight_bytes(net: torch.nn.Module) -> int:
 
 
 def ring_bytes(cfg: CacheConfig) -> int:
-    """`HotRing`: K and V, every layer, ``max_running`` slots of ``ring_tokens`` rows + the null row."""
+    """`HotRing`: K and V, every layer, ``max_running`` slots of ``ring_tokens`` rows + the null and
+    scratch rows."""
     elem = torch.empty((), dtype=cfg.ring_dtype).element_size()
-    return 2 * cfg.num_layers * (cfg.max_running * cfg.ring_tokens + 1) * cfg.kv_heads * cfg.head_dim * elem
+    rows = cfg.max_running * cfg.ring_tokens + PADDING_ROWS
+    return 2 * cfg.num_layers * rows * cfg.kv_heads * cfg.head_dim * elem
 
 
 def sink_bytes(cfg: CacheConfig) -> int:

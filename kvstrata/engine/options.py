@@ -83,6 +83,10 @@ class EngineArgs:
     # do on CPU); batches above cuda_graph_max_bs (None: max_running_requests) run eager.
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
+    # "full": the whole decode step (attention and KV store too) in one graph per bucket
+    # (kvstrata/engine/full_graph.py; triton backend, no image pool, raised pool or static scales, else
+    # piecewise); "piecewise": dense parts in graphs, attention eager between them (cuda_graph.py).
+    cuda_graph_mode: str = "piecewise"
     # Overlap scheduling (SGLang's flag name): on CUDA the next step is planned and launched before
     # the sampled ids of the step running on the device are read back (off on CPU: nothing to hide).
     disable_overlap_schedule: bool = False
@@ -159,6 +163,8 @@ class EngineArgs:
             raise ValueError(f"kv_plan_tokens must be >= 2 pages, got {self.kv_plan_tokens}")
         if (self.kv_plan_kl_budget or 0) < 0 or self.kv_plan_extra_bytes < 0:
             raise ValueError("kv_plan_kl_budget and kv_plan_extra_bytes must be >= 0")
+        if self.cuda_graph_mode not in ("full", "piecewise"):
+            raise ValueError(f"cuda_graph_mode must be full or piecewise, got {self.cuda_graph_mode!r}")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
 

@@ -3,7 +3,8 @@
 Python work per step is kept flat: one list build for ids and positions, one ``logits_at`` index,
 one attention closure bound to the batch (the model calls it per layer), one ``tolist`` of sampled
 ids. Logits are computed only for the last token of sequences that reached their end this step.
-Decode steps replay the piecewise CUDA graphs when the engine captured them (`cuda_graph.py`).
+Decode steps replay the CUDA graphs when the engine captured them: piecewise (`cuda_graph.py`) or
+the whole step (`full_graph.py`).
 
 Overlap scheduling splits a step in two: `launch` queues the forward pass and the sampling on the
 device, and its sampled ids may stay there while the next step is planned and launched: that step
@@ -107,8 +108,9 @@ class StepRunner:
                 sampled.append(req)
         fill = self._filler(on_device, from_row, before)
         if self.graphs is not None and not images and self._graph_step(plan, sampled):
-            attn = self.backend.bind(plan.batch)
-            return self.graphs.run(ids, positions, attn, fill, writes_out=True), sampled
+            logits = self.graphs.step(ids, positions, plan.batch, self.backend.bind, fill)
+            if logits is not None:
+                return logits, sampled
         dev = self.device
         input_ids = host_to_device(ids, torch.long, dev)
         if fill is not None:

@@ -64,6 +64,43 @@ def fp8_value(c, E5M2: tl.constexpr):
         return c.to(tl.float8e4nv, bitcast=True).to(tl.float32)
 
 
+# FP8 codes to FP16 pairs by PTX (sm_89+): four codes (one 32-bit register) to two registers of FP16
+# pairs, the low byte pair first.
+_FP8_F16_PTX = (
+    "{{ .reg .b16 lo, hi; mov.b32 {{lo, hi}}, $2; cvt.rn.f16x2.{0}x2 $0, lo; cvt.rn.f16x2.{0}x2 $1, hi; }}"
+)
+E4M3_F16_ASM = tl.constexpr(_FP8_F16_PTX.format("e4m3"))
+E5M2_F16_ASM = tl.constexpr(_FP8_F16_PTX.format("e5m2"))
+
+
+@triton.jit
+def fp8_f16(codes, E5M2: tl.constexpr):
+    """uint8 FP8 codes (E4M3FN or E5M2) as FP16 (exact), by PTX: GPU only. The asm is declared impure
+    so that Triton keeps the conversion where it is written, before a dot operand's layout change: the
+    FP16 values then go through shared memory and load with ``ldmatrix`` (transposing for P.V's
+    values). A plain FP8 conversion Triton moves past the change: value codes then load byte by byte,
+    and key codes in 4-code groups that the query's operand must match, at a register move an element
+    (Triton 3.6, sm_90; docs/kernels-h200.md, pass 9)."""
+    if E5M2:
+        x = tl.inline_asm_elementwise(E5M2_F16_ASM, "=r,=r,r", [codes], tl.float16, False, 4)
+    else:
+        x = tl.inline_asm_elementwise(E4M3_F16_ASM, "=r,=r,r", [codes], tl.float16, False, 4)
+    return x
+
+
+F32_F16_ASM = tl.constexpr("cvt.rn.f16x2.f32 $0, $2, $1;")  # two float32 to an FP16 pair, the first low
+
+
+@triton.jit
+def f16_opaque(x):
+    """float32 ``x`` as FP16 (round to nearest) by PTX: GPU only. Impure, like `fp8_f16`: Triton 3.6
+    sizes a dot operand's register layout (``kWidth``) by the narrowest element type it finds walking
+    back through pure element-wise operations, and the FP8 value scales' uint8 bytes among the softmax
+    weights' inputs would give them (and the values) 8-bit operand layouts that take shuffles and
+    register moves; the asm stops that walk at FP16."""
+    return tl.inline_asm_elementwise(F32_F16_ASM, "=r,f,f", [x], tl.float16, False, 2)
+
+
 @triton.jit
 def pow2_scale(e):
     """The scale ``2 ** (e - 127)`` of a uint8 E8M0 exponent, built from its bits (no exp2)."""

@@ -568,6 +568,23 @@ class StratifiedKVCache:
             out.copy_(got)
         return out
 
+    def prepare_graph_capture(self) -> None:
+        """Before a CUDA graph captures `attention` calls (the full decode graph): the encoder's pending
+        counts reduced and their device accumulator allocated outside the graph's memory pool, so the
+        graph's reduction accumulates into the tensor the count properties read."""
+        self._reduce_device_counts()
+        if self._device_counts is None:
+            shape = (self.cfg.num_layers, 2, 2)
+            self._device_counts = torch.zeros(shape, dtype=torch.float64, device=self.device)
+
+    def graph_step_ran(self, batch: StepBatch) -> None:
+        """``batch``'s attention and stores ran for every layer inside a replayed graph (on a static copy
+        of its plan): its layers are done, and the graph added the encoder's counts on the device."""
+        if batch.closed:
+            raise ValueError("graph_step_ran: the step has ended")
+        batch.layers_done.update(range(self.cfg.num_layers))
+        self._device_counts_dirty = True
+
     def end_step(self, batch: StepBatch, drop: Collection[int] = ()) -> None:
         """Commit the step: lengths += n_new; the ring keeps [ring_start, length).
 

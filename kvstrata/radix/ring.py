@@ -12,6 +12,8 @@ import torch
 
 from kvstrata.radix.allocator import IdAllocator
 
+PADDING_ROWS = 2  # the null row and the scratch row
+
 
 class HotRing:
     def __init__(
@@ -26,10 +28,12 @@ class HotRing:
     ) -> None:
         self.capacity = capacity
         self.slots = IdAllocator(slots, "ring slots")
-        # The last row of each layer is the null row: never written, always zero; padded ring
-        # tables point at it. Zeroed buffers also keep never-written rows of a slot finite.
+        # After the slots, each layer has the null row: never written, always zero; padded ring
+        # tables point at it. Zeroed buffers also keep never-written rows of a slot finite. Then the
+        # scratch row: written, never read (the full decode graph's padding rows store their K/V there).
         self.null_row = slots * capacity
-        shape = (num_layers, slots * capacity + 1, heads, head_dim)
+        self.scratch_row = self.null_row + 1
+        shape = (num_layers, slots * capacity + PADDING_ROWS, heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.slot_bytes = 2 * num_layers * capacity * heads * head_dim * self.k.element_size()
@@ -42,7 +46,7 @@ class HotRing:
 
     @property
     def padding_bytes(self) -> int:
-        return self.bytes_per_token
+        return PADDING_ROWS * self.bytes_per_token
 
     def rows(self, slot: int, start: int, stop: int) -> list[int]:
         """Flat rows of positions ``[start, stop)`` of ``slot`` (the SGLang plugin reads a request's ring)."""

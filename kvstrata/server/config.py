@@ -106,6 +106,13 @@ def _attention_backend(text: str) -> str:
     return value
 
 
+def _graph_mode(text: str) -> str:
+    value = text.strip().lower()
+    if value not in ("full", "piecewise"):
+        raise argparse.ArgumentTypeError(f"full or piecewise: {text!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class Flag:
     name: str  # the attribute name; flag is --name-with-dashes, env is KVSTRATA_NAME
@@ -250,6 +257,14 @@ FLAGS: tuple[Flag, ...] = (
         "variants serving meets; kvstrata/engine/warmup.py)",
     ),
     Flag(
+        "cuda_graph_mode",
+        _graph_mode,
+        None,
+        "CUDA: full (the whole decode step in one graph per batch bucket, attention included; triton "
+        "backend) or piecewise (attention eager between graphs; the default)",
+        True,
+    ),
+    Flag(
         "cuda_graph_max_bs",
         _positive_int,
         None,
@@ -332,6 +347,7 @@ class ServerConfig:
     disable_cuda_graph: bool | None = None
     disable_overlap_schedule: bool | None = None
     skip_server_warmup: bool | None = None
+    cuda_graph_mode: str | None = None
     cuda_graph_max_bs: int | None = None
     chunked_prefill_size: int | None = None
     enable_mixed_chunk: bool | None = None

@@ -62,7 +62,7 @@ def test_cuda_plan_for_llama3_8b_on_an_h200_by_hand() -> None:
     plan = plan_memory(args, LLAMA3_8B, _cache(LLAMA3_8B), weights, torch.bfloat16, CUDA, reading)
 
     per_token_row = 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 heads x 128, bfloat16: 131,072 B
-    assert plan.ring_bytes == (256 * (128 + 16) + 1) * per_token_row == 4_831_969_280
+    assert plan.ring_bytes == (256 * (128 + 16) + 2) * per_token_row == 4_832_100_352  # + null, scratch rows
     assert plan.sink_bytes == (512 + 1) * 16 * per_token_row == 1_075_838_976  # 2 x 256 sink pages
     page = 65_808 * 16  # fp8_e4m3 cold bytes per token of this geometry (README, Capacity table)
     assert plan.cold_page_bytes == page
@@ -108,7 +108,7 @@ def test_triton_workspace_holds_no_scores_and_fp4_holds_1024_requests_of_2k_on_a
     assert plan.workspace_bytes == hidden + logits + partials
     reference = step_workspace_bytes(SERVED_8B, cache, 8192, torch.bfloat16)
     assert reference - plan.workspace_bytes > 18 * GIB
-    assert plan.ring_bytes == (1024 * (256 + 16) + 1) * 131_072  # 34 GiB of BF16 windows
+    assert plan.ring_bytes == (1024 * (256 + 16) + 2) * 131_072  # 34 GiB of BF16 windows
     assert plan.sink_bytes == (2048 + 1) * 16 * 131_072
     assert plan.cold_page_bytes == 36_384 * 16  # fp4_e2m1 cold bytes per token (README, Capacity)
     # every request's 2,047 stored tokens: 127 full pages in the pool (178 pages to spare at a
@@ -271,7 +271,7 @@ def test_cuda_image_pool_comes_out_of_the_cold_pool() -> None:
     plan = plan_memory(EngineArgs(), LLAMA3_8B, cache, 16 * GIB, torch.bfloat16, CUDA,
                        DeviceMemory(140 * GIB, 123 * GIB), image=need)  # fmt: skip
     tb, ib, free = plan.cold_page_bytes, need.page_bytes, _static_free(plan)
-    assert tb == 1_052_928 and free == 107_578_851_328 and alone.cold_pages == free // tb - 1 == 102_170
+    assert tb == 1_052_928 and free == 107_578_720_256 and alone.cold_pages == free // tb - 1 == 102_170
     # by hand: n cold pages and n * tb / 4 / ib + 2,432 image pages (null pages included) fill the
     # 107.6 GB: n ~ (free - tb - 2,433 ib) / (1.25 tb) = 77,859.4; the floors let one more page in
     n = plan.cold_pages

@@ -198,16 +198,33 @@ def test_heuristic_splits_with_the_tail_apart(codec, apart, device, monkeypatch)
     assert seen and max(seen) > 2
 
 
+# Pass 9's FP8 options of the decode module (`decode.fp8_options`): key and value codes converted by PTX
+# (CUDA only; the interpreter runs the plain conversion) and the lazy rescale of the softmax state.
+PASS9 = {
+    "plain": {},
+    "lazy rescale": dict(lazy_rescale=True),
+    "values asm": dict(codes_asm="values"),
+    "codes asm": dict(codes_asm=True),
+    "both": dict(lazy_rescale=True, codes_asm=True),
+}
+
+
 @pytest.mark.parametrize("device", kernel_helpers.DEVICES)
+@pytest.mark.parametrize("options", list(PASS9))
 @pytest.mark.parametrize("codec", ["fp8_e4m3", "fp8_e5m2"])
-def test_fp8_value_scales_far_apart(codec, device):
+def test_fp8_value_scales_far_apart(codec, options, device, monkeypatch):
     """BF16 model, FP8 values whose per-token scales span 2**-60 to 2**40 with some at the all-zero
     tokens' 2**-127, then all at 2**-127 (the scales join the softmax exponent, clamped at 2**-100,
     so the softmax sum stays finite): the decode kernel (unsplit and 3 forced splits) finite and within
-    BF16-level error of the float64 reference."""
+    BF16-level error of the float64 reference, with each of pass 9's options (the far-apart scales
+    move the lazy rescale's running max on many tiles, the equal ones on the first only)."""
     from radix_helpers import rel_err
     from test_kernels_attend import HQ, SCALE, make_cache
 
+    from kvstrata.radix.kernels import attend
+
+    for key, value in dict(block_n=32, **PASS9[options]).items():
+        monkeypatch.setitem(attend.DECODE_LAUNCH[False], key, value)
     cache = make_cache(codec, device, dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(11)
     seqs = kernel_helpers.fill(cache, [40, 90, 200], g, HQ, SCALE)
@@ -292,3 +309,36 @@ def test_fp8_decode_shape_by_batch(wide, device, monkeypatch):
     wide_shape = (attend.FP8_WIDE_DECODE["num_warps"], attend.FP8_WIDE_DECODE["block_n"])
     assert fp8 == ({wide_shape} if wide else {(entry["num_warps"], entry["block_n"])})
     assert raw == {(entry["num_warps"], entry["block_n"])}
+
+
+@pytest.mark.parametrize("device", kernel_helpers.DEVICES)
+@pytest.mark.parametrize("options", list(PASS9)[1:])
+@pytest.mark.parametrize("codec", ["fp8_e4m3", "fp8_e5m2", "bf16"])
+def test_fp8_pass9_options(codec, options, device, monkeypatch):
+    """Pass 9's options on the one-warp, 32-key shape (`attend.FP8_WIDE_DECODE`'s), BF16 model, sinks
+    on, split heuristic and 3 forced splits: BF16-level error against the float64 reference. The
+    kernel gets them for FP8 keys and values only (``CODES_ASM`` on CUDA only), never for BF16
+    history."""
+    from test_kernels_attend import check_steps, make_cache
+
+    from kvstrata.radix.kernels import attend
+
+    launch = dict(attend.FP8_WIDE_DECODE, min_pages=2, tail_apart=True, f16_codes=True, **PASS9[options])
+    for key, value in launch.items():
+        monkeypatch.setitem(attend.DECODE_LAUNCH[False], key, value)
+    got = []  # (CODES_ASM, LAZY_RESCALE) of each decode launch
+    pass_launch = attend.pass_launch
+
+    def recorded(*args, **kwargs):
+        out = pass_launch(*args, **kwargs)
+        got.append((out.options["CODES_ASM"], out.options["LAZY_RESCALE"]))
+        return out
+
+    monkeypatch.setattr(attend, "pass_launch", recorded)
+    for splits in (None, 3):
+        cache = make_cache(codec, device, sinks=True, dtype=torch.bfloat16)
+        check_steps(cache, [9, 70, 300], steps=2, n_new=1, tol=1.5e-2, dtype=torch.bfloat16, splits=splits)
+    fp8 = codec != "bf16"
+    asm = {"values": 1, True: 2}.get(launch.get("codes_asm"), 0)
+    want = (asm if fp8 and device == "cuda" else 0, fp8 and "lazy_rescale" in launch)
+    assert set(got) == {want}

@@ -84,6 +84,8 @@ LOG2E = 1.4426950408889634
 # ``tail_apart``: a split-KV decode launch that stays within ``programs`` gives the sink page, ring
 # rows and new key a split of their own instead of adding them to the last cold split (B=1 at 32K:
 # 64 splits of 4 cold tiles each, the last no longer 5 or 6).
+# ``codes_asm`` and ``lazy_rescale`` (absent: off): pass 9's FP8 options of the decode module, see
+# `decode.fp8_options` (docs/kernels-h200.md, pass 9; `attention_sweep.py` times them).
 DECODE_LAUNCH = {
     False: dict(
         block_m=64,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvstrata.quant.kernel_decode import load_decoded, pow2_scale, value_tile_scales
+from kvstrata.quant.kernel_decode import f16_opaque, fp8_f16, load_decoded, pow2_scale, value_tile_scales
 from kvstrata.radix.kernels.attend import (
     STEP_INTS,
     STEP_POINTERS,
@@ -27,10 +27,15 @@ from kvstrata.radix.kernels.attend import (
     _codes,
     _cold_tile,
     _online,
+    _online_pow2_scaled,
     _raw_tile,
     _scores,
 )
 from kvstrata.radix.kernels.jit import jit_unspecialized
+
+# ``lazy_rescale``: the running max (base 2) moves, and the accumulator is rescaled, only when a tile's
+# largest score passes it by more than this; until then weights reach at most 2**LAZY_GROWTH.
+LAZY_GROWTH = tl.constexpr(8.0)
 
 
 @triton.jit
@@ -160,6 +165,95 @@ def _tail_tile(
 
 
 @triton.jit
+def _lazy_online_pow2(s, ks, e_bits, acc, m_i, l_i):
+    """`attend._online_pow2_scaled` with a lazy rescale (FlashAttention-4's): the running max ``m_i``
+    of ``s + e`` moves only when the tile's largest ``s + e`` passes it by more than `LAZY_GROWTH`,
+    and only then are ``acc`` and ``l_i`` rescaled (a branch the whole program takes or skips: no
+    multiply of the ``[rows, D]`` accumulator on the tiles that skip it, most of a long context's).
+    Weights ``2**(s + e - m)`` stay at most ``2**LAZY_GROWTH`` (FP16-safe); the output and the
+    log-sum-exp are the same for any ``m``. The scores are ``s * ks`` (``ks`` a key's scale), taken
+    as explicit FMAs on both sides of the branch (a product before it would not fuse with the
+    subtraction after it). Returns ``(weights, acc, m_i, l_i)``."""
+    eb = tl.maximum(e_bits.to(tl.int32), 27)  # e = eb - 127 >= -100, as `_online_pow2_scaled`
+    top = tl.max(tl.fma(s, ks[None, :], (eb - 127).to(tl.float32)[None, :]), 1)
+    if tl.max(top - m_i, 0) > LAZY_GROWTH:
+        m_new = tl.maximum(m_i, top)
+        alpha = tl.exp2(m_i - m_new)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha
+        m_i = m_new
+    p = tl.exp2(tl.fma(s, ks[None, :], -m_i[:, None]))
+    w = p * (eb << 23).to(tl.float32, bitcast=True)[None, :]  # 2**e from its bits
+    return w, acc, m_i, l_i + tl.sum(p, 1)
+
+
+@triton.jit
+def _fp8_operand(
+    p, row, d, d_ok, D: tl.constexpr, BLOCK_D: tl.constexpr, FMT: tl.constexpr, CODE_DTYPE: tl.constexpr,
+    ASM: tl.constexpr,
+):  # fmt: skip
+    """``[N, BLOCK_D]`` FP8 codes at rows ``row`` (``[N]``) as ``CODE_DTYPE`` dot operands: ``ASM``
+    the raw bytes (`_codes` with format 0) converted by `fp8_f16`, else `_codes`' conversion (which
+    Triton 3.6 moves past the operand's layout change, so the codes reach shared memory as bytes)."""
+    if ASM:
+        x = fp8_f16(_codes(p, row[:, None], d[None, :], d_ok, D, BLOCK_D, 0, tl.uint8, False), FMT == 2)
+    else:
+        x = _codes(p, row[:, None], d[None, :], d_ok, D, BLOCK_D, FMT, CODE_DTYPE, True)
+    return x
+
+
+@triton.jit
+def _fp8_tile(
+    qc,
+    acc,
+    m_i,
+    l_i,
+    page,
+    K0,
+    K1,
+    V0,
+    V1,
+    j,
+    end,
+    d,
+    h,
+    H,
+    P: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    K_FMT: tl.constexpr,
+    V_FMT: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    CODE_DTYPE: tl.constexpr,
+    CODES_ASM: tl.constexpr,
+    LAZY: tl.constexpr,
+):
+    """A cold tile of FP8 keys and values (BF16 model, `attend._cold_tile`'s ``NORM_W`` and ``POW2_W``
+    path) with pass 9's options: ``CODES_ASM`` value codes (1), or key and value codes (2), converted
+    to FP16 by `fp8_f16` before the products (FP16 ``CODE_DTYPE`` on a GPU: `_fp8_operand`), and the
+    softmax weights by `f16_opaque`; ``LAZY`` the softmax state by `_lazy_online_pow2`."""
+    ok = j < end
+    row = (page * P + (j % P).to(tl.int64)) * H + h
+    d_ok = (d < D)[None, :]
+    k = _fp8_operand(K0, row, d, d_ok, D, BLOCK_D, K_FMT, CODE_DTYPE, CODES_ASM == 2)
+    s = tl.dot(qc, tl.trans(k), input_precision=DOT_PREC)
+    if MASKED:
+        s = tl.where(ok[None, :], s, float("-inf"))
+    ks = pow2_scale(tl.load(K1 + page * H + h))  # > 0: masked scores stay -inf
+    v = _fp8_operand(V0, row, d, d_ok, D, BLOCK_D, V_FMT, CODE_DTYPE, CODES_ASM > 0)
+    if LAZY:
+        w, acc, m_i, l_i = _lazy_online_pow2(s, ks, tl.load(V1 + row), acc, m_i, l_i)
+    else:
+        w, alpha, m_i, l_i = _online_pow2_scaled(s * ks[None, :], tl.load(V1 + row), m_i, l_i)
+        acc = acc * alpha[:, None]
+    if CODES_ASM > 0:
+        w = f16_opaque(w)
+    acc += tl.dot(w.to(CODE_DTYPE), v, input_precision=DOT_PREC)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _decode_cold_tile(
     qd,
     qc,
@@ -190,10 +284,19 @@ def _decode_cold_tile(
     NORM_W: tl.constexpr,
     HALVES: tl.constexpr,
     SWAP: tl.constexpr,
+    CODES_ASM: tl.constexpr,
+    LAZY: tl.constexpr,
 ):
-    """One cold tile of the decode loop: `_cold_tile_t` (``SWAP``) or `_cold_tile` with the decode
-    module's value scales (its last argument), so the full tiles and the masked last one share a call."""
-    if SWAP:
+    """One cold tile of the decode loop: `_fp8_tile` where pass 9's options apply (``CODES_ASM`` or
+    ``LAZY``, set by `decode_options` for FP8 keys and values only), `_cold_tile_t` (``SWAP``) or
+    `_cold_tile` with the decode module's value scales (its last argument), so the full tiles and the
+    masked last one share a call."""
+    if CODES_ASM > 0 or LAZY:
+        acc, m_i, l_i = _fp8_tile(
+            qc, acc, m_i, l_i, page, K0, K1, V0, V1, j, end, d, h,
+            H, P, D, BLOCK_D, K_FMT, V_FMT, MASKED, DOT_PREC, CODE_DTYPE, CODES_ASM, LAZY,
+        )  # fmt: skip
+    elif SWAP:
         acc, m_i, l_i = _cold_tile_t(
             qd, qc, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, j, end, d, h,
             H, P, D, BLOCK_D, K_FMT, V_FMT, MASKED, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES,
@@ -255,6 +358,8 @@ def _decode_kernel(
     NORM_W: tl.constexpr,
     HALVES: tl.constexpr,
     MERGED_TAIL: tl.constexpr,
+    CODES_ASM: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -296,6 +401,7 @@ def _decode_kernel(
         acc, m_i, l_i = _decode_cold_tile(
             qd, qc, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, j0 + n, end, d, h,
             H, P, D, BLOCK_D, K_FMT, V_FMT, False, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES, SWAP,
+            CODES_ASM, LAZY_RESCALE,
         )  # fmt: skip
         if PREFETCH:
             page = page_ahead
@@ -305,6 +411,7 @@ def _decode_kernel(
         acc, m_i, l_i = _decode_cold_tile(
             qd, qc, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, full + n, end, d, h,
             H, P, D, BLOCK_D, K_FMT, V_FMT, True, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES, SWAP,
+            CODES_ASM, LAZY_RESCALE,
         )  # fmt: skip
     if SWAP:
         acc = tl.trans(acc)
@@ -372,20 +479,41 @@ def decode_options(group: int, launch: dict, one_dtype: bool, meta: dict) -> dic
     ``swap_ab``, ``halves``: value codes in `_codes`' channel-pair layout where `halves_apply`,
     ``maxnreg``: a register cap per thread for coded history, so more programs fit an SM, or None;
     ``merged_tail``: the sink page, ring rows and new key as one run of tiles, where ``one_dtype``:
-    the step's K/V, the ring and the sinks share a dtype). The kernel's runtime arguments are
+    the step's K/V, the ring and the sinks share a dtype). Pass 9, FP8 keys and values of a BF16 model
+    only (`fp8_options`): ``codes_asm`` and ``lazy_rescale``. The kernel's runtime arguments are
     `_attend_kernel`'s without ``T``, its grid (sequences, KV heads, splits)."""
+    swap = launch.get("swap_ab", False)
+    halves = bool(launch.get("halves")) and halves_apply(meta)
     options = dict(
         meta,
         GROUP=group,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_N=launch["block_n"],
         PREFETCH=launch["prefetch"],
-        SWAP=launch.get("swap_ab", False),
-        HALVES=bool(launch.get("halves")) and halves_apply(meta),
+        SWAP=swap,
+        HALVES=halves,
         MERGED_TAIL=launch.get("merged_tail", True) and one_dtype,
+        **fp8_options(launch, meta, swap or halves),
         num_warps=launch["num_warps"],
         num_stages=launch["num_stages"],
     )
     if launch.get("maxnreg") and (meta["K_FMT"], meta["V_FMT"]) != (0, 0):  # coded history only
         options["maxnreg"] = launch["maxnreg"]
     return options
+
+
+CODES_ASM = {False: 0, "values": 1, True: 2}  # a launch's ``codes_asm``: `_fp8_tile`'s ``CODES_ASM``
+
+
+def fp8_options(launch: dict, meta: dict, other_layout: bool) -> dict:
+    """``CODES_ASM`` and ``LAZY_RESCALE`` of `_decode_kernel`: the launch's ``codes_asm`` (`CODES_ASM`:
+    ``"values"`` value codes, True key and value codes converted by PTX; FP16 code operands, so on a
+    GPU only, under the interpreter the plain conversion runs) and ``lazy_rescale``, for FP8 keys and
+    values with normalised weights (a BF16 model), in the plain layout (not ``swap_ab`` or ``halves``:
+    ``other_layout``); off elsewhere."""
+    fp8 = meta["K_FMT"] in (1, 2) and meta["V_FMT"] in (1, 2) and meta["NORM_W"] and not other_layout
+    asm = fp8 and meta["CODE_DTYPE"] == tl.float16
+    return dict(
+        CODES_ASM=CODES_ASM[launch.get("codes_asm", False)] if asm else 0,
+        LAZY_RESCALE=fp8 and bool(launch.get("lazy_rescale")),
+    )
