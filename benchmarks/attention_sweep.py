@@ -234,7 +234,10 @@ if os.environ.get("SWEEP_CASES"):  # e.g. "1x2048,1x32768": these (batch, contex
 # the codec's first variant).
 VARIANTS = [("extend", "bf16", 1, CONTEXT, s) for s in EXTEND]
 VARIANTS += [("extend", "fp8_e4m3", 1, CONTEXT, s) for s in EXTEND + EXTEND_DEQUANT]
-VARIANTS += [("extend", "int4", 1, CONTEXT, s) for s in EXTEND_4BIT + EXTEND_DEQUANT]
+# int4's keeps the 4-bit entry's blocks (the flash kernel ignores them; chunks of one query block keep
+# the codes and read them by blocks).
+_DEQUANT_4BIT = [dict(s, by_blocks=True, blocks=4) for s in EXTEND_DEQUANT]
+VARIANTS += [("extend", "int4", 1, CONTEXT, s) for s in EXTEND_4BIT + _DEQUANT_4BIT]
 # BF16 history shares FP8's launch table entry (left out by SWEEP_CODECS=fp8_e4m3).
 VARIANTS += [("decode", c, b, n, s) for c in ("fp8_e4m3", "bf16") for b, n in DECODE_CASES for s in DECODE]
 VARIANTS += [("decode", "int8", b, n, s) for b, n in DECODE_CASES if b > 1 for s in DECODE_INT8]

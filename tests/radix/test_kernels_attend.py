@@ -250,7 +250,8 @@ def test_extend_dequantized_first(codec, device, monkeypatch):
     """``dequant_bytes``: an extend pass of several query blocks over coded history dequantizes its
     cold pages (padding included) to the model dtype and the flash kernel reads them as raw history
     through the identity page table; with sinks and forced splits, float32 and BF16 models. A cap
-    below the pages' bytes, or one query block a sequence, keeps the codes."""
+    below the pages' bytes, or one query block a sequence, keeps the codes (4-bit layers: by blocks, the
+    flash kernel not being theirs)."""
     from kvstrata.radix.kernels import attend
 
     made = []
@@ -262,7 +263,7 @@ def test_extend_dequantized_first(codec, device, monkeypatch):
 
     monkeypatch.setattr(attend, "dequantized_parts", counted)
     for kind in ("8bit", "4bit"):
-        entry = dict(attend.EXTEND_LAUNCH[kind], module="extend", by_blocks=False, block_m=16, block_n=16)
+        entry = dict(attend.EXTEND_LAUNCH[kind], module="extend", block_m=16, block_n=16)  # 4-bit by blocks
         monkeypatch.setitem(attend.EXTEND_LAUNCH, kind, dict(entry, dequant_bytes=1 << 30))
     cache = make_cache(codec, device, sinks=True)
     assert check_steps(cache, [3, 70, 300], steps=1, n_new=9, tol=2e-5) == 3
