@@ -39,7 +39,7 @@ import torch
 
 from kvstrata.engine.malloc import tune_malloc
 from kvstrata.radix import CacheConfig, StratifiedKVCache
-from kvstrata.radix.kernels import attend, decode, decode4, page_quantize
+from kvstrata.radix.kernels import attend, decode, decode4, extend, page_quantize
 
 HQ, HKV, D = 32, 8, 128
 PAGE = 16
@@ -48,6 +48,8 @@ KERNELS = (
     decode4._decode4_kernel,
     attend._attend_kernel,
     attend._extend_kernel,
+    extend._flash_extend_kernel,
+    attend._dequant_kernel,
     attend._merge_kernel,
     page_quantize._page_quantize_kernel,
 )

@@ -80,11 +80,43 @@ def shape(
 # Prefetched page-table entries (Triton 3.6, sm_90, read from the compiled code): 128 x 64 with 4
 # stages keeps three tiles of copies in flight without spills; 128 x 128 with 3 stages spills.
 # ``f16``: 8-bit codes enter the dots as FP16 (FP8 E4M3 -> FP16 two codes an instruction).
+# Pass 9 (prepared offline; docs/kernels-h200.md): ``module`` "extend", the flash-shaped extend kernel
+# (`kvstrata.radix.kernels.extend`: q unscaled in the products, the scale in the exponent's FMA, FP8
+# value scales in the exponent, FP8 scale bytes a tile ahead, causal mask on diagonal tiles only).
+# Predicted from the sm_90 code Triton 3.6 compiles (cold loop: instructions a warp a tile, registers,
+# shared memory), BF16 / FP8 history; the pass-4 kernel at 128 x 64, 4 stages, prefetch: 431 / 971
+# (255 registers, 72 bytes of stack for FP8), at 128 x 128, 3 stages: 1,674 for FP8 (152 of stack).
+def _ext(m: int, n: int, warps: int, stages: int, prefetch: bool = False, dequant_bytes: int = 0) -> dict:
+    """A pass-9 extend shape: the flash kernel, FP16 code operands, ``dequant_bytes`` 0 unless given."""
+    shape_ = shape(m, n, warps, stages, False, prefetch=prefetch, programs=0, f16=True, module="extend")
+    return dict(shape_, dequant_bytes=dequant_bytes)
+
+
 EXTEND = [
     shape(128, 128, 8, 3, False, programs=0, f16=True),
     shape(128, 64, 8, 4, False, prefetch=True, programs=0, f16=True),
+    # The default's shape in the new kernel: 426 / 849 (215 / 252 registers, no spills): a few % from
+    # the loop, more from the new tokens (unmasked tiles 368 instructions instead of 613).
+    _ext(128, 64, 8, 4, prefetch=True),
+    # 128-key tiles: BF16 700 a tile (5.5 a key against 6.7: the rescale and waits once per 128 keys),
+    # 255 registers, 32 bytes of stack outside the loop, 224 KB shared; FP8 spills in the loop (40
+    # local loads and stores a tile): expected slower for FP8.
+    _ext(128, 128, 8, 3, prefetch=True),
+    _ext(128, 128, 8, 2, prefetch=True),  # 693 a tile, 160 KB shared (1 tile ahead)
+    # Without prefetch: FP8 1,523 a tile (11.9 a key against 13.3), no spills (scales loaded in the
+    # tile); BF16 690 with 32 bytes of stack outside the loop.
+    _ext(128, 128, 8, 3),
+    # 64 rows, one warp group: 235 / 240 registers and 112 KB shared, so two programs share an SM and
+    # one's softmax can overlap the other's products (Triton 3.6 gives neither warp specialization nor
+    # an asynchronous Q.K across the softmax here); K/V read from L2 twice as often. 490 / 956 a tile.
+    _ext(64, 64, 4, 3, prefetch=True),
 ]
 EXTEND_4BIT = [shape(128, 64, 8, 2, True, 4, programs=0)]
+# Coded history dequantized to BF16 first (`attend.dequantizes`, up to 1 GiB of K/V a pass: the case's
+# 30,592 cold keys make 125 MB), then the flash kernel's BF16 loop at the default's shape: each of the
+# 64 query blocks a head no longer decodes every code again. Expected about the BF16 line plus one
+# read of the codes and a write of 125 MB by `attend._dequant_kernel` (~0.05 ms at 4 TB/s); FP8, int4.
+EXTEND_DEQUANT = [_ext(128, 64, 8, 4, prefetch=True, dequant_bytes=1 << 30)]
 # Decode. Sweeps of pass 4 (H200, Triton 3.6, FP8 at 32K; registers of the compiled kernels): 128-key
 # tiles with 4 warps 1.777 ms at B=64 (255 registers); ``halves`` 2.24-2.58; swapped operands 3.710;
 # 8 warps 4.845; 64 or 32 keys 2.27-3.82; 4-bit codes by keys 24-45 ms against 4.6-5.3 by blocks; 512
@@ -202,8 +234,14 @@ if os.environ.get("SWEEP_CASES"):  # e.g. "1x2048,1x32768": these (batch, contex
     DECODE_CASES = [(int(b), int(n)) for b, n in (c.split("x") for c in os.environ["SWEEP_CASES"].split(","))]
 
 # (kind, codec, batch, context, launch shape)
-VARIANTS = [("extend", c, 1, CONTEXT, s) for c in ("bf16", "fp8_e4m3") for s in EXTEND]
-VARIANTS += [("extend", "int4", 1, CONTEXT, s) for s in EXTEND_4BIT]
+# Coded history's dequantizing variants follow the codec's others (each output is checked against
+# the codec's first variant).
+VARIANTS = [("extend", "bf16", 1, CONTEXT, s) for s in EXTEND]
+VARIANTS += [("extend", "fp8_e4m3", 1, CONTEXT, s) for s in EXTEND + EXTEND_DEQUANT]
+# int4's keeps the 4-bit entry's blocks (the flash kernel ignores them; chunks of one query block keep
+# the codes and read them by blocks).
+_DEQUANT_4BIT = [dict(s, by_blocks=True, blocks=4) for s in EXTEND_DEQUANT]
+VARIANTS += [("extend", "int4", 1, CONTEXT, s) for s in EXTEND_4BIT + _DEQUANT_4BIT]
 # BF16 history shares FP8's launch table entry (left out by SWEEP_CODECS=fp8_e4m3).
 VARIANTS += [("decode", c, b, n, s) for c in ("fp8_e4m3", "bf16") for b, n in DECODE_CASES for s in DECODE]
 VARIANTS += [("decode", "int8", b, n, s) for b, n in DECODE_CASES if b > 1 for s in DECODE_INT8]
@@ -284,11 +322,12 @@ _REPORTED: set[int] = set()
 def compiled_report() -> str:
     """Registers, spills and shared memory of the attention kernels compiled since the last call
     (Triton's per-device kernel caches; empty where this Triton keeps them elsewhere)."""
-    from kvstrata.radix.kernels import decode, decode4
+    from kvstrata.radix.kernels import decode, decode4, extend
 
     got = []
+    kernels_run = (decode._decode_kernel, decode4._decode4_kernel, kernels._attend_kernel)
     try:
-        for fn in (decode._decode_kernel, decode4._decode4_kernel, kernels._attend_kernel):
+        for fn in (*kernels_run, kernels._extend_kernel, extend._flash_extend_kernel):
             for cache in getattr(fn, "device_caches", {}).values():
                 compiled = cache[0] if isinstance(cache, tuple) else cache
                 for k in list(compiled.values()):
@@ -352,6 +391,8 @@ def sweep() -> dict[tuple[str, bool | str], dict]:
         blocks += f", maxnreg {s['maxnreg']}" if s.get("maxnreg") else ""
         blocks += ", halves" if s.get("halves") else ""
         blocks += ", attend kernel" if kind == "decode" and s.get("module") == "attend" else ""
+        blocks += ", extend kernel" if kind == "extend" and s.get("module") == "extend" else ""
+        blocks += ", dequantized first" if kind == "extend" and s.get("dequant_bytes") else ""
         blocks += ", tail by parts" if kind == "decode" and not s.get("merged_tail", True) else ""
         blocks += ", tail apart" if kind == "decode" and s.get("tail_apart") else ""
         blocks += f", int8 keys by {s['blocks']} blocks" if s.get("scaled_keys_by_blocks") else ""

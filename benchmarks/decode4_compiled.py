@@ -61,6 +61,38 @@ def _type(arg) -> str:
     return "fp32" if isinstance(arg, float) else "i32"
 
 
+def compile_sm90(fn, args: list, options: dict):
+    """``fn`` compiled for an H200 (sm_90) as a launch with runtime ``args`` (in order) and keyword
+    ``options`` (its constexprs, ``num_warps``, ``num_stages``, ``maxnreg``) compiles it: tensors 16-byte
+    aligned except `jit_unspecialized`'s pointers."""
+    names = fn.arg_names
+    runtime = [n for n in names if n not in options]
+    assert len(runtime) == len(args), (runtime, len(args))
+    sig = {n: _type(a) for n, a in zip(runtime, args, strict=True)}
+    unaligned = set(attend.STEP_POINTERS)  # `jit_unspecialized`'s pointers
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, n in enumerate(names)
+        if sig.get(n, "").startswith("*") and n not in unaligned
+    }
+    constexprs = {(i,): options[n] for i, n in enumerate(names) if n in options}
+    src = ASTSource(
+        fn=fn, signature={n: sig.get(n, "constexpr") for n in names}, constexprs=constexprs, attrs=attrs
+    )
+    target_options = {n: options[n] for n in ("num_warps", "num_stages", "maxnreg") if options.get(n)}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=target_options)
+
+
+def launch_args(cache, plan, q, k, v, launch) -> list:
+    """The runtime arguments `PassLaunch.run` gives the step's kernel (one layer, no sinks)."""
+    k_fmt, kp, v_fmt, vp = attend.layer_parts(cache.pool, 0)
+    ring_k, ring_v = attend.layer_kv(cache.ring, 0)
+    cold_len, ring_len, sink_len = launch.lengths
+    partial = torch.empty(1)
+    args = [q, k, v, q, partial, partial, plan.page_table, cold_len, *kp, *vp, sink_len, sink_len]
+    return args + [ring_k, ring_v, plan.ring_rows, ring_len, ring_k, ring_v, *launch.scalars]
+
+
 def compile_case(codec: str, batch: int, context: int):
     """``(launch, options, compiled kernel)`` of the step with the current `DECODE_LAUNCH[True]`."""
     cache, plan, q, k, v = step(codec, batch, context)
@@ -71,28 +103,59 @@ def compile_case(codec: str, batch: int, context: int):
     }
     meta.update(DOT_PREC="tf32", DOT_DTYPE=tl.bfloat16, CODE_DTYPE=tl.bfloat16)  # a BF16 model on a GPU
     options = decode4.decode4_options(q.shape[1] // k.shape[1], attend.DECODE_LAUNCH[True], False, meta)
-    ring_k, ring_v = attend.layer_kv(cache.ring, 0)
-    cold_len, ring_len, sink_len = launch.lengths
-    partial = torch.empty(1)
-    args = [q, k, v, q, partial, partial, plan.page_table, cold_len, *kp, *vp, sink_len, sink_len]
-    args += [ring_k, ring_v, plan.ring_rows, ring_len, ring_k, ring_v, *launch.scalars]
-    fn = decode4._decode4_kernel
-    runtime = [n for n in fn.arg_names if n not in options]
-    assert len(runtime) == len(args), (runtime, len(args))
-    sig = {n: _type(a) for n, a in zip(runtime, args, strict=True)}
-    unaligned = {"PT", "COLD_LEN", "ST", "SINK_OK", "RR", "RING_LEN"}  # `jit_unspecialized`'s pointers
-    names = fn.arg_names
-    attrs = {
-        (i,): [["tt.divisibility", 16]]
-        for i, n in enumerate(names)
-        if sig.get(n, "").startswith("*") and n not in unaligned
-    }
-    constexprs = {(i,): options[n] for i, n in enumerate(names) if n in options}
-    src = ASTSource(
-        fn=fn, signature={n: sig.get(n, "constexpr") for n in names}, constexprs=constexprs, attrs=attrs
+    args = launch_args(cache, plan, q, k, v, launch)
+    return launch, options, compile_sm90(decode4._decode4_kernel, args, options)
+
+
+def sass_of(kernel) -> tuple[str, str, str]:
+    """``(registers, bytes of stack, SASS)`` of a compiled kernel, read with the wheel's cuobjdump."""
+    bin_dir = Path(triton.__file__).parent / "backends/nvidia/bin"
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    try:
+        usage = subprocess.run(
+            [bin_dir / "cuobjdump", "--dump-resource-usage", f.name],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        sass = subprocess.run(
+            [bin_dir / "cuobjdump", "-sass", f.name], capture_output=True, text=True, check=True
+        ).stdout
+    finally:
+        os.unlink(f.name)
+    return re.search(r"REG:(\d+)", usage).group(1), re.search(r"STACK:(\d+)", usage).group(1), sass
+
+
+def loop_counts(sass: str, ops: list[str]) -> list[str]:
+    """Each loop's instruction count and its count of each of ``ops``, one line a loop."""
+    lines = []
+    for i, body in enumerate(loops(sass)):
+        count = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
+        lines.append(
+            f"  loop {i}: {len(body)} instructions; "
+            + " ".join(f"{op} {count[op]}" for op in ops if count[op])
+        )
+    return lines
+
+
+def set_launch(entry: dict, items: list[str]) -> None:
+    """Set ``key=value`` items (values as Python literals) in a launch-table entry."""
+    for item in items:
+        key, value = item.split("=", 1)
+        entry[key] = ast.literal_eval(value)
+
+
+def report(kernel, head: str, ops: list[str], sass_path: str | None) -> None:
+    """Print ``head`` with the kernel's registers, stack and shared memory, then each loop's counts of
+    ``ops``; write the SASS to ``sass_path`` if given."""
+    regs, stack, sass = sass_of(kernel)
+    print(
+        f"{head}; {regs} registers, {stack} bytes of stack, {kernel.metadata.shared} bytes of shared memory"
     )
-    target_options = {n: options[n] for n in ("num_warps", "num_stages", "maxnreg") if n in options}
-    return launch, options, triton.compile(src, target=GPUTarget("cuda", 90, 32), options=target_options)
+    print("\n".join(loop_counts(sass, ops)))
+    if sass_path:
+        Path(sass_path).write_text(sass)
 
 
 def loops(sass: str) -> list[list[str]]:
@@ -118,38 +181,13 @@ def main() -> None:
     ap.add_argument("launch", nargs="*", help="DECODE_LAUNCH[True] overrides, key=value (Python literals)")
     ap.add_argument("--sass", help="write the SASS here")
     args = ap.parse_args()
-    for item in args.launch:
-        key, value = item.split("=", 1)
-        attend.DECODE_LAUNCH[True][key] = ast.literal_eval(value)
+    set_launch(attend.DECODE_LAUNCH[True], args.launch)
     launch, options, kernel = compile_case(args.codec, args.batch, args.context)
-    bin_dir = Path(triton.__file__).parent / "backends/nvidia/bin"
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(kernel.asm["cubin"])
-    try:
-        usage = subprocess.run(
-            [bin_dir / "cuobjdump", "--dump-resource-usage", f.name],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-        sass = subprocess.run(
-            [bin_dir / "cuobjdump", "-sass", f.name], capture_output=True, text=True, check=True
-        ).stdout
-    finally:
-        os.unlink(f.name)
-    regs, stack = re.search(r"REG:(\d+)", usage).group(1), re.search(r"STACK:(\d+)", usage).group(1)
-    print(
+    head = (
         f"{args.codec} B={args.batch} context {args.context}, Triton {triton.__version__}: "
-        f"grid {launch.grid}, BLOCK_H {options['BLOCK_H']}, SLOT_R {options['SLOT_R']}; "
-        f"{regs} registers, {stack} bytes of stack"
+        f"grid {launch.grid}, BLOCK_H {options['BLOCK_H']}, SLOT_R {options['SLOT_R']}"
     )
-    for i, body in enumerate(loops(sass)):
-        ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
-        print(
-            f"  loop {i}: {len(body)} instructions; " + " ".join(f"{op} {ops[op]}" for op in OPS if ops[op])
-        )
-    if args.sass:
-        Path(args.sass).write_text(sass)
+    report(kernel, head, OPS, args.sass)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ from kvstrata.engine.loader import LoadedModel, dummy_model
 from kvstrata.engine.runner import StepRunner
 from kvstrata.engine.scheduler import StepPlan
 from kvstrata.engine.stats import RequestFinished
-from kvstrata.radix.kernels import attend, page_quantize
+from kvstrata.radix.kernels import attend, extend, page_quantize
 
 
 def compiled_variants() -> int:
@@ -56,6 +56,8 @@ def compiled_variants() -> int:
     kernels = (
         attend._attend_kernel,
         attend._extend_kernel,
+        extend._flash_extend_kernel,
+        attend._dequant_kernel,
         attend._merge_kernel,
         page_quantize._page_quantize_kernel,
     )

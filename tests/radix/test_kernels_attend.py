@@ -208,3 +208,74 @@ def test_prompts_without_history_take_causal_sdpa(device, dtype):
         assert rel_err(got.cpu(), ref) < tol and rel_err(by_kernel.cpu(), ref) < tol
         cache.cancel_step(batch)
     cache.check_invariants()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("block_n", [None, 16])
+@pytest.mark.parametrize("codec", ["fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "int8_asym/fp8_e4m3"])
+def test_flash_extend_kernel(codec, block_n, prefetch, device, monkeypatch):
+    """``module`` "extend" (`kvstrata.radix.kernels.extend`): chunks of 9 and 20 tokens (several query
+    blocks; with 16-key tiles new-token tiles both before and on each block's diagonal) over whole and
+    partial cold tiles, sinks and ring, with and without forced splits; BF16 with FP16 code operands.
+    int8 keys are not its layout: they keep the attend kernel."""
+    from kvstrata.radix.kernels import attend, extend
+
+    launched = []
+    kernel = extend._flash_extend_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(extend, "_flash_extend_kernel", Counted())
+    for kind in ("raw", "8bit"):
+        monkeypatch.setitem(attend.EXTEND_LAUNCH[kind], "module", "extend")
+        monkeypatch.setitem(attend.EXTEND_LAUNCH[kind], "prefetch", prefetch)
+        if block_n is not None:
+            monkeypatch.setitem(attend.EXTEND_LAUNCH[kind], "block_n", block_n)
+    cache = make_cache(codec, device, sinks=True)
+    assert check_steps(cache, [3, 70, 300], steps=1, n_new=9, tol=2e-5) == 3
+    cache = make_cache(codec, device)
+    assert check_steps(cache, [17, 150], steps=1, n_new=20, tol=2e-5, splits=2) == 2
+    cache = make_cache(codec, device, dtype=torch.bfloat16)
+    assert check_steps(cache, [30, 140], steps=1, n_new=9, tol=1.5e-2, dtype=torch.bfloat16) == 2
+    assert bool(launched) == ("int8" not in codec)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("codec", ["fp8_e4m3", "int8", "int4", "fp4_e2m1", "int4/fp4_e2m1"])
+def test_extend_dequantized_first(codec, device, monkeypatch):
+    """``dequant_bytes``: an extend pass of several query blocks over coded history dequantizes its
+    cold pages (padding included) to the model dtype and the flash kernel reads them as raw history
+    through the identity page table; with sinks and forced splits, float32 and BF16 models. A cap
+    below the pages' bytes, or one query block a sequence, keeps the codes (4-bit layers: by blocks, the
+    flash kernel not being theirs)."""
+    from kvstrata.radix.kernels import attend
+
+    made = []
+    parts = attend.dequantized_parts
+
+    def counted(pool, layer, table, heads, dtype):
+        made.append(table.numel())
+        return parts(pool, layer, table, heads, dtype)
+
+    monkeypatch.setattr(attend, "dequantized_parts", counted)
+    for kind in ("8bit", "4bit"):
+        entry = dict(attend.EXTEND_LAUNCH[kind], module="extend", block_m=16, block_n=16)  # 4-bit by blocks
+        monkeypatch.setitem(attend.EXTEND_LAUNCH, kind, dict(entry, dequant_bytes=1 << 30))
+    cache = make_cache(codec, device, sinks=True)
+    assert check_steps(cache, [3, 70, 300], steps=1, n_new=9, tol=2e-5) == 3
+    cache = make_cache(codec, device, dtype=torch.bfloat16)
+    assert check_steps(cache, [17, 150], steps=1, n_new=20, tol=1.5e-2, dtype=torch.bfloat16, splits=2) == 2
+    assert len(made) == 2
+    monkeypatch.setitem(attend.EXTEND_LAUNCH["8bit"], "dequant_bytes", 1024)
+    monkeypatch.setitem(attend.EXTEND_LAUNCH["4bit"], "dequant_bytes", 1024)
+    cache = make_cache(codec, device)
+    assert check_steps(cache, [40, 150], steps=1, n_new=9, tol=2e-5) == 2
+    monkeypatch.setitem(attend.EXTEND_LAUNCH["8bit"], "block_m", 128)
+    monkeypatch.setitem(attend.EXTEND_LAUNCH["4bit"], "block_m", 128)
+    cache = make_cache(codec, device)
+    assert check_steps(cache, [40, 150], steps=1, n_new=9, tol=2e-5) == 2
+    assert len(made) == 2

@@ -17,14 +17,16 @@ import kvstrata
 
 CHILD = """
 import json
-from kvstrata.radix.kernels import attend, decode, decode4, page_quantize
+from kvstrata.radix.kernels import attend, decode, decode4, extend, page_quantize
 out = {}
 kernels = {
     "_attend_kernel": attend._attend_kernel,
     "_extend_kernel": attend._extend_kernel,
+    "_flash_extend_kernel": extend._flash_extend_kernel,
     "_decode_kernel": decode._decode_kernel,
     "_decode4_kernel": decode4._decode4_kernel,
     "_merge_kernel": attend._merge_kernel,
+    "_dequant_kernel": attend._dequant_kernel,
     "_page_quantize_kernel": page_quantize._page_quantize_kernel,
 }
 for name, fn in kernels.items():
@@ -51,8 +53,10 @@ def test_step_varying_arguments_are_not_specialized():
         "_attend_kernel": attention,
         # the extend launches' copy: T (new tokens a sequence) varies from chunk to chunk too
         "_extend_kernel": {**attention, "ints": sorted([*attention["ints"], "T"])},
+        "_flash_extend_kernel": {**attention, "ints": sorted([*attention["ints"], "T"])},
         "_decode_kernel": attention,
         "_decode4_kernel": attention,
         "_merge_kernel": {"ints": ["num_splits"], "pointers": []},
+        "_dequant_kernel": {"ints": [], "pointers": ["PT"]},
         "_page_quantize_kernel": {"ints": [], "pointers": sorted(["SRC", "PAGE_IDS", "SINK_SLOTS"])},
     }

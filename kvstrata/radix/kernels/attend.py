@@ -29,6 +29,7 @@ in `_cold_passes` (`GroupPlan.raised_plan`), read the same way.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 from weakref import WeakKeyDictionary
 
@@ -162,7 +163,9 @@ FP8_WIDE_PROGRAMS = 512
 # keys a tile, 4 pipeline stages, page-table entries a tile ahead (`prefetch`: three tiles of K/V
 # copies in flight; H200, 2K chunk over 30K: 2.692 ms against 3.101 for the 8-bit shape, 0.66x SDPA
 # in `attention_sweep.py`). 8-bit codes by keys, 128 a tile, 3 stages (FP8 4.904 ms; the raw shape
-# took 9.526). 4-bit by blocks. Extend does not split.
+# took 9.526). 4-bit by blocks. Extend does not split. ``module`` "extend" (an option, not yet set):
+# raw and FP8 layers take the flash-shaped kernel of `kvstrata.radix.kernels.extend` (docs pass 9);
+# ``dequant_bytes`` (not yet set) with it: coded history dequantized first (`dequantizes`).
 EXTEND_LAUNCH = {
     "raw": dict(
         block_m=128,
@@ -443,6 +446,22 @@ def _channels(HALF: tl.constexpr, BLOCK: tl.constexpr):
         return i, i
 
 
+@triton.jit
+def _out_rows(m_i, l_i, q_row, row_ok, split, num_splits, OUT, PO, PL, D: tl.constexpr, SPLIT: tl.constexpr):
+    """Where the rows' outputs go and the factor that normalises them: the output itself, or with
+    ``SPLIT`` the split's partial (whose base-2 log-sum-exp it stores; -inf where no key was seen)."""
+    if SPLIT:
+        has = l_i > 0
+        inv = 1.0 / tl.where(has, l_i, 1.0)
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        o_at = PO + (q_row * num_splits + split)[:, None] * D
+        tl.store(PL + q_row * num_splits + split, lse, mask=row_ok)
+    else:
+        inv = 1.0 / l_i
+        o_at = OUT + q_row[:, None] * D
+    return o_at, inv
+
+
 STEP_INTS = ("pt_stride", "rr_stride", "pages_per_split", "num_splits", "tail_split")
 STEP_POINTERS = ("PT", "COLD_LEN", "ST", "SINK_OK", "RR", "RING_LEN")
 
@@ -644,15 +663,7 @@ def _attend_kernel(
                 ck0, ck1, cv0, cv1, D, HALF_K, HALF_V, DOT_PREC,
             )  # fmt: skip
 
-    if SPLIT:
-        has = l_i > 0
-        inv = 1.0 / tl.where(has, l_i, 1.0)
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        o_at = PO + (q_row * num_splits + split)[:, None] * D
-        tl.store(PL + q_row * num_splits + split, lse, mask=row_ok)
-    else:
-        inv = 1.0 / l_i
-        o_at = OUT + q_row[:, None] * D
+    o_at, inv = _out_rows(m_i, l_i, q_row, row_ok, split, num_splits, OUT, PO, PL, D, SPLIT)
     tl.store(o_at + cv0[None, :], (acc0 * inv[:, None]).to(o_at.dtype.element_ty),
              mask=row_ok[:, None] & (cv0 < D)[None, :])  # fmt: skip
     if HALF_V:
@@ -800,6 +811,8 @@ def attend_group(
             )
             if launches is not None:
                 launches[key] = launch
+        if launch.dequant:
+            kp, vp = dequantized_parts(cold, layer, plan.page_table, k.shape[1], q.dtype)
         got = launch.run(layer, q, k, v, kp, vp, ring, sinks, out)
         if got is not None:
             parts.append(got)
@@ -833,7 +846,8 @@ class PassLaunch(NamedTuple):
     """One pass's kernel launch without the layer's tensors: the same in every layer of a step whose
     layers share codecs, so a decode step works it out once and each layer only launches.
     ``scalars``: the runtime arguments after the tensors; ``options`` the constexprs and launch options;
-    ``sinks``: the pass reads the sink page; ``partial``: it writes split partials."""
+    ``sinks``: the pass reads the sink page; ``partial``: it writes split partials; ``dequant``: it reads
+    its cold pages dequantized first, through the identity page table ``g.page_table``."""
 
     kernel: Any
     grid: tuple[int, int, int]
@@ -845,6 +859,7 @@ class PassLaunch(NamedTuple):
     direct: bool
     partial: bool
     sinks: bool
+    dequant: bool = False  # `attend_group` gives it the pass's pages dequantized (`dequantized_parts`)
 
     def run(
         self,
@@ -906,6 +921,11 @@ def pass_launch(
     # tokens; other page sizes read keys across pages (`_cold_tile`).
     four_bit = k_fmt in HALF_FORMATS or v_fmt in HALF_FORMATS
     launch = DECODE_LAUNCH[four_bit] if T == 1 else EXTEND_LAUNCH[extend_kind(k_fmt, v_fmt)]
+    dequant = T > 1 and dequantizes(launch, k_fmt, v_fmt, T * group, g, h, d, q.dtype)
+    if dequant:  # raw history in the pass's page order: the identity table
+        k_fmt = v_fmt = 0
+        identity = torch.arange(g.page_table.numel(), device=g.device, dtype=g.page_table.dtype)
+        g = dataclasses.replace(g, page_table=identity.view(g.page_table.shape))
     if T == 1 and launch.get("module") == "decode4":
         from kvstrata.radix.kernels import decode4
 
@@ -962,6 +982,7 @@ def pass_launch(
     kernel = _attend_kernel if T == 1 else _extend_kernel
     grid, scalars = (B * m_blocks, h, splits), (scale * LOG2E, T, h, *strides)
     options: dict[str, Any] | None = None
+    extend_options: dict[str, Any] | None = None
     if T == 1 and launch.get("module") == "decode4" and decode4.applies(k_fmt, v_fmt, d, page):
         kernel, options = decode4._decode4_kernel, decode4.decode4_options(group, launch, interpreted, meta)
     elif T == 1 and not fold and launch.get("module", "decode") == "decode":
@@ -970,8 +991,16 @@ def pass_launch(
         sink_kv = (sinks.k, sinks.v) if has_sinks and sinks is not None else (ring.k, ring.v)
         one_dtype = len({k.dtype, v.dtype, ring.k.dtype, *(t.dtype for t in sink_kv)}) == 1
         kernel, options = decode._decode_kernel, decode.decode_options(group, launch, one_dtype, meta)
+    elif T > 1 and launch.get("module") == "extend":
+        from kvstrata.radix.kernels import extend  # it imports this module's tile functions
+
+        if extend.applies(k_fmt, v_fmt):  # others: this module's kernel
+            kernel = extend._flash_extend_kernel
+            extend_options = extend.extend_options(group, block_m, launch, meta)
     if options is not None:  # the decode kernels: one program per (sequence, KV head, split), no T
         grid, scalars = (B, h, splits), (scale * LOG2E, h, *strides)
+    elif extend_options is not None:  # the extend kernel: this kernel's grid and arguments
+        options = extend_options
     else:
         options = dict(
             meta,
@@ -989,7 +1018,76 @@ def pass_launch(
             num_stages=launch["num_stages"],
         )
     lengths = tuple(g.kernel_lengths.unbind(0))
-    return PassLaunch(kernel, grid, scalars, options, g, lengths, splits, direct, partial, has_sinks)
+    return PassLaunch(kernel, grid, scalars, options, g, lengths, splits, direct, partial, has_sinks, dequant)
+
+
+def dequantizes(
+    launch: dict, k_fmt: int, v_fmt: int, rows: int, g: GroupPlan, h: int, d: int, dtype: torch.dtype
+) -> bool:
+    """An extend pass over coded history dequantizes its cold pages to the model dtype first and reads
+    them as raw history (`dequantized_parts`), when its launch allows it: ``dequant_bytes`` (the most
+    bytes of K and V so made; 0 never) holds them, ``module`` is the flash kernel, and a sequence's
+    ``rows`` (new tokens x query heads a KV head) make several query blocks, each of which would
+    otherwise decode every code again."""
+    cap = launch.get("dequant_bytes", 0)
+    if not cap or launch.get("module") != "extend" or (k_fmt, v_fmt) == (0, 0):
+        return False
+    if triton.cdiv(rows, query_block(rows, launch["block_m"])) < 2:
+        return False
+    return 2 * g.page_table.numel() * g.page_size * h * d * dtype.itemsize <= cap
+
+
+@jit_unspecialized(pointers=("PT",))  # a view into the step's uploaded tables, as the attention kernels'
+def _dequant_kernel(
+    PT,
+    K0,
+    K1,
+    K2,
+    V0,
+    V1,
+    V2,
+    KO,
+    VO,
+    H,
+    P: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    K_FMT: tl.constexpr,
+    V_FMT: tl.constexpr,
+):
+    """One (page-table entry, KV head): the page's keys and values decoded (`load_decoded`, as the
+    attention kernels decode them) into row ``entry`` of ``KO``/``VO`` ``[entries, P, H, D]``."""
+    entry = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    tok = tl.arange(0, BLOCK_P).to(tl.int64)[:, None]
+    page = tl.load(PT + entry).to(tl.int64) + 0 * tok  # [BLOCK_P, 1], as `load_decoded` takes it
+    d = tl.arange(0, BLOCK_D)[None, :]
+    row_ok = tok < P
+    ok = row_ok & (d < D)
+    k = load_decoded(K0, K1, K2, page, tok, h, d, ok, row_ok, H, P, D, BLOCK_D, K_FMT, True)
+    v = load_decoded(V0, V1, V2, page, tok, h, d, ok, row_ok, H, P, D, BLOCK_D, V_FMT, False)
+    at = ((entry * P + tok) * H + h) * D + d
+    tl.store(KO + at, k.to(KO.dtype.element_ty), mask=ok)
+    tl.store(VO + at, v.to(VO.dtype.element_ty), mask=ok)
+
+
+def dequantized_parts(
+    pool: ColdPool, layer: int, page_table: torch.Tensor, H: int, dtype: torch.dtype
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """K and V (``H`` heads) of every entry of ``page_table`` (padding included) decoded to ``dtype`` by
+    one kernel pass, ``[entries, P, H, D]`` in the table's order, as raw kernel parts (`layer_parts`'
+    layout)."""
+    k_fmt, kp, v_fmt, vp = layer_parts(pool, layer)
+    entries, P, D = page_table.numel(), pool.page_size, pool.head_dim
+    ko = torch.empty((entries, P, H, D), dtype=dtype, device=page_table.device)
+    vo = torch.empty_like(ko)
+    _dequant_kernel[(entries, H)](
+        page_table.reshape(-1), *kp, *vp, ko, vo, H,
+        P=P, BLOCK_P=triton.next_power_of_2(P), D=D, BLOCK_D=triton.next_power_of_2(D),
+        K_FMT=k_fmt, V_FMT=v_fmt,
+    )  # fmt: skip
+    return [ko] * 3, [vo] * 3
 
 
 def _take(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
