@@ -160,15 +160,17 @@ EXTEND_DEQUANT = [_ext(128, 64, 8, 4, prefetch=True, dequant_bytes=1 << 30)]
 _F16 = dict(f16=True)
 _NEW = dict(min_pages=32, tail_apart=True, **_F16)
 _FP8 = dict(_NEW, blocks=8, scaled_keys_by_blocks=True, programs=1024, maxnreg=168)  # the entry's shape
-_DEFAULT = dict(shape(64, 128, 4, 2, False, **_FP8), wide_programs=512)
-_EVERY = dict(_DEFAULT, wide_programs=1)  # the wide shape at B=1 too
+# Measured (H200, one run; ms at B=64 32K / B=256 2K / B=1,024 2K / B=1 32K): the default 1.309 / 0.358 /
+# 1.429 / 0.046; the wide shape at B=1 too 1.309 / 0.358 / 1.429 / 0.046; values asm + lazy rescale 1.330 /
+# 0.355 / 1.365 / 0.045; codes asm 1.666 / 0.432 / 1.643 / 0.048, with lazy rescale 1.694 / 0.441 / 1.701 /
+# 0.048, and at B=1 in 256 splits of 8 pages 0.043: the offline prediction (0.84-0.99 ms at B=64 32K) did
+# not hold, the default stays. Pass 10: ``wide_formats`` (`attend.WIDE_DECODE_FORMATS`) adds BF16/FP32
+# history (format 0) to the wide shape, never swept before.
+_DEFAULT = dict(shape(64, 128, 4, 2, False, **_FP8), wide_programs=512, wide_formats=(1, 2))
 DECODE = [
     _DEFAULT,
-    _EVERY,
+    dict(_DEFAULT, wide_formats=(0, 1, 2)),
     dict(_DEFAULT, codes_asm="values", lazy_rescale=True),
-    dict(_DEFAULT, codes_asm=True),
-    dict(_DEFAULT, codes_asm=True, lazy_rescale=True),
-    dict(_EVERY, codes_asm=True, lazy_rescale=True, min_pages=8),
 ]
 # int8 keys (per-channel scales) by keys or by 16-token blocks; not part of the fastest-shape pick
 # (it would set the entry FP8 shares).
@@ -195,8 +197,7 @@ DECODE_INT8 = [
 # Pass 8 (docs/kernels-h200.md): ``heads_together``, ``tail_rows`` and ``value_offsets_apart`` together
 # took 32-41% off the serving shapes (B=256 and 1,024 at 2K) and are the default since; register caps
 # (168, 128) lost everywhere (spills).
-# Pass 9 (prepared offline, docs/kernels-h200.md; the first entry is the default, every entry sets
-# every option, as `use` merges entries into the table). Predictions from the sm_90 code (Triton 3.6,
+# Pass 9 (docs/kernels-h200.md). Predictions from the sm_90 code (Triton 3.6,
 # offline, int4 / fp4 instructions of the cold loop, a 32-key tile, B=64 32K and B=256 2K alike): the
 # default 1,453 / 1,597 at 255 registers (8 programs an SM; int4 1,578 before its value scales were read
 # from their bits). ``keys_as_rows`` (scores k . q^T, 8 query columns instead of 16 padded rows: half
@@ -205,6 +206,13 @@ DECODE_INT8 = [
 # 1,050 / 1,290 (-28% / -19%); capped at 168 registers (12 programs an SM) 1,079 / 1,302 without
 # spills in the cold loop (the ring tile spills: about 1,070 against 976); at 144 (14 programs) 1,138 /
 # 1,329 (19 / 12 reloads a tile); two stages at 168: 1,379 (65 reloads, 22 stores) / 1,321 (no spill).
+# Measured (H200, one run, int4 / fp4 ms at B=64 32K, B=256 2K, B=1,024 2K): pass 8's default 1.710 /
+# 1.839, 0.461 / 0.499, 1.720 / 1.874; keys as rows + value reference 1.689 / 1.529, 0.453 / 0.415,
+# 1.700 / 1.537 (fp4's default since); the same with one stage at 168 registers 1.326 / 1.533, 0.404 /
+# 0.446, 1.434 / 1.632 (int4's default since, `attend.INT4_DECODE`); one stage uncapped 1.526 / 1.713,
+# at 144 registers 1.441 / 1.579, two stages at 168 1.840 / 1.596. The list: fp4's default, int4's,
+# pass 8's (every entry sets every option, as `use` merges entries into the table; a 4-bit variant
+# runs as written for int4 too).
 _D4 = dict(
     shape(64, 32, 1, 2, True, 2, programs=4096, module="decode4", tail_apart=True),
     asm=True,
@@ -217,15 +225,7 @@ _D4 = dict(
 )
 _D4_ROWS = dict(_D4, keys_as_rows=True, value_reference=True)
 _D4_ROWS_1 = dict(_D4_ROWS, num_stages=1)
-DECODE_4BIT: list[dict] = [
-    _D4,
-    dict(_D4, keys_as_rows=True),
-    _D4_ROWS,
-    _D4_ROWS_1,
-    dict(_D4_ROWS_1, maxnreg=168),
-    dict(_D4_ROWS_1, maxnreg=144),
-    dict(_D4_ROWS, maxnreg=168),
-]
+DECODE_4BIT: list[dict] = [_D4_ROWS, dict(_D4_ROWS_1, maxnreg=168), _D4]
 # SWEEP_KINDS (environment): the kinds swept, "decode,extend" by default.
 KINDS = os.environ.get("SWEEP_KINDS", "decode,extend").split(",")
 # Decode cases (batch, context): the 32K long-context pair and the serving step (B=256, 2K).
@@ -287,8 +287,12 @@ def apply(key: tuple[str, bool | str], launch: dict) -> None:
     """Set launch table entry ``key`` to ``launch``; a decode variant's ``wide_programs`` goes to
     `attend.FP8_WIDE_PROGRAMS` (from how many programs FP8 history takes `attend.FP8_WIDE_DECODE`)."""
     launch = dict(launch)
+    if key == ("decode", True):  # a 4-bit variant runs as written, int4 too (not `attend.INT4_DECODE`)
+        kernels.INT4_DECODE = {}
     if "wide_programs" in launch:
         kernels.FP8_WIDE_PROGRAMS = launch.pop("wide_programs")
+    if "wide_formats" in launch:
+        kernels.WIDE_DECODE_FORMATS = tuple(launch.pop("wide_formats"))
     table_of(key).update(launch)
 
 
@@ -305,7 +309,7 @@ def warm(index: int) -> None:
         launch = dict(kernels.DECODE_LAUNCH[codec in FOUR_BIT])
         hkv = bench.GEOMETRIES["8b"][1]
         if (
-            kernel_format(get_codec(codec))[0] in kernels.FP8_FORMATS
+            kernel_format(get_codec(codec))[0] in kernels.WIDE_DECODE_FORMATS
             and batch * hkv >= kernels.FP8_WIDE_PROGRAMS
         ):
             launch.update(kernels.FP8_WIDE_DECODE)  # the shape `batch` gets, at B=4 too
@@ -402,6 +406,7 @@ def sweep() -> dict[tuple[str, bool | str], dict]:
         blocks += ", tail rows" if s.get("tail_rows") else ""
         blocks += ", value offsets apart" if s.get("value_offsets_apart") else ""
         blocks += f", fp8 wide from {s['wide_programs']} programs" if "wide_programs" in s else ""
+        blocks += ", BF16 wide too" if 0 in s.get("wide_formats", ()) else ""
         blocks += {True: ", codes asm", "values": ", values asm"}.get(s.get("codes_asm"), "")
         blocks += ", lazy rescale" if s.get("lazy_rescale") else ""
         blocks += ", keys as rows" if s.get("keys_as_rows") else ""

@@ -83,10 +83,10 @@ class EngineArgs:
     # do on CPU); batches above cuda_graph_max_bs (None: max_running_requests) run eager.
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
-    # "full": the whole decode step (attention and KV store too) in one graph per bucket
+    # "full" (the default): the whole decode step (attention and KV store too) in one graph per bucket
     # (kvstrata/engine/full_graph.py; triton backend, no image pool, raised pool or static scales, else
     # piecewise); "piecewise": dense parts in graphs, attention eager between them (cuda_graph.py).
-    cuda_graph_mode: str = "piecewise"
+    cuda_graph_mode: str = "full"
     # Overlap scheduling (SGLang's flag name): on CUDA the next step is planned and launched before
     # the sampled ids of the step running on the device are read back (off on CPU: nothing to hide).
     disable_overlap_schedule: bool = False

@@ -260,8 +260,8 @@ FLAGS: tuple[Flag, ...] = (
         "cuda_graph_mode",
         _graph_mode,
         None,
-        "CUDA: full (the whole decode step in one graph per batch bucket, attention included; triton "
-        "backend) or piecewise (attention eager between graphs; the default)",
+        "CUDA: full (the default: the whole decode step in one graph per batch bucket, attention "
+        "included; triton backend, else piecewise) or piecewise (attention eager between graphs)",
         True,
     ),
     Flag(

@@ -29,7 +29,9 @@ def prompts(n: int, seed: int) -> list[list[int]]:
     return [torch.randint(4, 300, (length,), generator=g).tolist() for length in lengths]
 
 
-def greedy(model, kv_cache_dtype: str, graphs: bool, ps: list[list[int]]) -> tuple[list[list[int]], int]:
+def greedy(
+    model, kv_cache_dtype: str, graphs: bool, ps: list[list[int]], mode: str = "full"
+) -> tuple[list[list[int]], int]:
     engine = Engine(
         model=model,
         kv_cache_dtype=kv_cache_dtype,
@@ -40,6 +42,7 @@ def greedy(model, kv_cache_dtype: str, graphs: bool, ps: list[list[int]]) -> tup
         max_running_requests=16,
         cuda_graph_max_bs=12,  # buckets 1, 2, 4, 8, 12; 13..16 sequences run eager
         disable_cuda_graph=not graphs,
+        cuda_graph_mode=mode,
     )
     try:
         assert (engine.runner.graphs is not None) == graphs
@@ -56,11 +59,12 @@ def greedy(model, kv_cache_dtype: str, graphs: bool, ps: list[list[int]]) -> tup
 
 @pytest.mark.parametrize("kv_cache_dtype, dtype", [("auto", "float32"), ("fp8_e4m3", "float32")])
 @pytest.mark.parametrize("batch", [1, 3, 8, 11, 16])
-def test_graph_greedy_equals_eager(tiny_path, kv_cache_dtype, dtype, batch):
+@pytest.mark.parametrize("mode", ["full", "piecewise"])
+def test_graph_greedy_equals_eager(tiny_path, kv_cache_dtype, dtype, batch, mode):
     model = load_model(tiny_path, dtype=dtype, device="cuda")
     ps = prompts(batch, seed=batch)
     eager, _ = greedy(model, kv_cache_dtype, False, ps)
-    graphed, replayed = greedy(model, kv_cache_dtype, True, ps)
+    graphed, replayed = greedy(model, kv_cache_dtype, True, ps, mode)
     assert graphed == eager
     assert all(len(o) == NEW for o in graphed)
     if batch <= 12:

@@ -169,7 +169,7 @@ def test_width_classes_and_support():
     assert "image" in full_graph_unsupported("triton", True, False, False)
     assert "raised" in full_graph_unsupported("triton", False, True, False)
     assert "scales" in full_graph_unsupported("triton", False, False, True)
-    assert EngineArgs().cuda_graph_mode == "piecewise"
+    assert EngineArgs().cuda_graph_mode == "full"  # the default (served on the H200)
     with pytest.raises(ValueError, match="cuda_graph_mode"):
         EngineArgs(cuda_graph_mode="whole").validate()
     assert NO_PAGE < 0

@@ -141,11 +141,12 @@ DECODE_LAUNCH = {
         heads_together=True,
         tail_rows=True,
         value_offsets_apart=True,
-        # Pass 9 (prepared offline, docs/kernels-h200.md; `decode4.decode4_options`): ``keys_as_rows``
-        # (scores k . q^T: the query side 8 columns, not 16 padded rows), ``value_reference`` (the
-        # accumulator in units of a running value scale); off until the sweep times them.
-        keys_as_rows=False,
-        value_reference=False,
+        # Pass 9 (`decode4.decode4_options`): ``keys_as_rows`` (scores k . q^T: the query side 8
+        # columns, not 16 padded rows), ``value_reference`` (the accumulator in units of a running
+        # value scale). H200, fp4: B=64 at 32K 1.529 ms against 1.839, B=256 at 2K 0.415 against
+        # 0.499, B=1,024 at 2K 1.537 against 1.874 (attention_sweep.py, one run; docs pass 9).
+        keys_as_rows=True,
+        value_reference=True,
     ),
 }
 # 4-bit decode layers `decode4` does not read (one side 8/16-bit, or head_dim not a power of two): the
@@ -158,7 +159,14 @@ OTHER_4BIT_DECODE = dict(blocks=4, num_warps=4, programs=1024, maxnreg=128, tail
 # 8). Smaller batches (B=1 at 32K reads 16 one-warp tiles a split instead of 4 of 4 warps) keep the
 # 4-warp shape: they were not measured with it.
 FP8_WIDE_DECODE = dict(block_n=32, num_warps=1, programs=4096, maxnreg=None)
+# int4 keys and values (`decode4`): one pipeline stage and 168 registers (12 one-warp programs an SM
+# instead of 8) on top of ``DECODE_LAUNCH[True]``. H200, B=64 at 32K 1.326 ms against 1.689 with fp4's
+# 2 stages and no cap, B=256 at 2K 0.404 against 0.453, B=1,024 at 2K 1.434 against 1.700; fp4 is
+# slower so (1.533 / 0.446 / 1.632 against 1.529 / 0.415 / 1.537): attention_sweep.py, one run.
+INT4_DECODE = dict(num_stages=1, maxnreg=168)
+INT4_FORMAT = 5
 FP8_WIDE_PROGRAMS = 512
+WIDE_DECODE_FORMATS = (1, 2)  # the history formats (keys and values) that take `FP8_WIDE_DECODE`
 # Extend, by the layer's codes (`extend_kind`): 128 query rows a tile. BF16/FP32 history ("raw"): 64
 # keys a tile, 4 pipeline stages, page-table entries a tile ahead (`prefetch`: three tiles of K/V
 # copies in flight; H200, 2K chunk over 30K: 2.692 ms against 3.101 for the 8-bit shape, 0.66x SDPA
@@ -931,7 +939,10 @@ def pass_launch(
 
         if not decode4.applies(k_fmt, v_fmt, d, page):  # by blocks here, in this kernel's own shape
             launch = {**launch, **OTHER_4BIT_DECODE}
-    if T == 1 and k_fmt in FP8_FORMATS and v_fmt in FP8_FORMATS and B * h >= FP8_WIDE_PROGRAMS:
+        elif k_fmt == v_fmt == INT4_FORMAT:
+            launch = {**launch, **INT4_DECODE}
+    wide = k_fmt in WIDE_DECODE_FORMATS and v_fmt in WIDE_DECODE_FORMATS
+    if T == 1 and wide and B * h >= FP8_WIDE_PROGRAMS:
         launch = {**launch, **FP8_WIDE_DECODE}
     by_blocks = launch["by_blocks"] or (k_fmt in SCALED_KEY_FORMATS and launch.get("scaled_keys_by_blocks"))
     fold = page % 16 == 0 and bool(by_blocks)
