@@ -35,11 +35,18 @@ from __future__ import annotations
 import argparse
 import importlib
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import torch
+
+# SGLang's ReqToTokenPool width for the served model: its context length (8,192) + 4. The decode graph's
+# page table is that wide, and the attention kernel's split-KV rule reads the table's width.
+SERVED_CONTEXT = 8196
 
 
 def parse_args() -> argparse.Namespace:
@@ -57,13 +64,22 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--codecs", default="fp8_e4m3,fp4_e2m1")
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument(
+        "--max-context",
+        default=f"{SERVED_CONTEXT},0",
+        help="request-row widths (SGLang's max_context_len) to run, comma separated; 0: as wide as the "
+        f"run needs. Default: the served one ({SERVED_CONTEXT}, the Llama-3-8B config's 8,192 + 4), then 0",
+    )
+    parser.add_argument(
+        "--profile", default=None, help="write a kernel table (markdown) of a page cycle of steps here"
+    )
     return parser.parse_args()
 
 
 class DecodeWorld:
     """One codec's pool, request rows and backend, its decode graphs, and the batch's state."""
 
-    def __init__(self, args: argparse.Namespace, codec: str) -> None:
+    def __init__(self, args: argparse.Namespace, codec: str, max_context: int) -> None:
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
         from kvstrata.integrations.sglang.attention_backend import KvstrataAttnBackend
@@ -74,9 +90,10 @@ class DecodeWorld:
 
         B, P, dev = args.batch, args.page_size, torch.device(args.device)
         self.args, self.device = args, dev
-        self.context = args.prefix + total_steps(args) + 2 * P
+        self.context = args.prefix + total_steps(args) + 2 * P  # the slots a request uses
+        self.width = max(max_context, self.context)
         req_pool = ReqToTokenPool(
-            size=B + 1, max_context_len=self.context, device=dev, enable_memory_saver=False
+            size=B + 1, max_context_len=self.width, device=dev, enable_memory_saver=False
         )
         self.rows = [alloc_row(req_pool) for _ in range(B)]
         self.pool = pool_class(PluginOptions(codec=codec, recent_window=args.window))(
@@ -93,7 +110,7 @@ class DecodeWorld:
         self.backend = KvstrataAttnBackend(runner, TritonStrataKernels())
         span = torch.arange(self.context, dtype=torch.int32, device=dev)
         for row in self.rows:  # row r owns slots r * context ..; page 0 stays SGLang's padding page
-            req_pool.req_to_token[row] = span + row * self.context
+            req_pool.req_to_token[row, : self.context] = span + row * self.context
         self.rids = [f"request-{row}" for row in self.rows]
         self.backend.requests.record(self.rids, self.rows)
         self.lengths = torch.full((B,), args.prefix, dtype=torch.long)
@@ -157,9 +174,10 @@ class DecodeWorld:
 
 
 def total_steps(args: argparse.Namespace) -> int:
-    """Decode steps one codec's run takes: the rings' warm-up, the alternated blocks, attend only."""
+    """Decode steps one run takes: the rings' warm-up, the alternated blocks, a page cycle for the
+    profile, attend only."""
     P = args.page_size
-    return args.window + P + 2 * P * -(-args.steps // P) + args.steps + 2
+    return args.window + 2 * P + 2 * P * -(-args.steps // P) + args.steps + 2
 
 
 def timed(step: Callable[[], None], n: int, device: torch.device) -> list[float]:
@@ -197,12 +215,13 @@ def sdpa_bf16(w: DecodeWorld) -> Callable[[], None]:
     return step
 
 
-def run_codec(args: argparse.Namespace, codec: str) -> dict[str, float]:
-    """Median ms per step of the four rows of the table for one codec."""
+def run_codec(args: argparse.Namespace, codec: str, max_context: int) -> dict[str, Any]:
+    """Median ms per step of the table's columns for one codec and request-row width, the attention
+    launch's split-KV shape, and (``--profile``) the kernel profile of a page cycle of steps."""
     from kvstrata.integrations.sglang.graph import NO_PAGE
 
     P, n = args.page_size, args.steps
-    w = DecodeWorld(args, codec)
+    w = DecodeWorld(args, codec, max_context)
     step = w.capture(store=True)
     assert w.backend.graph is not None
     no_page = w.backend.graph.no_page
@@ -213,11 +232,49 @@ def run_codec(args: argparse.Namespace, codec: str) -> dict[str, float]:
         no_page.fill_(0 if block % 2 else NO_PAGE)
         (base if block % 2 else now).extend(timed(step, P, w.device))
     no_page.fill_(NO_PAGE)
+    prof = profile_replays(step, P, w.device) if args.profile else None
+    shape = split_shape(w)
     only = timed(w.capture(store=False), n + 2, w.device)[2:]
     sdpa = timed(sdpa_bf16(w), n + 2, w.device)[2:]
-    return {
-        k: statistics.median(v) for k, v in (("now", now), ("base", base), ("only", only), ("sdpa", sdpa))
-    }
+    med = {k: statistics.median(v) for k, v in (("now", now), ("base", base), ("only", only), ("sdpa", sdpa))}
+    return {**med, "columns": w.backend.graph.width, "split": shape, "profile": prof}
+
+
+def split_shape(w: DecodeWorld) -> str:
+    """``splits x pages a split`` of the captured step's attention launch (its `attend.PassLaunch`)."""
+    from kvstrata.radix.kernels import attend
+
+    assert w.backend.graph is not None
+    launches = attend._STEP_LAUNCHES.get(w.backend.graph.step_for(w.args.batch), {})
+    # PassLaunch.scalars ends with (page-table stride, ring-row stride, pages a split, splits, tail split)
+    return ", ".join(f"{launch.splits} x {launch.scalars[-3]}" for launch in launches.values())
+
+
+def profile_replays(step: Callable[[], None], steps: int, device: torch.device) -> dict[str, Any]:
+    """`decode_step_gpu.profile_steps` over ``steps`` replays: kernel time by kind and name."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from decode_step_gpu import profile_steps
+
+    return profile_steps(SimpleNamespace(step=step, settle=lambda: None), steps, device)
+
+
+def profile_markdown(title: str, prof: dict[str, Any]) -> str:
+    """The kernel table of one run: kernel time by kind and the top kernels, per step."""
+    if not prof:
+        return f"#### {title}: no profile\n"
+    wall = prof["wall_ms_per_step"]
+    lines = [
+        f"#### {title}: {prof['kernels_per_step']:.0f} kernels a step, wall {wall:.3f} ms, "
+        f"kernels busy {prof['busy_ms_per_step']:.3f} ms",
+        "",
+        "| kind | ms/step | share of wall |",
+        "|---|---:|---:|",
+    ]
+    kinds = prof["kernel_ms_per_step_by_kind"].items()
+    lines += [f"| {kind} | {ms:.3f} | {100 * ms / wall:.1f}% |" for kind, ms in kinds]
+    lines += ["", "| top kernels | ms/step |", "|---|---:|"]
+    lines += [f"| `{name}` | {ms:.3f} |" for name, ms in prof["top_kernels_ms_per_step"].items()]
+    return "\n".join(lines) + "\n\n"
 
 
 def main() -> None:
@@ -231,16 +288,26 @@ def main() -> None:
         f"page {args.page_size}, window {args.window}; ms per step, median of {args.steps} "
         "(GPU time: the plan's copy and the replay)"
     )
-    print("| codec | step | step, page 0 rewritten (baseline) | step / baseline | attend only | SDPA BF16 |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print(
+        "| codec | page-table columns | attention splits x pages | step | step, page 0 rewritten "
+        "(baseline) | step / baseline | attend only | SDPA BF16 |"
+    )
+    print("|---|---:|---|---:|---:|---:|---:|---:|")
+    profiles = []
     for codec in args.codecs.split(","):
-        med = run_codec(args, codec)
-        print(
-            f"| {codec} | {med['now']:.3f} | {med['base']:.3f} | {med['now'] / med['base']:.3f} "
-            f"| {med['only']:.3f} | {med['sdpa']:.3f} |"
-        )
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
+        for max_context in (int(c) for c in args.max_context.split(",")):
+            r = run_codec(args, codec, max_context)
+            print(
+                f"| {codec} | {r['columns']} | {r['split']} | {r['now']:.3f} | {r['base']:.3f} "
+                f"| {r['now'] / r['base']:.3f} | {r['only']:.3f} | {r['sdpa']:.3f} |",
+                flush=True,
+            )
+            if r["profile"] is not None:
+                profiles.append(profile_markdown(f"{codec}, {r['columns']} columns", r["profile"]))
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+    if args.profile:
+        Path(args.profile).write_text("".join(profiles))
 
 
 if __name__ == "__main__":
