@@ -8,7 +8,6 @@ identical, and attention must match dense causal attention over the same K/V.
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -18,7 +17,15 @@ from kvstrata.integrations.sglang.options import PluginOptions
 from kvstrata.integrations.sglang.pool import pool_class
 from kvstrata.quant import relative_rmse
 from kvstrata.radix import CacheConfig, StratifiedKVCache
-from tests.integrations.sglang.conftest import HEAD_DIM, KV_HEADS, LAYERS, PAGE, alloc_row, make_pools
+from tests.integrations.sglang.conftest import (
+    HEAD_DIM,
+    KV_HEADS,
+    LAYERS,
+    PAGE,
+    alloc_row,
+    make_pools,
+    require_interpreted_triton,
+)
 
 Q_HEADS = 4
 WINDOW = 2 * PAGE
@@ -35,8 +42,8 @@ class World:
         from kvstrata.integrations.sglang.attention_backend import KvstrataAttnBackend
         from kvstrata.integrations.sglang.kernels import make_kernels
 
-        if kernels == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
-            pytest.skip("this CPU world runs the Triton kernels interpreted: no-CUDA machines (conftest)")
+        if kernels == "triton":
+            require_interpreted_triton()
         gen = torch.Generator().manual_seed(0)
         self.k_of = torch.randn(LAYERS, VOCAB, KV_HEADS, HEAD_DIM, generator=gen) * 2
         self.v_of = torch.randn(LAYERS, VOCAB, KV_HEADS, HEAD_DIM, generator=gen)
