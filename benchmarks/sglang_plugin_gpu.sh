@@ -68,9 +68,9 @@ profile_table() {
   local name=$1 trace
   trace=$(ls "$OUT/prof_$name"/*.trace.json.gz 2>/dev/null | head -1)
   if [ -z "$trace" ]; then log "$name: no profile trace"; return; fi
-  python3 "$REPO/benchmarks/sglang_trace_table.py" "$trace" --title "$name" \
-      >> "$OUT/summary.txt" 2>&1
-  rm -f "$trace"  # tens of MB; the table is what comes back
+  # the trace is tens of MB: kept only when it could not be read
+  python3 "$REPO/benchmarks/sglang_trace_table.py" "$trace" --title "$name" >> "$OUT/summary.txt" 2>&1 \
+      && rm -f "$trace"
 }
 
 bench() {
