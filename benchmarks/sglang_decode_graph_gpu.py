@@ -1,19 +1,25 @@
 """The SGLang plugin's decode step as a captured CUDA graph, at the serving shape, without a server.
 
     PYTHONPATH=/tmp/sglsite:$PWD python benchmarks/sglang_decode_graph_gpu.py \
-        [--batch 256] [--prefix 1792] [--layers 32] [--codecs fp8_e4m3,fp4_e2m1] [--steps 48]
+        [--batch 256] [--prefix 1792] [--layers 32] [--codecs fp8_e4m3,fp4_e2m1] [--steps 48] \
+        [--max-context 8196,0] [--profile FILE]
 
 What SGLang's decode graph runner does with ``--attention-backend kvstrata``, on the plugin's own pool
 (`StratifiedTokenToKVPool`, Llama-3-8B KV geometry: 8 KV heads of 128, 32 query heads, BF16 ring of
 ``--window`` + page size tokens) and SGLang's ``ReqToTokenPool``: ``init_cuda_graph_state``, a capture
 of one decode forward of ``--layers`` attention layers (per layer `forward_decode`: the Triton attend
-and store) for ``--batch`` entries, then per step ``init_forward_metadata_out_graph`` (the host plan and
-its copy) and a replay. Every request starts at ``--prefix`` tokens (cold pages whose codes are
-whatever the pool holds: timing only) and all advance together, as the served benchmark's requests of
-equal length do, so every entry completes a page in one step of page_size; ``--window`` + page_size
-warm-up steps fill the rings first. (SGLang's page table is as wide as its context length; here as
-wide as the run needs: the decode kernel reads only each entry's lengths, and at 256 entries it does
-not split the history either way.)
+and store; q, k and v are views of one fused QKV output, as SGLang's Llama passes them) for
+``--batch`` entries, then per step ``init_forward_metadata_out_graph`` (the host plan and its copy) and
+a replay. Every request starts at ``--prefix`` tokens (cold pages whose codes are whatever the pool
+holds: timing only) and all advance together, as the served benchmark's requests of equal length do,
+so every entry completes a page in one step of page_size; ``--window`` + page_size warm-up steps fill
+the rings first.
+
+``--max-context``: the request rows' widths to run, each a run of its own. The graph's page table is
+as wide as SGLang's ``ReqToTokenPool`` (the model's context + 4: 8,196 when served, 513 columns), and
+the attention's split-KV rule reads that width: at 256 entries it splits the history in 2 either way,
+but at 513 columns the split boundary (page 257) lies past every request's cold pages, at the run's
+own width (0) inside them. The table prints each launch's ``splits x pages a split``.
 
 Timed with CUDA events around the copy and the replay (the GPU's time; SGLang overlaps the host
 plan with the previous step), median over ``--steps`` steps, for each codec:
@@ -25,6 +31,9 @@ plan with the previous step), median over ``--steps`` steps, for each codec:
 - ``attend only``: a second graph of the same step without the store (``save_kv_cache=False``);
 - ``SDPA BF16``: torch SDPA over the same batch with dense BF16 K/V of the same lengths (one layer's
   tensors, run ``--layers`` times), the dense baseline at this shape.
+
+``--profile FILE``: a kernel table (torch profiler, `decode_step_gpu.profile_steps`) of a page cycle
+of replays of ``step`` for each run, written to FILE (markdown).
 
 ``--device cpu`` runs the same code eagerly on tiny shapes under ``TRITON_INTERPRET=1`` (a smoke test;
 the times mean nothing there).
@@ -116,9 +125,9 @@ class DecodeWorld:
         self.lengths = torch.full((B,), args.prefix, dtype=torch.long)
         gen = torch.Generator(device=dev).manual_seed(0)
         H, Hq, D = args.kv_heads, args.q_heads, args.head_dim
-        self.q = torch.randn(B, Hq * D, generator=gen, device=dev).to(torch.bfloat16)
-        self.k = torch.randn(B, H * D, generator=gen, device=dev).to(torch.bfloat16)
-        self.v = torch.randn(B, H * D, generator=gen, device=dev).to(torch.bfloat16)
+        # q, k, v as SGLang's Llama passes them: views of one fused QKV projection output
+        qkv = torch.randn(B, (Hq + 2 * H) * D, generator=gen, device=dev).to(torch.bfloat16)
+        self.q, self.k, self.v = qkv.split([Hq * D, H * D, H * D], dim=1)
         self.layers = [
             SimpleNamespace(tp_q_head_num=Hq, tp_k_head_num=H, head_dim=D, layer_id=i, scaling=D**-0.5)
             for i in range(args.layers)
