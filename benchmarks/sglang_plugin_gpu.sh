@@ -16,7 +16,9 @@
 # ../shared/sglang-gpu/build_payload.sh. Knobs: DEADLINE (s, 470), NPROMPTS (256), CONC (256), ILEN
 # (1536), OLEN (512), MIN_LEFT (s needed to start a config, 100), BENCH_CAP (s, 170),
 # BENCH_TOOL (sglang: SGLang's bench_serving; kvstrata: `kvstrata bench`, the same workload), ENVCHECK (1),
-# SGL_GRAPH_BS (SGLang's --cuda-graph-max-bs, 256: its own default on an H200).
+# SGL_GRAPH_BS (SGLang's --cuda-graph-max-bs, 256: its own default on an H200), PROFILE_STEPS (0: off;
+# else once a config's server logs a decode batch of all CONC requests, SGLang's /start_profile records
+# that many steps' GPU kernels and `sglang_trace_table.py` adds their kernel table to summary.txt).
 # Writes to $OUT: summary.txt (the table last), env.txt, bench.log, bench.jsonl, server_<name>.log.
 set -u
 T0=$(date +%s)
@@ -51,8 +53,32 @@ print('plugin: radix backends', r(), 'kvstrata attention', 'kvstrata' in a)"
 log "envcheck: $(grep -c '^OK' "$OUT/env.txt") OK, $(grep -c '^FAIL' "$OUT/env.txt") FAIL; $(grep '^plugin:' "$OUT/env.txt")"
 fi
 
+# Once the server's log shows a decode batch of all CONC requests, SGLang's profiler records the next
+# PROFILE_STEPS steps' GPU kernels into $OUT/prof_<name>/ (a background job of bench()).
+profile_decode() {
+  local name=$1 slog=$2 dir="$OUT/prof_$1"
+  while ! grep -q "Decode batch.*#running-req: $CONC," "$slog" 2>/dev/null; do sleep 0.5; done
+  python3 -c "import json, sys, urllib.request as u
+body = json.dumps({'output_dir': sys.argv[1], 'num_steps': int(sys.argv[2]), 'activities': ['GPU']}).encode()
+r = u.Request('http://127.0.0.1:$PORT/start_profile', body, {'Content-Type': 'application/json'})
+print(u.urlopen(r, timeout=30).read().decode().strip())" "$dir" "$PROFILE_STEPS" >> "$OUT/bench.log" 2>&1
+}
+
+profile_table() {
+  local name=$1 trace
+  trace=$(ls "$OUT/prof_$name"/*.trace.json.gz 2>/dev/null | head -1)
+  if [ -z "$trace" ]; then log "$name: no profile trace"; return; fi
+  # the trace is tens of MB: kept only when it could not be read
+  python3 "$REPO/benchmarks/sglang_trace_table.py" "$trace" --title "$name" >> "$OUT/summary.txt" 2>&1 \
+      && rm -f "$trace"
+}
+
 bench() {
-  local name=$1 tokens=$2
+  local name=$1 tokens=$2 prof_pid=""
+  if [ "${PROFILE_STEPS:-0}" -gt 0 ]; then
+    profile_decode "$name" "$OUT/server_$name.log" &
+    prof_pid=$!
+  fi
   echo "===== $name backend=$backend kv=$kvd extra='$extra' env='$envs' nprompts=$NPROMPTS conc=$CONC" >> "$OUT/bench.log"
   local tb=$(date +%s) tl=$(( $(left) - 25 ))
   [ $tl -gt "$BENCH_CAP" ] && tl=$BENCH_CAP
@@ -71,6 +97,11 @@ bench() {
   fi
   local rc=$?
   log "$name: bench ($BENCH_TOOL) rc=$rc in $(( $(date +%s) - tb ))s"
+  if [ -n "$prof_pid" ]; then
+    kill "$prof_pid" 2>/dev/null
+    sleep 5  # the trace is written when the profiled steps end
+    profile_table "$name"
+  fi
   if [ -f "$OUT/bench.jsonl" ] && [ "$(wc -l < "$OUT/bench.jsonl")" -gt "$before" ]; then
     tail -1 "$OUT/bench.jsonl" | python3 -c "import json,sys; r=json.load(sys.stdin); print(
       f\"| $name | {r['completed']} | {r['output_throughput']:,.0f} | {r['total_throughput']:,.0f} |\"

@@ -189,8 +189,10 @@ class KvstrataAttnBackend(AttentionBackend):
         if step is None:
             raise RuntimeError("kvstrata attention: init_forward_metadata was not called for this batch")
         hq, hkv, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim
-        q3 = q.reshape(-1, hq, d)
-        k3, v3 = k.reshape(-1, hkv, d), v.reshape(-1, hkv, d)
+        # SGLang's q, k and v are views of the fused QKV projection's output: the kernels read them
+        # contiguous, so k and v are copied here once, not by the attention and the page quantize each.
+        q3 = q.reshape(-1, hq, d).contiguous()
+        k3, v3 = k.reshape(-1, hkv, d).contiguous(), v.reshape(-1, hkv, d).contiguous()
         assert pool.ring is not None
         local = layer.layer_id - pool.start_layer
         out = self.kernels.attend(local, step, q3, k3, v3, layer.scaling, pool.cold, pool.ring)

@@ -25,6 +25,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def require_interpreted_triton() -> None:
+    """Skip a test whose CPU world runs the Triton kernels: they run there only interpreted, which
+    this process does only without CUDA (above)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("this CPU world runs the Triton kernels interpreted: no-CUDA machines (conftest)")
+
+
 class _StubLoader(importlib.abc.Loader):
     def create_module(self, spec):
         return None

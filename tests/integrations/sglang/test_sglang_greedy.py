@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.engine.tiny_models import randomize_
-from tests.integrations.sglang.conftest import PAGE, alloc_row, make_pools
+from tests.integrations.sglang.conftest import PAGE, alloc_row, make_pools, require_interpreted_triton
 
 WINDOW = 2 * PAGE
 NEW = 12
@@ -58,6 +58,8 @@ class PluginServer:
         from kvstrata.integrations.sglang.options import PluginOptions
         from kvstrata.integrations.sglang.pool import pool_class
 
+        if kernels == "triton":
+            require_interpreted_triton()
         cfg = net.config
         self.net = net
         options = PluginOptions(codec=codec, recent_window=WINDOW)

@@ -8,7 +8,6 @@ identical, and attention must match dense causal attention over the same K/V.
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -18,7 +17,15 @@ from kvstrata.integrations.sglang.options import PluginOptions
 from kvstrata.integrations.sglang.pool import pool_class
 from kvstrata.quant import relative_rmse
 from kvstrata.radix import CacheConfig, StratifiedKVCache
-from tests.integrations.sglang.conftest import HEAD_DIM, KV_HEADS, LAYERS, PAGE, alloc_row, make_pools
+from tests.integrations.sglang.conftest import (
+    HEAD_DIM,
+    KV_HEADS,
+    LAYERS,
+    PAGE,
+    alloc_row,
+    make_pools,
+    require_interpreted_triton,
+)
 
 Q_HEADS = 4
 WINDOW = 2 * PAGE
@@ -35,8 +42,8 @@ class World:
         from kvstrata.integrations.sglang.attention_backend import KvstrataAttnBackend
         from kvstrata.integrations.sglang.kernels import make_kernels
 
-        if kernels == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
-            pytest.skip("this CPU world runs the Triton kernels interpreted: no-CUDA machines (conftest)")
+        if kernels == "triton":
+            require_interpreted_triton()
         gen = torch.Generator().manual_seed(0)
         self.k_of = torch.randn(LAYERS, VOCAB, KV_HEADS, HEAD_DIM, generator=gen) * 2
         self.v_of = torch.randn(LAYERS, VOCAB, KV_HEADS, HEAD_DIM, generator=gen)
@@ -107,11 +114,21 @@ class World:
             qb = q.to(torch.bfloat16)
             kb, vb = k[layer.layer_id].to(torch.bfloat16), v[layer.layer_id].to(torch.bfloat16)
             forward = self.backend.forward_decode if decode else self.backend.forward_extend
-            outs.append(forward(qb.reshape(-1, Q_HEADS * HEAD_DIM), kb, vb, layer, fb)[:real])
+            outs.append(forward(*fused_qkv_views(qb, kb, vb), layer, fb)[:real])
             qr, kr, vr = qb[:real], kb[:real], vb[:real]
             refs.append(self.ref.attention(layer.layer_id, ref_batch, qr, kr, vr, SCALE, self.ref_kernels))
         self.ref.end_step(ref_batch)
         return q, outs, refs
+
+
+def fused_qkv_views(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """q ``[T, Hq * D]`` and k, v ``[T, H, D]`` as SGLang's models pass them: views of one fused QKV
+    projection output ``[T, (Hq + 2H) * D]`` (split along the channels, so not contiguous)."""
+    T = q.shape[0]
+    qkv = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=1)
+    qv, kv, vv = qkv.split([Q_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=1)
+    assert not kv.is_contiguous()
+    return qv, kv.view(T, KV_HEADS, HEAD_DIM), vv.view(T, KV_HEADS, HEAD_DIM)
 
 
 def padded_decode(backend, fb, q, k, v, bs: int):

@@ -9,7 +9,7 @@ from kvstrata.engine.warmup import EXTEND_TOKENS
 from kvstrata.integrations.sglang.kernels import TorchStrataKernels, make_kernels
 from kvstrata.integrations.sglang.options import PluginOptions
 from kvstrata.integrations.sglang.pool import pool_class
-from tests.integrations.sglang.conftest import PAGE, make_pools
+from tests.integrations.sglang.conftest import PAGE, make_pools, require_interpreted_triton
 
 WINDOW = 2 * PAGE
 Q_HEADS = 4
@@ -62,6 +62,7 @@ def test_warm_up_runs_the_triton_kernels():
     """Every warm-up step through the Triton kernels (interpreted on CPU, see conftest)."""
     from kvstrata.integrations.sglang.warmup import warm_up
 
+    require_interpreted_triton()
     assert warm_up(served_pool(), Q_HEADS, make_kernels("triton")) > 0
 
 
