@@ -92,6 +92,11 @@ def _ext(m: int, n: int, warps: int, stages: int, prefetch: bool = False, dequan
     return dict(shape_, dequant_bytes=dequant_bytes)
 
 
+# Measured (H200, one run, 2K chunk over 30K; SDPA BF16 1.775 ms), BF16 / FP8 history in list order:
+# 2.928 / 4.947, 2.670 / 9.756 (pass 4's raw default), 2.490 / 5.202, 2.315 / 6.954 (BF16's default
+# since: 0.77x SDPA), 2.634 / 6.425, 2.918 / 4.815, 2.734 / 4.868; int4 and the dequantize-first line
+# did not run (the sweep stopped at EXTEND_DEQUANT: `GroupPlan.kernel_lengths` copies host lengths to
+# the device inside the CUDA-graph capture of the timing).
 EXTEND = [
     shape(128, 128, 8, 3, False, programs=0, f16=True),
     shape(128, 64, 8, 4, False, prefetch=True, programs=0, f16=True),
@@ -164,8 +169,11 @@ _FP8 = dict(_NEW, blocks=8, scaled_keys_by_blocks=True, programs=1024, maxnreg=1
 # 1.429 / 0.046; the wide shape at B=1 too 1.309 / 0.358 / 1.429 / 0.046; values asm + lazy rescale 1.330 /
 # 0.355 / 1.365 / 0.045; codes asm 1.666 / 0.432 / 1.643 / 0.048, with lazy rescale 1.694 / 0.441 / 1.701 /
 # 0.048, and at B=1 in 256 splits of 8 pages 0.043: the offline prediction (0.84-0.99 ms at B=64 32K) did
-# not hold, the default stays. Pass 10: ``wide_formats`` (`attend.WIDE_DECODE_FORMATS`) adds BF16/FP32
-# history (format 0) to the wide shape, never swept before.
+# not hold, the default stays. ``wide_formats`` (`attend.WIDE_DECODE_FORMATS`) adds BF16/FP32 history
+# (format 0) to the wide shape: BF16 at B=256 2K / B=128 2K / B=64 32K 0.498 / 0.263 / 1.900 ms against
+# the 4-warp entry's 0.498 / 0.254 / 1.878 (4.3-4.6 TB/s, SDPA's 0.96-0.99x: BF16 is at the bandwidth
+# already), so BF16 stays on the entry; values asm + lazy rescale FP8 0.352 / 0.193 / 1.309 against
+# 0.354 / 0.197 / 1.292 (a second run of the table above's option).
 _DEFAULT = dict(shape(64, 128, 4, 2, False, **_FP8), wide_programs=512, wide_formats=(1, 2))
 DECODE = [
     _DEFAULT,

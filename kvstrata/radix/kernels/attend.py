@@ -167,24 +167,27 @@ INT4_DECODE = dict(num_stages=1, maxnreg=168)
 INT4_FORMAT = 5
 FP8_WIDE_PROGRAMS = 512
 WIDE_DECODE_FORMATS = (1, 2)  # the history formats (keys and values) that take `FP8_WIDE_DECODE`
-# Extend, by the layer's codes (`extend_kind`): 128 query rows a tile. BF16/FP32 history ("raw"): 64
-# keys a tile, 4 pipeline stages, page-table entries a tile ahead (`prefetch`: three tiles of K/V
-# copies in flight; H200, 2K chunk over 30K: 2.692 ms against 3.101 for the 8-bit shape, 0.66x SDPA
-# in `attention_sweep.py`). 8-bit codes by keys, 128 a tile, 3 stages (FP8 4.904 ms; the raw shape
-# took 9.526). 4-bit by blocks. Extend does not split. ``module`` "extend" (an option, not yet set):
-# raw and FP8 layers take the flash-shaped kernel of `kvstrata.radix.kernels.extend` (docs pass 9);
-# ``dequant_bytes`` (not yet set) with it: coded history dequantized first (`dequantizes`).
+# Extend, by the layer's codes (`extend_kind`): 128 query rows a tile. BF16/FP32 history ("raw"): the
+# flash-shaped kernel of `kvstrata.radix.kernels.extend` (``module`` "extend", docs pass 9), 128 keys a
+# tile, 3 stages, page-table entries a tile ahead (H200, 2K chunk over 30K: 2.315 ms = 0.77x SDPA,
+# against 2.670 for pass 4's 64-key, 4-stage shape in this module's kernel; attention_sweep.py, one
+# run). 8-bit codes by keys in this module's kernel, 128 a tile, 3 stages (FP8 4.947 ms; the extend
+# module's best 4.815, without prefetch, not adopted; the raw shape took 9.526). 4-bit by blocks.
+# Extend does not split. ``dequant_bytes`` (not set; with ``module`` "extend"): coded history
+# dequantized first (`dequantizes`; its sweep line did not run: it copies host lengths to the device
+# inside a CUDA-graph capture).
 EXTEND_LAUNCH = {
     "raw": dict(
         block_m=128,
-        block_n=64,
+        block_n=128,
         blocks=8,
         num_warps=8,
-        num_stages=4,
+        num_stages=3,
         by_blocks=False,
         prefetch=True,
         programs=0,
         f16_codes=True,
+        module="extend",
     ),
     "8bit": dict(
         block_m=128,
