@@ -172,7 +172,7 @@ WIDE_DECODE_FORMATS = (1, 2)  # the history formats (keys and values) that take 
 # tile, 3 stages, page-table entries a tile ahead (H200, 2K chunk over 30K: 2.315 ms = 0.77x SDPA,
 # against 2.670 for pass 4's 64-key, 4-stage shape in this module's kernel; attention_sweep.py, one
 # run). 8-bit codes by keys in this module's kernel, 128 a tile, 3 stages (FP8 4.947 ms; the extend
-# module's best 4.815, without prefetch, not adopted; the raw shape took 9.526). 4-bit by blocks.
+# module's best 4.815, without prefetch, not adopted; pass 4's raw shape 9.756). 4-bit by blocks.
 # Extend does not split. ``dequant_bytes`` (not set; with ``module`` "extend"): coded history
 # dequantized first (`dequantizes`; its sweep line did not run: it copies host lengths to the device
 # inside a CUDA-graph capture).
