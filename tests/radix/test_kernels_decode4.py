@@ -163,7 +163,11 @@ def _use(monkeypatch, launch: dict, asm: bool) -> list[tuple]:
     elsewhere would otherwise pass these tests unnoticed: the other kernels read 4-bit codes too)."""
     from kvstrata.radix.kernels import attend, decode4
 
-    for key, value in {"module": "decode4", "asm": asm, **launch}.items():
+    # Every option off unless the entry sets it (the defaults turn several on: an entry's name says
+    # all that it runs with).
+    options = ("fold_key_scales", "heads_together", "tail_rows", "value_offsets_apart")
+    options += ("keys_as_rows", "value_reference")
+    for key, value in {"module": "decode4", "asm": asm, **dict.fromkeys(options, False), **launch}.items():
         monkeypatch.setitem(attend.DECODE_LAUNCH[True], key, value)
     grids: list[tuple] = []
     kernel = decode4._decode4_kernel

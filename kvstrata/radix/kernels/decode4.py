@@ -316,6 +316,8 @@ def _cold_tile4(
             off = tl.sum(p * vy[:, None], 0)
         else:
             off = tl.sum(p * vy[None, :], 1)
+        if VALUE_REF and not OFFSETS_APART:  # the accumulator is in units of the value reference
+            off = off * (1.0 / top)
         if OFFSETS_APART:
             o_i = o_i * alpha + off
         elif KEYS_AS_ROWS:
