@@ -343,7 +343,13 @@ def decode_graphs(
         return decode_graphs_for(net, disable, max_bs)
     start = time.perf_counter()
     graphs = FullDecodeGraphs(net, max_bs, cache, backend, max_context)
-    graphs.capture()
+    try:
+        graphs.capture()
+    except RuntimeError as e:  # out of memory among them: the engine still starts, on the piecewise graphs
+        log.warning("whole-step decode graphs failed to capture (%s): piecewise graphs", e)
+        del graphs
+        torch.cuda.empty_cache()
+        return decode_graphs_for(net, disable, max_bs)
     log.info(
         "captured whole-step decode CUDA graphs for batch sizes %s in %.1f s",
         graphs.sizes,

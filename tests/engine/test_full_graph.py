@@ -109,6 +109,7 @@ def test_full_step_equals_piecewise_and_eager(tiny, kv_cache_dtype, sinks, batch
     piecewise, piece_steps, piece_kv = greedy(tiny, "piecewise", kv_cache_dtype, sinks, ps, overlap)
     full, full_steps, full_kv = greedy(tiny, "full", kv_cache_dtype, sinks, ps, overlap)
     assert full == piecewise == eager
+    assert full_steps >= NEW - 1 and piece_steps >= NEW - 1  # every decode step ran in the graphs
     # what the steps stored, bit for bit (the same kernels, split alike, on the same plans)
     assert all(torch.equal(a, b) for a, b in zip(full_kv, piece_kv, strict=True))
 
@@ -173,3 +174,29 @@ def test_width_classes_and_support():
     with pytest.raises(ValueError, match="cuda_graph_mode"):
         EngineArgs(cuda_graph_mode="whole").validate()
     assert NO_PAGE < 0
+
+
+def test_a_failed_capture_falls_back_to_piecewise_graphs(tiny, monkeypatch, caplog):
+    """Whole-step graphs that fail to capture (out of memory among them) leave the engine on the
+    piecewise graphs, with a warning, instead of failing its start."""
+    from types import SimpleNamespace
+
+    from kvstrata.engine import full_graph
+
+    class Failing:
+        def __init__(self, *args):
+            pass
+
+        def capture(self):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    piecewise = object()
+    monkeypatch.setattr(full_graph, "graphs_wanted", lambda net, disable: True)
+    monkeypatch.setattr(full_graph, "FullDecodeGraphs", Failing)
+    monkeypatch.setattr(full_graph, "decode_graphs_for", lambda net, disable, max_bs: piecewise)
+    cache = SimpleNamespace(clips=[], image_pool=None, raised_pool=None)
+    backend = SimpleNamespace(name="triton")
+    with caplog.at_level("WARNING", logger="kvstrata.engine"):
+        got = full_graph.decode_graphs(tiny.net, False, 4, "full", cache, backend, 256)
+    assert got is piecewise
+    assert "failed to capture" in caplog.text

@@ -176,6 +176,10 @@ WIDE_DECODE_FORMATS = (1, 2)  # the history formats (keys and values) that take 
 # Extend does not split. ``dequant_bytes`` (not set; with ``module`` "extend"): coded history
 # dequantized first (`dequantizes`; its sweep line did not run: it copies host lengths to the device
 # inside a CUDA-graph capture).
+# A float32 model's extend keeps pass 4's raw shape in this module's kernel: the flash kernel's 128-key
+# tiles of 4-byte K and V over 3 stages would not fit an SM's shared memory at head_dim 128 (not
+# measured: no float32 extend was timed on the GPU).
+EXTEND_FLOAT32 = dict(block_n=64, num_stages=4, module="decode")
 EXTEND_LAUNCH = {
     "raw": dict(
         block_m=128,
@@ -932,6 +936,8 @@ def pass_launch(
     # tokens; other page sizes read keys across pages (`_cold_tile`).
     four_bit = k_fmt in HALF_FORMATS or v_fmt in HALF_FORMATS
     launch = DECODE_LAUNCH[four_bit] if T == 1 else EXTEND_LAUNCH[extend_kind(k_fmt, v_fmt)]
+    if T > 1 and q.is_cuda and q.element_size() == 4 and launch.get("module") == "extend":
+        launch = {**launch, **EXTEND_FLOAT32}
     dequant = T > 1 and dequantizes(launch, k_fmt, v_fmt, T * group, g, h, d, q.dtype)
     if dequant:  # raw history in the pass's page order: the identity table
         k_fmt = v_fmt = 0
