@@ -41,10 +41,9 @@ from torch import Tensor
 from kvstrata.engine.config import ModelConfig
 from kvstrata.engine.cuda_graph import DecodeGraphs, decode_graphs_for, graphs_wanted
 from kvstrata.engine.model import Transformer
-from kvstrata.radix.plan import GroupPlan, StepBatch, WritePlan
+from kvstrata.radix.plan import NO_PAGE, StepBatch, static_decode_step
 
 log = logging.getLogger("kvstrata.engine")
-NO_PAGE = -1  # page id of an entry that completes no page: the page-quantize kernel skips it
 MIN_WIDTH = 32  # the narrowest page-table width class (a decode launch splits from 2 x 16-32 pages on)
 GRAPH_MODES = ("full", "piecewise")
 
@@ -138,39 +137,18 @@ class StaticDecodeStep:
     def _static_step(self, bs: int, width: int) -> StepBatch:
         """A `StepBatch` as the Triton kernels read it (lengths, not the host lists, which stay
         placeholders of size ``bs``)."""
-        empty = torch.empty(0, dtype=torch.long, device=self.page_ids.device)
-        group = GroupPlan(
-            rows=None,
-            batch=bs,
-            tokens=1,
+        return static_decode_step(
             page_table=self.page_table[:bs, :width],
-            cold_pages=[0] * bs,
             sink_table=self.sink_table[:bs] if self.sink_table is not None else None,
-            sink_valid=[False] * bs,
             ring_rows=self.ring_rows[:bs],
-            ring_len=[0] * bs,
-            page_size=self.page_size,
             lengths=self.lengths[:, :bs],
-        )
-        write = WritePlan(
+            page_size=self.page_size,
             page_ids=self.page_ids[:bs],
-            from_ring=(empty, empty),
-            from_new=(empty, empty),
             sink_pages=self.sink_pages,
-            sink_slots=empty,
+            sink_slots=self.sink_slots[:bs],
             ring_dst=self.ring_dst[:bs],
             ring_src=self.ring_src[:bs],
-        )
-        write._kernel_sources = self.sources[: bs * self.page_size]  # what `kernel_sources` returns
-        write.__dict__["kernel_sink_slots"] = self.sink_slots[:bs]
-        return StepBatch(
-            seqs=[],
-            n_new=[1] * bs,
-            num_tokens=bs,
-            groups=[group],
-            write=write,
-            new_ring_start=[],
-            new_pages=[],
+            sources=self.sources[: bs * self.page_size],
         )
 
     def fits(self, batch: StepBatch) -> bool:

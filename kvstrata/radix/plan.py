@@ -255,6 +255,59 @@ class StepBatch:
     closed: bool = False
 
 
+NO_PAGE = -1  # the page id of a static decode entry that completes no page: the page quantize skips it
+
+
+def static_decode_step(
+    *,
+    page_table: torch.Tensor,
+    sink_table: torch.Tensor | None,
+    ring_rows: torch.Tensor,
+    lengths: torch.Tensor,
+    page_size: int,
+    page_ids: torch.Tensor,
+    sink_pages: torch.Tensor,
+    sink_slots: torch.Tensor,
+    ring_dst: torch.Tensor,
+    ring_src: torch.Tensor,
+    sources: torch.Tensor,
+) -> StepBatch:
+    """A decode `StepBatch` of ``ring_rows.shape[0]`` entries over static device buffers (CUDA graphs:
+    the engine's whole-step graph, the SGLang plugin's graphs), as the Triton kernels read it: int32
+    ``lengths`` instead of host lists and masks (the host lists stay placeholders of the batch's size),
+    one completed page id per entry, ``sources`` what `WritePlan.kernel_sources` returns and
+    ``sink_slots`` what ``kernel_sink_slots`` returns."""
+    bs = ring_rows.shape[0]
+    empty = torch.empty(0, dtype=torch.long, device=page_ids.device)
+    group = GroupPlan(
+        rows=None,
+        batch=bs,
+        tokens=1,
+        page_table=page_table,
+        cold_pages=[0] * bs,
+        sink_table=sink_table,
+        sink_valid=[False] * bs,
+        ring_rows=ring_rows,
+        ring_len=[0] * bs,
+        page_size=page_size,
+        lengths=lengths,
+    )
+    write = WritePlan(
+        page_ids=page_ids,
+        from_ring=(empty, empty),
+        from_new=(empty, empty),
+        sink_pages=sink_pages,
+        sink_slots=empty,
+        ring_dst=ring_dst,
+        ring_src=ring_src,
+    )
+    write._kernel_sources = sources
+    write.__dict__["kernel_sink_slots"] = sink_slots
+    return StepBatch(
+        seqs=[], n_new=[1] * bs, num_tokens=bs, groups=[group], write=write, new_ring_start=[], new_pages=[]
+    )
+
+
 def ring_start_after(seq: Sequence, new_length: int, window: int, page_size: int) -> int:
     """``max(ring_start, origin, floor((length - W) / P) * P)``: monotone, so a widened window
     never asks the ring for positions it already dropped."""

@@ -24,10 +24,9 @@ from __future__ import annotations
 import torch
 
 from kvstrata.integrations.sglang.step import DecodePlan
-from kvstrata.radix.plan import GroupPlan, StepBatch, WritePlan
+from kvstrata.radix.plan import NO_PAGE, StepBatch, static_decode_step
 
 STAGING_BUFFERS = 2  # pinned host buffers used in turn, each reused only after its copy is done
-NO_PAGE = -1  # page id of an entry that completes no page: the page-quantize kernel skips it
 
 
 class DecodeGraphState:
@@ -163,38 +162,17 @@ def _static_step(state: DecodeGraphState, bs: int, pages: int | None = None) -> 
     """A `StepBatch` of ``bs`` decode entries over the state's buffers, as the Triton kernels read it
     (``lengths`` instead of host lists and masks; the host lists stay empty placeholders of size bs);
     ``pages``: the page table's first columns only (all by default)."""
-    P, v = state.page_size, state.views
-    empty = torch.empty(0, dtype=torch.long, device=state.device)
-    group = GroupPlan(
-        rows=None,
-        batch=bs,
-        tokens=1,
+    P = state.page_size
+    return static_decode_step(
         page_table=state.page_table[:bs, :pages],
-        cold_pages=[0] * bs,
         sink_table=None,
-        sink_valid=[False] * bs,
         ring_rows=state.ring_rows[:bs],
-        ring_len=[0] * bs,
-        page_size=P,
         lengths=state.lengths[:, :bs],
-    )
-    write = WritePlan(
+        page_size=P,
         page_ids=state.page_ids[:bs],
-        from_ring=(empty, empty),
-        from_new=(empty, empty),
-        sink_pages=empty,
-        sink_slots=empty,
-        ring_dst=v["ring_dst"][:bs],
+        sink_pages=torch.empty(0, dtype=torch.long, device=state.device),
+        sink_slots=state.sink_slots[:bs],  # no sinks inside SGLang
+        ring_dst=state.views["ring_dst"][:bs],
         ring_src=state.ring_src[:bs],
-    )
-    write._kernel_sources = state.sources[: bs * P]  # what `WritePlan.kernel_sources` returns
-    write.__dict__["kernel_sink_slots"] = state.sink_slots[:bs]  # no sinks inside SGLang
-    return StepBatch(
-        seqs=[],
-        n_new=[1] * bs,
-        num_tokens=bs,
-        groups=[group],
-        write=write,
-        new_ring_start=[],
-        new_pages=[],
+        sources=state.sources[: bs * P],
     )
