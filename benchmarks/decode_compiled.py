@@ -24,14 +24,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
 import triton
 import triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).parent))
-from decode4_compiled import OPS, _type, loops, step  # noqa: E402
+from decode4_compiled import OPS, compile_sm90, launch_args, loops, step  # noqa: E402
 
 from kvstrata.radix.kernels import attend, decode  # noqa: E402
 
@@ -49,34 +46,14 @@ def compile_case(codec: str, batch: int, context: int):
     options.update(DOT_PREC="tf32", DOT_DTYPE=tl.bfloat16, CODE_DTYPE=tl.float16 if k_fmt else tl.bfloat16)
     entry = dict(attend.DECODE_LAUNCH[False])
     if (
-        k_fmt in attend.FP8_FORMATS
-        and v_fmt in attend.FP8_FORMATS
+        k_fmt in attend.WIDE_DECODE_FORMATS
+        and v_fmt in attend.WIDE_DECODE_FORMATS
         and plan.batch * k.shape[1] >= attend.FP8_WIDE_PROGRAMS
     ):
         entry.update(attend.FP8_WIDE_DECODE)
     options.update(decode.fp8_options(entry, options, options["SWAP"] or options["HALVES"]))
-    ring_k, ring_v = attend.layer_kv(cache.ring, 0)
-    cold_len, ring_len, sink_len = launch.lengths
-    partial = torch.empty(1)
-    args = [q, k, v, q, partial, partial, plan.page_table, cold_len, *kp, *vp, sink_len, sink_len]
-    args += [ring_k, ring_v, plan.ring_rows, ring_len, ring_k, ring_v, *launch.scalars]
-    fn = decode._decode_kernel
-    runtime = [n for n in fn.arg_names if n not in options]
-    assert len(runtime) == len(args), (runtime, len(args))
-    sig = {n: _type(a) for n, a in zip(runtime, args, strict=True)}
-    unaligned = {"PT", "COLD_LEN", "ST", "SINK_OK", "RR", "RING_LEN"}  # `jit_unspecialized`'s pointers
-    names = fn.arg_names
-    attrs = {
-        (i,): [["tt.divisibility", 16]]
-        for i, n in enumerate(names)
-        if sig.get(n, "").startswith("*") and n not in unaligned
-    }
-    constexprs = {(i,): options[n] for i, n in enumerate(names) if n in options}
-    src = ASTSource(
-        fn=fn, signature={n: sig.get(n, "constexpr") for n in names}, constexprs=constexprs, attrs=attrs
-    )
-    target_options = {n: options[n] for n in ("num_warps", "num_stages", "maxnreg") if n in options}
-    return launch, options, triton.compile(src, target=GPUTarget("cuda", 90, 32), options=target_options)
+    args = launch_args(cache, plan, q, k, v, launch)
+    return launch, options, compile_sm90(decode._decode_kernel, args, options)
 
 
 def skipped(body: list[str]) -> list[int]:
