@@ -50,3 +50,12 @@ def hf_default_model():
     from kvstrata.resources import default_model_path
 
     return hf_reference_from_gguf(default_model_path())
+
+
+@pytest.fixture(scope="module", params=["llama3", "qwen3"])
+def tiny_path(request, tmp_path_factory):
+    """A tiny random model of each architecture the CUDA graph tests run, saved as an HF directory."""
+    import tiny_models
+
+    hf = tiny_models.hf_model(request.param)
+    return tiny_models.save_hf(hf, tmp_path_factory.mktemp(request.param))

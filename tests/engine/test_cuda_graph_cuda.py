@@ -5,8 +5,8 @@ with an unquantized and a quantized history, and leave the cache clean."""
 from __future__ import annotations
 
 import pytest
-import tiny_models
 import torch
+from tiny_models import random_prompts as prompts
 
 from kvstrata.engine.cuda_graph import decode_graphs_for, graph_memory_bytes
 from kvstrata.engine.engine import Engine
@@ -15,18 +15,6 @@ from kvstrata.engine.loader import load_model
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 NEW = 40
-
-
-@pytest.fixture(scope="module", params=["llama3", "qwen3"])
-def tiny_path(request, tmp_path_factory):
-    hf = tiny_models.hf_model(request.param)
-    return tiny_models.save_hf(hf, tmp_path_factory.mktemp(request.param))
-
-
-def prompts(n: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(5, 60, (n,), generator=g).tolist()
-    return [torch.randint(4, 300, (length,), generator=g).tolist() for length in lengths]
 
 
 def greedy(

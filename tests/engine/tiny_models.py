@@ -168,3 +168,10 @@ def write_llama_gguf(model: torch.nn.Module, path: Path, quantize_names: tuple[s
     w.write_tensors_to_file()
     w.close()
     return stored
+
+
+def random_prompts(n: int, seed: int) -> list[list[int]]:
+    """``n`` prompts of 5 to 59 random ids of the tiny models' vocabulary (4 to 299)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(5, 60, (n,), generator=g).tolist()
+    return [torch.randint(4, 300, (length,), generator=g).tolist() for length in lengths]
