@@ -309,15 +309,7 @@ def profile_steps(
     # to the kernels it ran) comes before them: one stream runs one kernel at a time, so any
     # overlap marks an enclosing record, which counts for busy time but not in the breakdown.
     inside = sorted(((max(s, t0), min(e, t1), n) for s, e, n in kernels if e > t0 and s < t1), key=_order)
-    busy, cur_s, cur_e = 0.0, 0.0, None
-    for s, e, _ in inside:
-        if cur_e is None or s > cur_e:
-            busy += 0.0 if cur_e is None else cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        busy += cur_e - cur_s
+    busy = busy_us(inside)
     leaves = [r for i, r in enumerate(inside) if i + 1 == len(inside) or inside[i + 1][0] >= r[1]]
     by_kind: dict[str, float] = {}
     by_name: dict[str, float] = {}
@@ -341,6 +333,18 @@ def profile_steps(
 
 def _order(record: tuple[float, float, str]) -> tuple[float, float]:
     return record[0], -record[1]
+
+
+def busy_us(spans: list[tuple[float, float, str]]) -> float:
+    """Length of the union of the (start-sorted) ``(start, end, name)`` intervals."""
+    busy, cur_s, cur_e = 0.0, 0.0, None
+    for s, e, _ in spans:
+        if cur_e is None or s > cur_e:
+            busy += 0.0 if cur_e is None else cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    return busy + (0.0 if cur_e is None else cur_e - cur_s)
 
 
 def kernel_kind(name: str) -> str:

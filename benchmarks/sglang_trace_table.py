@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from decode_step_gpu import kernel_kind  # noqa: E402
+from decode_step_gpu import busy_us, kernel_kind  # noqa: E402
 
 TOP = 12
 # Decode attention kernels, one launch a layer a step: kvstrata's and SGLang triton's (GQA and MHA).
@@ -45,18 +45,6 @@ def kernels(trace: dict) -> list[tuple[float, float, str]]:
         if e.get("ph") == "X" and e.get("cat") == "kernel" and float(e.get("dur", 0)) > 0
     ]
     return sorted(out)
-
-
-def busy_us(spans: list[tuple[float, float, str]]) -> float:
-    """Length of the union of the (sorted) intervals."""
-    busy, cur_s, cur_e = 0.0, 0.0, None
-    for s, e, _ in spans:
-        if cur_e is None or s > cur_e:
-            busy += 0.0 if cur_e is None else cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    return busy + (0.0 if cur_e is None else cur_e - cur_s)
 
 
 def count_steps(spans: list[tuple[float, float, str]], layers: int) -> float:
