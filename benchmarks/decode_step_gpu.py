@@ -272,11 +272,10 @@ class Decoder:
             req.append(tok)
 
 
-def profile_steps(
-    decoder: Decoder, steps: int, device: torch.device, trace: str | None = None
-) -> dict[str, Any]:
-    """Kernel-busy vs idle time over ``steps`` decode steps (torch.profiler, CUPTI kernel records);
-    ``trace``: also write the profile as a Chrome trace there."""
+def profile_steps(decoder: Any, steps: int, device: torch.device, trace: str | None = None) -> dict[str, Any]:
+    """Kernel-busy vs idle time over ``steps`` calls of ``decoder.step()`` (torch.profiler, CUPTI kernel
+    records); a `Decoder`'s last step is settled (its ids read back) inside the window, steppers without
+    ``settle`` (prefill_gpu's) are synchronous. ``trace``: also write the profile as a Chrome trace there."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -285,7 +284,7 @@ def profile_steps(
         for i in range(steps):
             with record_function("decode_step"):
                 decoder.step()
-                if i == steps - 1:  # the last step's ids (overlap: still in flight)
+                if i == steps - 1 and hasattr(decoder, "settle"):  # the last step's ids (overlap)
                     decoder.settle()
         sync(device)
     if trace:
