@@ -10,7 +10,8 @@
 # a directory put first on PYTHONPATH holding what the GPU image lacks (fastapi, starlette, uvicorn,
 # pydantic, opentelemetry-api: the SGLang payload's site; httptools and a recent uvloop from their cp312 wheels,
 # several directories joined with ':'; the server logs `uvloop + httptools` when it runs on them). Knobs: NPROMPTS (256), CONC (256), ILEN (1536), OLEN (512), DEADLINE (s, 280),
-# MIN_LEFT (s needed to start a config, 60). Every server runs with --max-running-requests $CONC
+# MIN_LEFT (s needed to start a config, 60), BENCH_TOOLS (kvstrata: `kvstrata bench`; sglang: SGLang's
+# bench_serving as an OpenAI client; comma-separated: each in turn against the same server, seeds 1, 2, ...). Every server runs with --max-running-requests $CONC
 # --cuda-graph-max-bs $CONC --chunked-prefill-size ${CHUNK:-8192} --kv-plan off.
 # TRACE=1: each server writes its step timeline (KVSTRATA_STEP_TRACE, kvstrata/engine/trace.py) to
 # trace_<name>.jsonl, summarized by benchmarks/step_timeline.py into timeline_<name>.txt and summary.txt.
@@ -19,7 +20,7 @@
 set -u
 T0=$(date +%s)
 DEADLINE=${DEADLINE:-280}; MIN_LEFT=${MIN_LEFT:-60}
-NPROMPTS=${NPROMPTS:-256}; CONC=${CONC:-256}; ILEN=${ILEN:-1536}; OLEN=${OLEN:-512}; CHUNK=${CHUNK:-8192}
+BENCH_TOOLS=${BENCH_TOOLS:-kvstrata}; NPROMPTS=${NPROMPTS:-256}; CONC=${CONC:-256}; ILEN=${ILEN:-1536}; OLEN=${OLEN:-512}; CHUNK=${CHUNK:-8192}
 OUT=${OUT:-/tmp/serve_bench_out}; mkdir -p "$OUT"
 PORT=${PORT:-30000}
 TABLE=$OUT/table.md
@@ -29,6 +30,37 @@ log() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/summary.txt"; }
 health() {
   python3 -c "import urllib.request,sys; sys.exit(urllib.request.urlopen('http://127.0.0.1:$PORT/health',timeout=3).status!=200)" \
     >/dev/null 2>&1
+}
+
+# bench_one NAME TOOL SEED TOKENS: one benchmark of the running server, a row of the table.
+# TOOL kvstrata: `kvstrata bench` (token-id prompts); sglang: SGLang's bench_serving (needs sglang on
+# PYTHONPATH, e.g. the payload's site) as an OpenAI client (`--backend vllm`: /v1/completions, text prompts).
+bench_one() {
+  local name=$1 tool=$2 seed=$3 tokens=$4
+  local tb=$(date +%s) tl=$(( $(left) - 10 )) before=0 rc
+  [ -f "$OUT/bench.jsonl" ] && before=$(wc -l < "$OUT/bench.jsonl")
+  if [ "$tool" = sglang ]; then
+    timeout $tl python3 -m sglang.bench_serving --backend vllm --host 127.0.0.1 --port $PORT \
+        --model "$MODEL" --tokenizer "$MODEL" --dataset-name random-ids --random-input-len "$ILEN" \
+        --random-output-len "$OLEN" --random-range-ratio 1.0 --num-prompts "$NPROMPTS" \
+        --max-concurrency "$CONC" --seed "$seed" --warmup-requests 1 --disable-tqdm \
+        --output-file "$OUT/bench.jsonl" > "$OUT/bench_${name}_$tool.log" 2>&1
+  else
+    timeout $tl python3 -m kvstrata bench --base-url http://127.0.0.1:$PORT --tokenizer "$MODEL" \
+        --dataset-name random-ids --random-input-len "$ILEN" --random-output-len "$OLEN" \
+        --random-range-ratio 1.0 --num-prompts "$NPROMPTS" --max-concurrency "$CONC" --seed "$seed" \
+        --warmup-requests 1 --disable-tqdm --output-file "$OUT/bench.jsonl" > "$OUT/bench_${name}_$tool.log" 2>&1
+  fi
+  rc=$?
+  log "$name: bench ($tool) rc=$rc in $(( $(date +%s) - tb ))s"
+  if [ -f "$OUT/bench.jsonl" ] && [ "$(wc -l < "$OUT/bench.jsonl")" -gt "$before" ]; then
+    tail -1 "$OUT/bench.jsonl" | python3 -c "import json,sys; r=json.load(sys.stdin); print(
+      f\"| $name | $tool | {r['completed']} | {r.get('errors', '-')} | {r['duration']:.1f}\"
+      f\" | {r['output_throughput']:,.0f} | {r['total_throughput']:,.0f} | {r['median_ttft_ms']:,.0f}\"
+      f\" | {r['median_itl_ms']:.1f} | $tokens |\")" >> "$TABLE"
+  else
+    echo "| $name | $tool | bench failed (rc=$rc) | | | | | | | $tokens |" >> "$TABLE"
+  fi
 }
 
 run_cfg() {
@@ -53,22 +85,13 @@ run_cfg() {
   tokens=$(grep 'cold pool' "$slog" | grep -oE '[0-9,]+ tokens' | head -1 | tr -d ', tokens')
   log "$name: ready=$ok after $(( $(date +%s) - ts ))s; cold pool ${tokens:-?} tokens"
   if [ $ok = 1 ]; then
-    local tb=$(date +%s) tl=$(( $(left) - 10 )) before=0
-    [ -f "$OUT/bench.jsonl" ] && before=$(wc -l < "$OUT/bench.jsonl")
-    timeout $tl python3 -m kvstrata bench --base-url http://127.0.0.1:$PORT --tokenizer "$MODEL" \
-        --dataset-name random-ids --random-input-len "$ILEN" --random-output-len "$OLEN" \
-        --random-range-ratio 1.0 --num-prompts "$NPROMPTS" --max-concurrency "$CONC" --seed 1 \
-        --warmup-requests 1 --disable-tqdm --output-file "$OUT/bench.jsonl" > "$OUT/bench_$name.log" 2>&1
-    log "$name: bench rc=$? in $(( $(date +%s) - tb ))s"
-    if [ -f "$OUT/bench.jsonl" ] && [ "$(wc -l < "$OUT/bench.jsonl")" -gt "$before" ]; then
-      tail -1 "$OUT/bench.jsonl" | python3 -c "import json,sys; r=json.load(sys.stdin); print(
-        f\"| $name | {r['completed']} | {r['errors']} | {r['duration']:.1f} | {r['output_throughput']:,.0f}\"
-        f\" | {r['total_throughput']:,.0f} | {r['median_ttft_ms']:,.0f} | {r['median_itl_ms']:.1f} | ${tokens:-?} |\")" >> "$TABLE"
-    else
-      echo "| $name | bench failed | | | | | | | ${tokens:-?} |" >> "$TABLE"
-    fi
+    local tool seed=1
+    for tool in ${BENCH_TOOLS//,/ }; do
+      bench_one "$name" "$tool" "$seed" "${tokens:-?}"
+      seed=$(( seed + 1 ))  # other prompts, so a later tool does not hit the cache the earlier one left
+    done
   else
-    echo "| $name | server failed | | | | | | | ${tokens:-?} |" >> "$TABLE"
+    echo "| $name | - | server failed | | | | | | | ${tokens:-?} |" >> "$TABLE"
     log "$name: server not ready; tail: $(grep -v '^\s*$' "$slog" | tail -12 | tr '\n' '|' | cut -c1-1500)"
   fi
   grep -iE 'decode|throughput|captured' "$slog" | tail -3 >> "$OUT/summary.txt"
@@ -82,8 +105,8 @@ run_cfg() {
   fi
 }
 
-echo "| config | completed | errors | duration s | output tok/s | total tok/s | median TTFT ms | median ITL ms | cold pool tokens |" > "$TABLE"
-echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|" >> "$TABLE"
+echo "| config | bench | completed | errors | duration s | output tok/s | total tok/s | median TTFT ms | median ITL ms | cold pool tokens |" > "$TABLE"
+echo "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|" >> "$TABLE"
 for c in "$@"; do
   IFS=: read -r n k x <<< "$c"
   run_cfg "$n" "$k" "${x:-}"
