@@ -95,8 +95,8 @@ def _ext(m: int, n: int, warps: int, stages: int, prefetch: bool = False, dequan
 # Measured (H200, one run, 2K chunk over 30K; SDPA BF16 1.775 ms), BF16 / FP8 history in list order:
 # 2.928 / 4.947, 2.670 / 9.756 (pass 4's raw default), 2.490 / 5.202, 2.315 / 6.954 (BF16's default
 # since: 0.77x SDPA), 2.634 / 6.425, 2.918 / 4.815, 2.734 / 4.868; int4 and the dequantize-first line
-# did not run (the sweep stopped at EXTEND_DEQUANT: `GroupPlan.kernel_lengths` copies host lengths to
-# the device inside the CUDA-graph capture of the timing).
+# did not run (the sweep stopped at EXTEND_DEQUANT: `GroupPlan.kernel_lengths` copied host lengths to
+# the device inside the CUDA-graph capture of the timing; the dequantizing pass now keeps the plan's).
 EXTEND = [
     shape(128, 128, 8, 3, False, programs=0, f16=True),
     shape(128, 64, 8, 4, False, prefetch=True, programs=0, f16=True),
@@ -115,13 +115,18 @@ EXTEND = [
     # one's softmax can overlap the other's products (Triton 3.6 gives neither warp specialization nor
     # an asynchronous Q.K across the softmax here); K/V read from L2 twice as often. 490 / 956 a tile.
     _ext(64, 64, 4, 3, prefetch=True),
+    # One warp group for the default's 128 x 128 tiles (each warp 32 rows; not compiled offline).
+    _ext(128, 128, 4, 3, prefetch=True),
 ]
 EXTEND_4BIT = [shape(128, 64, 8, 2, True, 4, programs=0)]
 # Coded history dequantized to BF16 first (`attend.dequantizes`, up to 1 GiB of K/V a pass: the case's
 # 30,592 cold keys make 125 MB), then the flash kernel's BF16 loop at the default's shape: each of the
 # 64 query blocks a head no longer decodes every code again. Expected about the BF16 line plus one
 # read of the codes and a write of 125 MB by `attend._dequant_kernel` (~0.05 ms at 4 TB/s); FP8, int4.
-EXTEND_DEQUANT = [_ext(128, 64, 8, 4, prefetch=True, dequant_bytes=1 << 30)]
+EXTEND_DEQUANT = [
+    _ext(128, 64, 8, 4, prefetch=True, dequant_bytes=1 << 30),
+    _ext(128, 128, 8, 3, prefetch=True, dequant_bytes=1 << 30),  # BF16's default shape after the decode
+]
 # Decode. Sweeps of pass 4 (H200, Triton 3.6, FP8 at 32K; registers of the compiled kernels): 128-key
 # tiles with 4 warps 1.777 ms at B=64 (255 registers); ``halves`` 2.24-2.58; swapped operands 3.710;
 # 8 warps 4.845; 64 or 32 keys 2.27-3.82; 4-bit codes by keys 24-45 ms against 4.6-5.3 by blocks; 512

@@ -40,8 +40,11 @@ bench_one() {
   local tb=$(date +%s) tl=$(( $(left) - 10 )) before=0 rc
   [ -f "$OUT/bench.jsonl" ] && before=$(wc -l < "$OUT/bench.jsonl")
   if [ "$tool" = sglang ]; then
+    local served
+    served=$(python3 -c "import json,urllib.request; print(json.load(urllib.request.urlopen(
+      'http://127.0.0.1:$PORT/v1/models', timeout=10))['data'][0]['id'])")
     timeout $tl python3 -m sglang.bench_serving --backend vllm --host 127.0.0.1 --port $PORT \
-        --model "$MODEL" --tokenizer "$MODEL" --dataset-name random-ids --random-input-len "$ILEN" \
+        --model "$MODEL" --served-model-name "$served" --tokenizer "$MODEL" --dataset-name random-ids --random-input-len "$ILEN" \
         --random-output-len "$OLEN" --random-range-ratio 1.0 --num-prompts "$NPROMPTS" \
         --max-concurrency "$CONC" --seed "$seed" --warmup-requests 1 --disable-tqdm \
         --output-file "$OUT/bench.jsonl" > "$OUT/bench_${name}_$tool.log" 2>&1

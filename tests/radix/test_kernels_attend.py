@@ -262,6 +262,18 @@ def test_extend_dequantized_first(codec, device, monkeypatch):
         return parts(pool, layer, table, heads, dtype)
 
     monkeypatch.setattr(attend, "dequantized_parts", counted)
+    launch_of = attend.pass_launch
+    dequantizing = []
+
+    def recorded(g, *args, **kwargs):
+        launch = launch_of(g, *args, **kwargs)
+        if launch.dequant:  # the identity table's plan keeps the plan's device lengths: no new upload
+            dequantizing.append(launch)
+            assert launch.g.lengths is not None and launch.g.page_table is not g.page_table
+            assert torch.equal(launch.g.kernel_lengths, g.kernel_lengths)
+        return launch
+
+    monkeypatch.setattr(attend, "pass_launch", recorded)
     for kind in ("8bit", "4bit"):
         entry = dict(attend.EXTEND_LAUNCH[kind], module="extend", block_m=16, block_n=16)  # 4-bit by blocks
         monkeypatch.setitem(attend.EXTEND_LAUNCH, kind, dict(entry, dequant_bytes=1 << 30))
@@ -269,7 +281,7 @@ def test_extend_dequantized_first(codec, device, monkeypatch):
     assert check_steps(cache, [3, 70, 300], steps=1, n_new=9, tol=2e-5) == 3
     cache = make_cache(codec, device, dtype=torch.bfloat16)
     assert check_steps(cache, [17, 150], steps=1, n_new=20, tol=1.5e-2, dtype=torch.bfloat16, splits=2) == 2
-    assert len(made) == 2
+    assert len(made) == 2 and len(dequantizing) == 2
     monkeypatch.setitem(attend.EXTEND_LAUNCH["8bit"], "dequant_bytes", 1024)
     monkeypatch.setitem(attend.EXTEND_LAUNCH["4bit"], "dequant_bytes", 1024)
     cache = make_cache(codec, device)

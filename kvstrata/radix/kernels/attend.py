@@ -174,8 +174,7 @@ WIDE_DECODE_FORMATS = (1, 2)  # the history formats (keys and values) that take 
 # run). 8-bit codes by keys in this module's kernel, 128 a tile, 3 stages (FP8 4.947 ms; the extend
 # module's best 4.815, without prefetch, not adopted; pass 4's raw shape 9.756). 4-bit by blocks.
 # Extend does not split. ``dequant_bytes`` (not set; with ``module`` "extend"): coded history
-# dequantized first (`dequantizes`; its sweep line did not run: it copies host lengths to the device
-# inside a CUDA-graph capture).
+# dequantized first (`dequantizes`).
 # A float32 model's extend keeps pass 4's raw shape in this module's kernel: the flash kernel's 128-key
 # tiles of 4-byte K and V over 3 stages would not fit an SM's shared memory at head_dim 128 (not
 # measured: no float32 extend was timed on the GPU).
@@ -942,7 +941,9 @@ def pass_launch(
     if dequant:  # raw history in the pass's page order: the identity table
         k_fmt = v_fmt = 0
         identity = torch.arange(g.page_table.numel(), device=g.device, dtype=g.page_table.dtype)
-        g = dataclasses.replace(g, page_table=identity.view(g.page_table.shape))
+        # The plan's device lengths go along: a plan without them would upload its host lists again,
+        # which a CUDA-graph capture (the benchmarks' timing) does not allow.
+        g = dataclasses.replace(g, page_table=identity.view(g.page_table.shape), lengths=g.kernel_lengths)
     if T == 1 and launch.get("module") == "decode4":
         from kvstrata.radix.kernels import decode4
 
