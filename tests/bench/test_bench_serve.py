@@ -96,6 +96,23 @@ def test_ranged_lengths_at_a_request_rate_match_the_seeded_prompts(base_url: str
     assert res["output_lens"] == [p.output_len for p in want]
 
 
+def test_worker_processes_share_the_requests_in_prompt_order(base_url: str, tmp_path: Path) -> None:
+    """--num-workers 3: 7 seeded prompts of ranged lengths over 3 client processes (round robin, the cap
+    of 4 split 2/1/1), Poisson arrivals on one clock; the JSON is in prompt order, every request counted
+    once, and the duration covers them all."""
+    args = ["--num-prompts", "7", "--random-input-len", "24", "--random-output-len", "5", "--seed", "5",
+            "--random-range-ratio", "0.5", "--request-rate", "30", "--max-concurrency", "4"]  # fmt: skip
+    rc, res = _bench(base_url, tmp_path / "w.jsonl", *args, "--num-workers", "3")
+    assert rc == 0 and res["completed"] == 7 and res["errors"] == 0
+    want = random_prompts(load_vocabulary(None, MODEL), 7, 24, 5, 0.5, seed=5)
+    assert res["input_lens"] == [len(p.ids) for p in want]
+    assert res["output_lens"] == [p.output_len for p in want]
+    assert res["total_output_tokens"] == sum(p.output_len for p in want)
+    # the mean number in flight (latencies over the duration) stays within the cap of 4
+    assert 1e3 * res["duration"] >= res["median_e2e_latency_ms"] and 0 < res["concurrency"] <= 4.0
+    assert 0 < res["median_ttft_ms"] <= res["median_e2e_latency_ms"]
+
+
 def test_text_prompts_count_the_servers_tokens(base_url: str, tmp_path: Path) -> None:
     args = ["--num-prompts", "3", "--random-input-len", "20", "--random-output-len", "4"]
     rc, res = _bench(base_url, tmp_path / "t.jsonl", *args, "--random-range-ratio", "1",
