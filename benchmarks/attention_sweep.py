@@ -182,7 +182,8 @@ _DEFAULT = dict(shape(64, 128, 4, 2, False, **_FP8), wide_programs=512, wide_for
 # for sm_90 (MMAv2: 1,120 / 1,521 instructions a 32-key tile against 920, spills); FP8 tensor cores on
 # sm_90 are warp-group products only, so the last two variants are the 4-warp entry with ``swap_ab``
 # and 64-key tiles (keys the product's M side), wide shape off: 581 / 870 warp instructions a 64-key
-# tile (36.3 / 54.4 a key against the default's 28.8), 152 / 158 registers, 3 programs an SM.
+# tile (36.3 / 54.4 a key against the default's 28.8), 152 / 158 registers, 3 programs an SM; keys only
+# with 128-key tiles 858 a warp a tile (26.8 a key), 255 registers, 72 KB of shared memory, 2 programs.
 _SWAP_FP8 = dict(_DEFAULT, wide_programs=10**9, block_n=64, swap_ab=True, maxnreg=None)
 DECODE = [
     _DEFAULT,
@@ -191,6 +192,7 @@ DECODE = [
     dict(_DEFAULT, fp8_dot="keys"),
     dict(_SWAP_FP8, fp8_dot="keys"),
     dict(_SWAP_FP8, fp8_dot=True),
+    dict(_SWAP_FP8, fp8_dot="keys", block_n=128),
 ]
 # int8 keys (per-channel scales) by keys or by 16-token blocks; not part of the fastest-shape pick
 # (it would set the entry FP8 shares).
