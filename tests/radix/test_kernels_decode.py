@@ -230,7 +230,7 @@ def test_fp8_value_scales_far_apart(codec, options, device, monkeypatch):
 
     from kvstrata.radix.kernels import attend
 
-    for key, value in dict(block_n=32, **PASS9[options]).items():
+    for key, value in {"block_n": 32, **PASS9[options]}.items():
         monkeypatch.setitem(attend.DECODE_LAUNCH[False], key, value)
     cache = make_cache(codec, device, dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(11)
