@@ -53,6 +53,7 @@ def shape(
     tail_apart: bool = False,
     codes_asm: bool | str = False,
     lazy_rescale: bool = False,
+    fp8_dot: bool | str = False,
 ) -> dict:
     return dict(
         block_m=m,
@@ -74,6 +75,7 @@ def shape(
         tail_apart=tail_apart,
         codes_asm=codes_asm,
         lazy_rescale=lazy_rescale,
+        fp8_dot=fp8_dot,
     )
 
 
@@ -180,10 +182,22 @@ _FP8 = dict(_NEW, blocks=8, scaled_keys_by_blocks=True, programs=1024, maxnreg=1
 # already), so BF16 stays on the entry; values asm + lazy rescale FP8 0.352 / 0.193 / 1.309 against
 # 0.354 / 0.197 / 1.292 (a second run of the table above's option).
 _DEFAULT = dict(shape(64, 128, 4, 2, False, **_FP8), wide_programs=512, wide_formats=(1, 2))
+# ``fp8_dot`` (prepared offline, `decode._fp8_dot_tile`): q.K^T on FP8 operands (q split in two FP8
+# parts), True P.V too (weights split). On the one-warp wide shape Triton 3.6 promotes FP8 dots to FP16
+# for sm_90 (MMAv2: 1,120 / 1,521 instructions a 32-key tile against 920, spills); FP8 tensor cores on
+# sm_90 are warp-group products only, so the last two variants are the 4-warp entry with ``swap_ab``
+# and 64-key tiles (keys the product's M side), wide shape off: 581 / 870 warp instructions a 64-key
+# tile (36.3 / 54.4 a key against the default's 28.8), 152 / 158 registers, 3 programs an SM; keys only
+# with 128-key tiles 858 a warp a tile (26.8 a key), 255 registers, 72 KB of shared memory, 2 programs.
+_SWAP_FP8 = dict(_DEFAULT, wide_programs=10**9, block_n=64, swap_ab=True, maxnreg=None)
 DECODE = [
     _DEFAULT,
     dict(_DEFAULT, wide_formats=(0, 1, 2)),
     dict(_DEFAULT, codes_asm="values", lazy_rescale=True),
+    dict(_DEFAULT, fp8_dot="keys"),
+    dict(_SWAP_FP8, fp8_dot="keys"),
+    dict(_SWAP_FP8, fp8_dot=True),
+    dict(_SWAP_FP8, fp8_dot="keys", block_n=128),
 ]
 # int8 keys (per-channel scales) by keys or by 16-token blocks; not part of the fastest-shape pick
 # (it would set the entry FP8 shares).
@@ -422,6 +436,7 @@ def sweep() -> dict[tuple[str, bool | str], dict]:
         blocks += ", BF16 wide too" if 0 in s.get("wide_formats", ()) else ""
         blocks += {True: ", codes asm", "values": ", values asm"}.get(s.get("codes_asm"), "")
         blocks += ", lazy rescale" if s.get("lazy_rescale") else ""
+        blocks += {True: ", fp8 dots", "keys": ", fp8 key dots"}.get(s.get("fp8_dot"), "")
         blocks += ", keys as rows" if s.get("keys_as_rows") else ""
         blocks += ", value reference" if s.get("value_reference") else ""
         print(

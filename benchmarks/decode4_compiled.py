@@ -63,7 +63,8 @@ def _type(arg) -> str:
 
 def compile_sm90(fn, args: list, options: dict):
     """``fn`` compiled for an H200 (sm_90) as a launch with runtime ``args`` (in order) and keyword
-    ``options`` (its constexprs, ``num_warps``, ``num_stages``, ``maxnreg``) compiles it: tensors 16-byte
+    ``options`` (its constexprs, ``num_warps``, ``num_stages``, ``maxnreg``; ``arch``: the compute
+    capability Triton lowers for, e.g. "sm89", where PTX and SASS stay sm_90's) compiles it: tensors 16-byte
     aligned except `jit_unspecialized`'s pointers."""
     names = fn.arg_names
     runtime = [n for n in names if n not in options]
@@ -79,7 +80,7 @@ def compile_sm90(fn, args: list, options: dict):
     src = ASTSource(
         fn=fn, signature={n: sig.get(n, "constexpr") for n in names}, constexprs=constexprs, attrs=attrs
     )
-    target_options = {n: options[n] for n in ("num_warps", "num_stages", "maxnreg") if options.get(n)}
+    target_options = {n: options[n] for n in ("num_warps", "num_stages", "maxnreg", "arch") if options.get(n)}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=target_options)
 
 

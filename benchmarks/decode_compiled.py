@@ -32,11 +32,12 @@ from decode4_compiled import OPS, compile_sm90, launch_args, loops, step  # noqa
 
 from kvstrata.radix.kernels import attend, decode  # noqa: E402
 
-OPS_8BIT = [*OPS, "LDSM", "FMNMX", "IADD3", "SEL"]
+OPS_8BIT = [*OPS, "LDSM", "FMNMX", "IADD3", "SEL", "QGMMA", "HGMMA", "WARPGROUP"]
 
 
-def compile_case(codec: str, batch: int, context: int):
-    """``(launch, options, compiled kernel)`` of the step with the current launch tables."""
+def compile_case(codec: str, batch: int, context: int, arch: str | None = None):
+    """``(launch, options, compiled kernel)`` of the step with the current launch tables; ``arch``:
+    Triton's lowering for that compute capability (``--arch``), the PTX still compiled for sm_90."""
     cache, plan, q, k, v = step(codec, batch, context)
     k_fmt, kp, v_fmt, vp = attend.layer_parts(cache.pool, 0)
     launch = attend.pass_launch(plan, k_fmt, v_fmt, q, k, v, 0.088, cache.ring, None, None, True, True)
@@ -51,9 +52,9 @@ def compile_case(codec: str, batch: int, context: int):
         and plan.batch * k.shape[1] >= attend.FP8_WIDE_PROGRAMS
     ):
         entry.update(attend.FP8_WIDE_DECODE)
-    options.update(decode.fp8_options(entry, options, options["SWAP"] or options["HALVES"]))
+    options.update(decode.fp8_options(entry, options, options["SWAP"], options["HALVES"]))
     args = launch_args(cache, plan, q, k, v, launch)
-    return launch, options, compile_sm90(decode._decode_kernel, args, options)
+    return launch, options, compile_sm90(decode._decode_kernel, args, dict(options, arch=arch))
 
 
 def skipped(body: list[str]) -> list[int]:
@@ -90,12 +91,17 @@ def main() -> None:
     ap.add_argument("context", type=int)
     ap.add_argument("launch", nargs="*", help="DECODE_LAUNCH[False] (wide.: FP8_WIDE_DECODE) key=value")
     ap.add_argument("--sass", help="write the SASS here")
+    ap.add_argument(
+        "--arch",
+        help="lower for this capability (e.g. sm89: Triton 3.6 then keeps FP8 dots as FP8 mma.sync, which "
+        "it promotes to FP16 for sm_90), the PTX still compiled for sm_90",
+    )
     args = ap.parse_args()
     for item in args.launch:
         key, value = item.split("=", 1)
         table = attend.FP8_WIDE_DECODE if key.startswith("wide.") else attend.DECODE_LAUNCH[False]
         table[key.removeprefix("wide.")] = ast.literal_eval(value)
-    launch, options, kernel = compile_case(args.codec, args.batch, args.context)
+    launch, options, kernel = compile_case(args.codec, args.batch, args.context, args.arch)
     bin_dir = Path(triton.__file__).parent / "backends/nvidia/bin"
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(kernel.asm["cubin"])
@@ -113,7 +119,9 @@ def main() -> None:
         f"{args.codec} B={args.batch} context {args.context}, Triton {triton.__version__}: "
         f"grid {launch.grid}, "
         f"num_warps {options['num_warps']}, BLOCK_N {options['BLOCK_N']}, CODES_ASM {options['CODES_ASM']}, "
-        f"LAZY_RESCALE {options['LAZY_RESCALE']}; {regs} registers, {stack} bytes of stack, "
+        f"LAZY_RESCALE {options['LAZY_RESCALE']}, FP8_DOT {options['FP8_DOT']}, SWAP {options['SWAP']}"
+        + (f", lowered for {args.arch}" if args.arch else "")
+        + f"; {regs} registers, {stack} bytes of stack, "
         f"{kernel.metadata.shared} bytes of shared memory"
     )
     for i, body in enumerate(loops(sass)):

@@ -15,6 +15,7 @@ import triton.language as tl
 from kvstrata.quant.fp4 import _table
 from kvstrata.quant.kernel_decode import e2m1_value, fp4_value_codes, nibble_value
 from kvstrata.quant.nibbles import unpack
+from kvstrata.radix.kernels.decode import fp8_operand_scale, fp8_split
 
 
 @triton.jit
@@ -206,6 +207,12 @@ PASS9 = {
     "values asm": dict(codes_asm="values"),
     "codes asm": dict(codes_asm=True),
     "both": dict(lazy_rescale=True, codes_asm=True),
+    # ``fp8_dot`` (`decode._fp8_dot_tile`): q.K^T on FP8 operands (q split in two), P.V too (True)
+    "fp8 dot keys": dict(fp8_dot="keys"),
+    "fp8 dot": dict(fp8_dot=True),
+    "fp8 dot, lazy rescale": dict(fp8_dot=True, lazy_rescale=True),
+    "fp8 dot, swap_ab, 4 warps": dict(fp8_dot=True, swap_ab=True, num_warps=4, block_n=64),
+    "fp8 dot keys, swap_ab, 4 warps": dict(fp8_dot="keys", swap_ab=True, num_warps=4, block_n=64),
 }
 
 
@@ -223,7 +230,7 @@ def test_fp8_value_scales_far_apart(codec, options, device, monkeypatch):
 
     from kvstrata.radix.kernels import attend
 
-    for key, value in dict(block_n=32, **PASS9[options]).items():
+    for key, value in {"block_n": 32, **PASS9[options]}.items():
         monkeypatch.setitem(attend.DECODE_LAUNCH[False], key, value)
     cache = make_cache(codec, device, dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(11)
@@ -326,12 +333,12 @@ def test_fp8_pass9_options(codec, options, device, monkeypatch):
     launch = dict(attend.FP8_WIDE_DECODE, min_pages=2, tail_apart=True, f16_codes=True, **PASS9[options])
     for key, value in launch.items():
         monkeypatch.setitem(attend.DECODE_LAUNCH[False], key, value)
-    got = []  # (CODES_ASM, LAZY_RESCALE) of each decode launch
+    got = []  # (CODES_ASM, LAZY_RESCALE, FP8_DOT) of each decode launch
     pass_launch = attend.pass_launch
 
     def recorded(*args, **kwargs):
         out = pass_launch(*args, **kwargs)
-        got.append((out.options["CODES_ASM"], out.options["LAZY_RESCALE"]))
+        got.append((out.options["CODES_ASM"], out.options["LAZY_RESCALE"], out.options["FP8_DOT"]))
         return out
 
     monkeypatch.setattr(attend, "pass_launch", recorded)
@@ -339,6 +346,51 @@ def test_fp8_pass9_options(codec, options, device, monkeypatch):
         cache = make_cache(codec, device, sinks=True, dtype=torch.bfloat16)
         check_steps(cache, [9, 70, 300], steps=2, n_new=1, tol=1.5e-2, dtype=torch.bfloat16, splits=splits)
     fp8 = codec != "bf16"
-    asm = {"values": 1, True: 2}.get(launch.get("codes_asm"), 0)
-    want = (asm if fp8 and device == "cuda" else 0, fp8 and "lazy_rescale" in launch)
+    dot = {"keys": 1, True: 2}.get(launch.get("fp8_dot"), 0) if fp8 else 0
+    asm = {"values": 1, True: 2}.get(launch.get("codes_asm"), 0) if not dot else 0
+    swap = launch.get("swap_ab", False)
+    want = (asm if fp8 and device == "cuda" else 0, fp8 and not swap and "lazy_rescale" in launch, dot)
     assert set(got) == {want}
+
+
+@triton.jit
+def _fp8_split_kernel(
+    X, HI, LO, C, FMT: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, SCALE: tl.constexpr
+):  # noqa: E501
+    at = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+    x = tl.load(X + at)
+    c = fp8_operand_scale(x, FMT) if SCALE else 1.0
+    hi, lo = fp8_split(x, c, FMT)
+    tl.store(HI + at, hi.to(tl.float32))
+    tl.store(LO + at, lo.to(tl.float32))
+    tl.store(C + tl.arange(0, 1), c + tl.zeros([1], tl.float32))
+
+
+@pytest.mark.parametrize("device", kernel_helpers.DEVICES)
+@pytest.mark.parametrize("codec", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_split_bound(codec, device):
+    """`decode.fp8_split` (``fp8_dot``'s operands): q (BF16, magnitudes over 2**-30 to 2**30 within a
+    tile) scaled by `fp8_operand_scale` so its largest element is in [2**TOP, 2**(TOP+1)) (TOP 7 / 14),
+    and softmax weights in [0, 1] at the weights' unit (2**8 / 2**15): ``hi`` and ``lo`` are FP8 values
+    of the format and ``|y - hi - lo| <= 2**-(2M+2) |y| + 2**(EMIN-M-1)`` (M mantissa bits, EMIN the
+    least normal exponent: 2**-8 and 2**-10 for E4M3, 2**-6 and 2**-17 for E5M2); for E4M3 the split of
+    a BF16 value is exact where ``|y| >= 2**-2``."""
+    fmt, dtype = {"fp8_e4m3": (1, torch.float8_e4m3fn), "fp8_e5m2": (2, torch.float8_e5m2)}[codec]
+    m, emin, top = {1: (3, -6, 7), 2: (2, -14, 14)}[fmt]
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(16, 128, generator=g) * 2.0 ** torch.randint(-30, 30, (16, 128), generator=g)
+    q = q.to(torch.bfloat16).float()
+    w = torch.rand(16, 128, generator=g) * 2.0 ** -torch.randint(0, 40, (16, 128), generator=g).float()
+    for x, scale, unit in ((q, True, None), (w, False, 2.0 ** (top + 1))):
+        x = x.to(device)
+        hi, lo, c = (torch.empty_like(x) for _ in range(3))
+        _fp8_split_kernel[(1,)](x if scale else x * unit, hi, lo, c, fmt, 16, 128, scale)
+        y = x * c.flatten()[0] if scale else x * unit
+        if scale:
+            assert 2.0**top <= y.abs().max() < 2.0 ** (top + 1)
+        for part in (hi, lo):  # values of the format
+            assert torch.equal(part.to(dtype).float(), part)
+        err = (y - hi - lo).abs()
+        assert (err <= 2.0 ** -(2 * m + 2) * y.abs() + 2.0 ** (emin - m - 1)).all()
+        if fmt == 1 and scale:
+            assert (err[y.abs() >= 0.25] == 0).all()

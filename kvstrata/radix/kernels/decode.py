@@ -39,6 +39,68 @@ LAZY_GROWTH = tl.constexpr(8.0)
 
 
 @triton.jit
+def _grid(x, SHIFT: tl.constexpr, SMALL: tl.constexpr, MAGIC: tl.constexpr):
+    """`fp8_grid` for a format of ``23 - SHIFT`` mantissa bits, least normal ``SMALL`` and subnormal
+    spacing ``MAGIC * 2**-23 / 1.5``."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = bits + ((1 << (SHIFT - 1)) - 1) + ((bits >> SHIFT) & 1)
+    normal = (bits & ~((1 << SHIFT) - 1)).to(tl.float32, bitcast=True)
+    sub = (x + MAGIC) - MAGIC  # x + MAGIC has the subnormals' spacing as its ulp
+    return tl.where(tl.abs(x) < SMALL, sub, normal)
+
+
+@triton.jit
+def fp8_grid(x, FMT: tl.constexpr):
+    """float32 ``x`` rounded (to nearest even) to FP8 format ``FMT``'s grid (1 E4M3: 3 mantissa bits,
+    normals from 2**-6; 2 E5M2: 2 bits, from 2**-14), as float32, subnormal spacing below the normals,
+    so that the conversion to FP8 that follows is exact (no rounding left to it; Triton's interpreter
+    rounds float32 to FP8 wrongly where the rounding carries into the exponent). No overflow handling:
+    the callers scale ``x`` below the format's maximum."""
+    if FMT == 1:  # noqa: SIM108  (constexpr branches of a Triton function)
+        y = _grid(x, 20, 0.015625, 24576.0)  # 1.5 * 2**(-6 - 3 + 23)
+    else:
+        y = _grid(x, 21, 6.103515625e-05, 192.0)  # 1.5 * 2**(-14 - 2 + 23)
+    return y
+
+
+@triton.jit
+def fp8_split(x, c, FMT: tl.constexpr):
+    """``(hi, lo)``: ``x * c`` (``c`` a power of two) as two FP8 operands of format ``FMT`` with
+    ``hi + lo`` within ``2**-(2M+2)`` of it relatively (``M`` mantissa bits: 2**-8 E4M3, 2**-6 E5M2)
+    plus half the format's least subnormal (2**-10 / 2**-17) absolutely; exact for BF16 ``x`` with E4M3
+    where ``x * c`` is at least 2**-2 (``hi`` takes 4 of its 8 significant bits, ``lo`` the rest)."""
+    y = x * c
+    hi = fp8_grid(y, FMT)
+    lo = fp8_grid(y - hi, FMT)
+    if FMT == 1:
+        return hi.to(tl.float8e4nv), lo.to(tl.float8e4nv)
+    else:
+        return hi.to(tl.float8e5), lo.to(tl.float8e5)
+
+
+@triton.jit
+def fp8_operand_scale(x, FMT: tl.constexpr):
+    """The power of two ``c`` that puts ``x``'s largest magnitude in the binade ``[2**TOP, 2**(TOP+1))``
+    of FP8 format ``FMT`` (``TOP`` 7 for E4M3, whose largest value is 448; 14 for E5M2, 57344), built
+    from the exponent bits; 1 for zero."""
+    top = tl.max(tl.max(tl.abs(x), 1), 0)
+    e = ((top.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = tl.where(top > 0, tl.minimum(tl.maximum(e, -100), 100), 7 if FMT == 1 else 14)
+    return (((7 if FMT == 1 else 14) - e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp8_bytes(p, row, d, d_ok, D: tl.constexpr, BLOCK_D: tl.constexpr, FMT: tl.constexpr):
+    """``[N, BLOCK_D]`` FP8 codes at rows ``row`` as float8 operands of format ``FMT``, bit-cast."""
+    x = _codes(p, row[:, None], d[None, :], d_ok, D, BLOCK_D, 0, tl.uint8, False)
+    if FMT == 1:  # noqa: SIM108  (constexpr branches of a Triton function)
+        x = x.to(tl.float8e4nv, bitcast=True)
+    else:
+        x = x.to(tl.float8e5, bitcast=True)
+    return x
+
+
+@triton.jit
 def _cold_tile_t(
     qt,
     qct,
@@ -254,9 +316,97 @@ def _fp8_tile(
 
 
 @triton.jit
+def _fp8_dot_tile(
+    qh,
+    ql,
+    kq,
+    acc,
+    m_i,
+    l_i,
+    page,
+    K0,
+    K1,
+    V0,
+    V1,
+    j,
+    end,
+    d,
+    h,
+    H,
+    P: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    K_FMT: tl.constexpr,
+    V_FMT: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    CODE_DTYPE: tl.constexpr,
+    FP8_DOT: tl.constexpr,
+    W_UNIT: tl.constexpr,
+    LAZY: tl.constexpr,
+    SWAP: tl.constexpr,
+):
+    """A cold tile of FP8 keys and values (BF16 model, ``POW2_W`` weights) with FP8 tensor-core
+    operands (``fp8_dot``): the key codes bit-cast to float8 straight into q.K^T against ``qh + ql``
+    (`fp8_split` of q, made once a program; ``kq`` = the softmax scale over the split's power of two,
+    joined to the key scale); ``FP8_DOT`` 2: the weights split the same way (in units of ``W_UNIT``,
+    taken out after the loop) against the value codes bit-cast, else values converted to
+    ``CODE_DTYPE`` as `_fp8_tile` does. ``SWAP``: scores ``[N, rows]`` (q^T operands, ``acc`` is
+    ``[BLOCK_D, rows]``), so the keys are the product's M side (a warp group's product on sm_90)."""
+    ok = j < end
+    row = (page * P + (j % P).to(tl.int64)) * H + h
+    d_ok = (d < D)[None, :]
+    k = _fp8_bytes(K0, row, d, d_ok, D, BLOCK_D, K_FMT)
+    ks = pow2_scale(tl.load(K1 + page * H + h)) * kq  # > 0: masked scores stay -inf
+    if FP8_DOT == 2:
+        v = _fp8_bytes(V0, row, d, d_ok, D, BLOCK_D, V_FMT)
+    else:
+        v = _fp8_operand(V0, row, d, d_ok, D, BLOCK_D, V_FMT, CODE_DTYPE, False)
+    e_bits = tl.load(V1 + row)
+    if SWAP:
+        s = tl.dot(k, ql, tl.dot(k, qh, input_precision=DOT_PREC), input_precision=DOT_PREC)
+        if MASKED:
+            s = tl.where(ok[:, None], s, float("-inf"))
+        s = s * ks[:, None]  # `_online_pow2_scaled` along the keys' axis 0
+        eb = tl.maximum(e_bits.to(tl.int32), 27)
+        m_new = tl.maximum(m_i, tl.max(s + (eb - 127).to(tl.float32)[:, None], 0))
+        p = tl.exp2(s - m_new[None, :])
+        w = p * (eb << 23).to(tl.float32, bitcast=True)[:, None]
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 0)
+        m_i = m_new
+        acc = acc * alpha[None, :]
+        if FP8_DOT == 2:
+            wh, wl = fp8_split(w, W_UNIT, V_FMT)
+            vt = tl.trans(v)
+            acc = tl.dot(vt, wl, tl.dot(vt, wh, acc, input_precision=DOT_PREC), input_precision=DOT_PREC)
+        else:
+            acc += tl.dot(tl.trans(v), w.to(CODE_DTYPE), input_precision=DOT_PREC)
+    else:
+        kt = tl.trans(k)
+        s = tl.dot(ql, kt, tl.dot(qh, kt, input_precision=DOT_PREC), input_precision=DOT_PREC)
+        if MASKED:
+            s = tl.where(ok[None, :], s, float("-inf"))
+        if LAZY:
+            w, acc, m_i, l_i = _lazy_online_pow2(s, ks, e_bits, acc, m_i, l_i)
+        else:
+            w, alpha, m_i, l_i = _online_pow2_scaled(s * ks[None, :], e_bits, m_i, l_i)
+            acc = acc * alpha[:, None]
+        if FP8_DOT == 2:
+            wh, wl = fp8_split(w, W_UNIT, V_FMT)
+            acc = tl.dot(wl, v, tl.dot(wh, v, acc, input_precision=DOT_PREC), input_precision=DOT_PREC)
+        else:
+            acc += tl.dot(w.to(CODE_DTYPE), v, input_precision=DOT_PREC)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _decode_cold_tile(
     qd,
     qc,
+    qh,
+    ql,
+    kq,
     acc,
     m_i,
     l_i,
@@ -286,12 +436,20 @@ def _decode_cold_tile(
     SWAP: tl.constexpr,
     CODES_ASM: tl.constexpr,
     LAZY: tl.constexpr,
+    FP8_DOT: tl.constexpr,
+    W_UNIT: tl.constexpr,
 ):
-    """One cold tile of the decode loop: `_fp8_tile` where pass 9's options apply (``CODES_ASM`` or
+    """One cold tile of the decode loop: `_fp8_dot_tile` with ``FP8_DOT`` (``fp8_dot``), `_fp8_tile`
+    where pass 9's options apply (``CODES_ASM`` or
     ``LAZY``, set by `decode_options` for FP8 keys and values only), `_cold_tile_t` (``SWAP``) or
     `_cold_tile` with the decode module's value scales (its last argument), so the full tiles and the
     masked last one share a call."""
-    if CODES_ASM > 0 or LAZY:
+    if FP8_DOT > 0:
+        acc, m_i, l_i = _fp8_dot_tile(
+            qh, ql, kq, acc, m_i, l_i, page, K0, K1, V0, V1, j, end, d, h,
+            H, P, D, BLOCK_D, K_FMT, V_FMT, MASKED, DOT_PREC, CODE_DTYPE, FP8_DOT, W_UNIT, LAZY, SWAP,
+        )  # fmt: skip
+    elif CODES_ASM > 0 or LAZY:
         acc, m_i, l_i = _fp8_tile(
             qc, acc, m_i, l_i, page, K0, K1, V0, V1, j, end, d, h,
             H, P, D, BLOCK_D, K_FMT, V_FMT, MASKED, DOT_PREC, CODE_DTYPE, CODES_ASM, LAZY,
@@ -360,6 +518,8 @@ def _decode_kernel(
     MERGED_TAIL: tl.constexpr,
     CODES_ASM: tl.constexpr,
     LAZY_RESCALE: tl.constexpr,
+    FP8_DOT: tl.constexpr,
+    W_UNIT: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -370,7 +530,15 @@ def _decode_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
     q = tl.load(Q + q_row[:, None] * D + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    q = q.to(tl.float32) * qk_scale  # the softmax scale (base 2) folded in
+    q = q.to(tl.float32)
+    qh = q
+    ql = q
+    kq = qk_scale
+    if FP8_DOT > 0:  # q (the model's BF16) as two FP8 operands, the scales on the key scale
+        c = fp8_operand_scale(q, K_FMT)
+        qh, ql = fp8_split(q, c, K_FMT)
+        kq = qk_scale / c
+    q = q * qk_scale  # the softmax scale (base 2) folded in
     qd = q.to(DOT_DTYPE)
     qc = q.to(CODE_DTYPE)  # the operand of 8-bit key codes
     m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
@@ -378,6 +546,8 @@ def _decode_kernel(
     if SWAP:
         qd = tl.trans(qd)
         qc = tl.trans(qc)
+        qh = tl.trans(qh)
+        ql = tl.trans(ql)
         acc = tl.zeros([BLOCK_D, BLOCK_H], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
@@ -399,9 +569,9 @@ def _decode_kernel(
         else:
             page = tl.load(pt + (j0 + n) // P).to(tl.int64)
         acc, m_i, l_i = _decode_cold_tile(
-            qd, qc, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, j0 + n, end, d, h,
+            qd, qc, qh, ql, kq, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, j0 + n, end, d, h,
             H, P, D, BLOCK_D, K_FMT, V_FMT, False, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES, SWAP,
-            CODES_ASM, LAZY_RESCALE,
+            CODES_ASM, LAZY_RESCALE, FP8_DOT, W_UNIT,
         )  # fmt: skip
         if PREFETCH:
             page = page_ahead
@@ -409,10 +579,12 @@ def _decode_kernel(
         if not PREFETCH:
             page = tl.load(pt + (full + n) // P, mask=full + n < end, other=0).to(tl.int64)
         acc, m_i, l_i = _decode_cold_tile(
-            qd, qc, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, full + n, end, d, h,
+            qd, qc, qh, ql, kq, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, full + n, end, d, h,
             H, P, D, BLOCK_D, K_FMT, V_FMT, True, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES, SWAP,
-            CODES_ASM, LAZY_RESCALE,
+            CODES_ASM, LAZY_RESCALE, FP8_DOT, W_UNIT,
         )  # fmt: skip
+    if FP8_DOT == 2:  # the weights' operands were in units of W_UNIT
+        acc = acc * (1.0 / W_UNIT)
     if SWAP:
         acc = tl.trans(acc)
         qd = tl.trans(qd)
@@ -493,7 +665,7 @@ def decode_options(group: int, launch: dict, one_dtype: bool, meta: dict) -> dic
         SWAP=swap,
         HALVES=halves,
         MERGED_TAIL=launch.get("merged_tail", True) and one_dtype,
-        **fp8_options(launch, meta, swap or halves),
+        **fp8_options(launch, meta, swap, halves),
         num_warps=launch["num_warps"],
         num_stages=launch["num_stages"],
     )
@@ -503,17 +675,28 @@ def decode_options(group: int, launch: dict, one_dtype: bool, meta: dict) -> dic
 
 
 CODES_ASM = {False: 0, "values": 1, True: 2}  # a launch's ``codes_asm``: `_fp8_tile`'s ``CODES_ASM``
+FP8_DOT = {False: 0, "keys": 1, True: 2}  # a launch's ``fp8_dot``: `_fp8_dot_tile`'s ``FP8_DOT``
 
 
-def fp8_options(launch: dict, meta: dict, other_layout: bool) -> dict:
-    """``CODES_ASM`` and ``LAZY_RESCALE`` of `_decode_kernel`: the launch's ``codes_asm`` (`CODES_ASM`:
-    ``"values"`` value codes, True key and value codes converted by PTX; FP16 code operands, so on a
-    GPU only, under the interpreter the plain conversion runs) and ``lazy_rescale``, for FP8 keys and
-    values with normalised weights (a BF16 model), in the plain layout (not ``swap_ab`` or ``halves``:
-    ``other_layout``); off elsewhere."""
-    fp8 = meta["K_FMT"] in (1, 2) and meta["V_FMT"] in (1, 2) and meta["NORM_W"] and not other_layout
-    asm = fp8 and meta["CODE_DTYPE"] == tl.float16
+def fp8_options(launch: dict, meta: dict, swap: bool, halves: bool) -> dict:
+    """``CODES_ASM``, ``LAZY_RESCALE``, ``FP8_DOT`` and ``W_UNIT`` of `_decode_kernel` for FP8 keys and
+    values with normalised weights (a BF16 model); off elsewhere. The launch's ``codes_asm``
+    (`CODES_ASM`: ``"values"`` value codes, True key and value codes converted by PTX; FP16 code
+    operands, so on a GPU only, under the interpreter the plain conversion runs) and ``lazy_rescale``,
+    in the plain layout (not ``swap_ab`` or ``halves``). ``fp8_dot`` (`FP8_DOT`; not with ``halves``,
+    nor with ``codes_asm``, which it replaces): ``"keys"`` q.K^T on FP8 operands (q split in two), True
+    P.V too (the weights split, in units of ``W_UNIT``: the weights' largest possible value, 1 or
+    2**`LAZY_GROWTH` with ``lazy_rescale``, at the format's top binade); with ``swap_ab`` too (no lazy
+    rescale there)."""
+    fp8 = meta["K_FMT"] in (1, 2) and meta["V_FMT"] in (1, 2) and meta["NORM_W"] and not halves
+    dot = FP8_DOT[launch.get("fp8_dot", False)] if fp8 else 0
+    plain = fp8 and not swap
+    asm = plain and meta["CODE_DTYPE"] == tl.float16 and not dot
+    lazy = plain and bool(launch.get("lazy_rescale"))
+    top = 2.0 ** ((7 if meta["V_FMT"] == 1 else 14) + 1)  # the format's top binade's end
     return dict(
         CODES_ASM=CODES_ASM[launch.get("codes_asm", False)] if asm else 0,
-        LAZY_RESCALE=fp8 and bool(launch.get("lazy_rescale")),
+        LAZY_RESCALE=lazy,
+        FP8_DOT=dot,
+        W_UNIT=top / (2.0**LAZY_GROWTH.value if lazy else 1.0) if dot == 2 else 1.0,
     )
