@@ -11,7 +11,8 @@
 # pydantic, opentelemetry-api: the SGLang payload's site; httptools and a recent uvloop from their cp312 wheels,
 # several directories joined with ':'; the server logs `uvloop + httptools` when it runs on them). Knobs: NPROMPTS (256), CONC (256), ILEN (1536), OLEN (512), DEADLINE (s, 280),
 # MIN_LEFT (s needed to start a config, 60), BENCH_TOOLS (kvstrata: `kvstrata bench`; sglang: SGLang's
-# bench_serving as an OpenAI client; comma-separated: each in turn against the same server, seeds 1, 2, ...). Every server runs with --max-running-requests $CONC
+# bench_serving as an OpenAI client; comma-separated: each in turn against the same server, seeds 1, 2, ...),
+# BENCH_WORKERS (kvstrata bench --num-workers, 4). Every server runs with --max-running-requests $CONC
 # --cuda-graph-max-bs $CONC --chunked-prefill-size ${CHUNK:-8192} --kv-plan off.
 # TRACE=1: each server writes its step timeline (KVSTRATA_STEP_TRACE, kvstrata/engine/trace.py) to
 # trace_<name>.jsonl, summarized by benchmarks/step_timeline.py into timeline_<name>.txt and summary.txt.
@@ -20,7 +21,7 @@
 set -u
 T0=$(date +%s)
 DEADLINE=${DEADLINE:-280}; MIN_LEFT=${MIN_LEFT:-60}
-BENCH_TOOLS=${BENCH_TOOLS:-kvstrata}; NPROMPTS=${NPROMPTS:-256}; CONC=${CONC:-256}; ILEN=${ILEN:-1536}; OLEN=${OLEN:-512}; CHUNK=${CHUNK:-8192}
+BENCH_TOOLS=${BENCH_TOOLS:-kvstrata}; BENCH_WORKERS=${BENCH_WORKERS:-4}; NPROMPTS=${NPROMPTS:-256}; CONC=${CONC:-256}; ILEN=${ILEN:-1536}; OLEN=${OLEN:-512}; CHUNK=${CHUNK:-8192}
 OUT=${OUT:-/tmp/serve_bench_out}; mkdir -p "$OUT"
 PORT=${PORT:-30000}
 TABLE=$OUT/table.md
@@ -52,7 +53,8 @@ bench_one() {
     timeout $tl python3 -m kvstrata bench --base-url http://127.0.0.1:$PORT --tokenizer "$MODEL" \
         --dataset-name random-ids --random-input-len "$ILEN" --random-output-len "$OLEN" \
         --random-range-ratio 1.0 --num-prompts "$NPROMPTS" --max-concurrency "$CONC" --seed "$seed" \
-        --warmup-requests 1 --disable-tqdm --output-file "$OUT/bench.jsonl" > "$OUT/bench_${name}_$tool.log" 2>&1
+        --warmup-requests 1 --num-workers "$BENCH_WORKERS" --disable-tqdm --output-file "$OUT/bench.jsonl" \
+        > "$OUT/bench_${name}_$tool.log" 2>&1
   fi
   rc=$?
   log "$name: bench ($tool) rc=$rc in $(( $(date +%s) - tb ))s"
