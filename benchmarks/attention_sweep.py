@@ -54,6 +54,7 @@ def shape(
     codes_asm: bool | str = False,
     lazy_rescale: bool = False,
     fp8_dot: bool | str = False,
+    dequant_bytes: int = 0,
 ) -> dict:
     return dict(
         block_m=m,
@@ -76,6 +77,8 @@ def shape(
         codes_asm=codes_asm,
         lazy_rescale=lazy_rescale,
         fp8_dot=fp8_dot,
+        # 0: an extend variant reads the codes (not `attend.EXTEND_DEQUANT`, which takes entries without it)
+        dequant_bytes=dequant_bytes,
     )
 
 
@@ -90,8 +93,8 @@ def shape(
 # (255 registers, 72 bytes of stack for FP8), at 128 x 128, 3 stages: 1,674 for FP8 (152 of stack).
 def _ext(m: int, n: int, warps: int, stages: int, prefetch: bool = False, dequant_bytes: int = 0) -> dict:
     """A pass-9 extend shape: the flash kernel, FP16 code operands, ``dequant_bytes`` 0 unless given."""
-    shape_ = shape(m, n, warps, stages, False, prefetch=prefetch, programs=0, f16=True, module="extend")
-    return dict(shape_, dequant_bytes=dequant_bytes)
+    return shape(m, n, warps, stages, False, prefetch=prefetch, programs=0, f16=True, module="extend",
+                 dequant_bytes=dequant_bytes)  # fmt: skip
 
 
 # Measured (H200, one run, 2K chunk over 30K; SDPA BF16 1.775 ms), BF16 / FP8 history in list order:

@@ -165,7 +165,11 @@ async def _in_workers(
     loop = asyncio.get_running_loop()
     with ctx.Manager() as manager, ProcessPoolExecutor(workers, mp_context=ctx) as pool:
         events = manager.Queue()
-        list(pool.map(_ready, range(workers)))  # interpreters and imports up before the clock starts
+        # Every worker up (interpreter, imports) before the clock starts: each first task waits for all
+        # the others, so each runs in a process of its own. (Without it, the first worker up took every
+        # warm-up task and the others started their requests seconds late: concurrency 195 of 256.)
+        barrier = manager.Barrier(workers)
+        list(pool.map(_ready, [barrier] * workers))
         start = time.monotonic() + 0.2
         futures = [
             loop.run_in_executor(pool, _worker, endpoint, vocab, share, c, start, events)
@@ -185,7 +189,7 @@ async def _in_workers(
     return got, start, max(end for _, end in parts)
 
 
-def _ready(_: int) -> bool:
-    """A worker's first task: long enough that the pool starts every worker for its own."""
-    time.sleep(0.5)
+def _ready(barrier: Any) -> bool:
+    """A worker's first task: wait until every worker has started."""
+    barrier.wait(timeout=300)
     return True

@@ -106,10 +106,12 @@ def step_workspace_bytes(
     - attention, torch reference backend: scores in float32 (and their softmax) of the chunk's
       queries over one block of history (``block_pages`` cold pages, a sink page, the ring) plus
       the chunk itself, with that block's keys and values dequantized in the compute dtype;
-    - attention, Triton kernels (``attention_kernels``): no scores and no dequantized history (codes
-      are decoded in registers), only the split-KV partials of ``cold_passes`` kernel passes a
-      layer, see `split_partial_bytes`. (With the reference's term an 8,192-token chunk held back
-      18.6 GiB that the kernels never use.)
+    - attention, Triton kernels (``attention_kernels``): no scores; the split-KV partials of
+      ``cold_passes`` kernel passes a layer (`split_partial_bytes`), and the coded history an extend
+      pass dequantizes first, at most `attend.EXTEND_DEQUANT`'s ``dequant_bytes`` (decode reads codes
+      in registers); these live inside a layer's attention, the logits after the last layer, so the
+      larger of the two counts. (With the reference's term an 8,192-token chunk held back 18.6 GiB
+      that the kernels never use.)
     """
     elem = torch.empty((), dtype=dtype).element_size()
     tokens = chunked_prefill_size + cache.max_running
@@ -117,8 +119,12 @@ def step_workspace_bytes(
     hidden = tokens * (3 * model.hidden_size + qkv + 3 * model.intermediate_size) * elem
     logits = cache.max_running * model.vocab_size * 4 * 5
     if attention_kernels:
+        from kvstrata.radix.kernels.attend import EXTEND_DEQUANT
+
+        # Partials and dequantized history live inside a layer's attention, logits and the sampler's
+        # temporaries after the last layer: the step's peak holds the larger of the two.
         partials = split_partial_bytes(model, cache.max_running, chunked_prefill_size, cold_passes)
-        return hidden + logits + partials
+        return hidden + max(logits, partials + EXTEND_DEQUANT["dequant_bytes"])
     keys = cache.block_pages * cache.page_size + cache.page_size + cache.ring_tokens + chunked_prefill_size
     scores = 2 * model.q_heads * chunked_prefill_size * keys * 4
     history = 2 * keys * model.kv_heads * model.head_dim * elem

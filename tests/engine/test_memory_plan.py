@@ -28,6 +28,7 @@ from kvstrata.engine.memory import (
 from kvstrata.engine.model import Transformer
 from kvstrata.engine.options import EngineArgs
 from kvstrata.radix import CacheConfig, StratifiedKVCache
+from kvstrata.radix.kernels.attend import EXTEND_DEQUANT
 from kvstrata.radix.pool import cold_page_bytes
 
 GIB = 1 << 30
@@ -90,10 +91,11 @@ SERVED_8B = dataclasses.replace(LLAMA3_8B, vocab_size=49_152)  # the benchmarks'
 
 
 def test_triton_workspace_holds_no_scores_and_fp4_holds_1024_requests_of_2k_on_an_h200() -> None:
-    """The Triton kernels decode codes in registers: the workspace is the hidden states, the logits and
-    the split-KV partials, not the reference's scores over an 8,192-token chunk (18.6 GiB here). With
-    that, fp4 history (256-token window, sinks) for 1,024 running requests of 1,536 + 512 tokens fits
-    at --mem-fraction-static 0.9 on an H200 (the free-memory reading of a served run's plan)."""
+    """The Triton kernels decode codes in registers: the workspace is the hidden states and the larger
+    of the logits and (split-KV partials + an extend's dequantized history), not the reference's scores
+    over an 8,192-token chunk (18.6 GiB here). With that, fp4 history (256-token window, sinks) for
+    1,024 running requests of 1,536 + 512 tokens fits at --mem-fraction-static 0.9 on an H200 (the
+    free-memory reading of a served run's plan)."""
     args = EngineArgs(kv_cache_dtype="fp4_e2m1", max_running_requests=1024, chunked_prefill_size=8192,
                       mem_fraction_static=0.9)  # fmt: skip
     cache = _cache(SERVED_8B, "fp4_e2m1", max_running=1024, recent_window=args.recent_window)
@@ -105,7 +107,9 @@ def test_triton_workspace_holds_no_scores_and_fp4_holds_1024_requests_of_2k_on_a
     logits = 1024 * 49_152 * 4 * 5
     partials = (1024 + split_target_programs() // 8) * 32 * 129 * 4  # one pass: decode splits only
     assert split_partial_bytes(SERVED_8B, 1024, 8192) == partials < 2**26
-    assert plan.workspace_bytes == hidden + logits + partials
+    # partials and the extend's dequantized history (inside attention) or the logits (after it)
+    assert plan.workspace_bytes == hidden + max(logits, partials + EXTEND_DEQUANT["dequant_bytes"])
+    assert plan.workspace_bytes == hidden + logits  # 1 GB of logits at 1,024 running
     reference = step_workspace_bytes(SERVED_8B, cache, 8192, torch.bfloat16)
     assert reference - plan.workspace_bytes > 18 * GIB
     assert plan.ring_bytes == (1024 * (256 + 16) + 2) * 131_072  # 34 GiB of BF16 windows
@@ -133,7 +137,10 @@ def test_partials_of_several_passes_hold_a_chunk_of_extend_rows_twice() -> None:
     args = EngineArgs(max_running_requests=1024, chunked_prefill_size=8192)
     one = step_workspace_bytes(SERVED_8B, cache, 8192, torch.bfloat16, True)
     three = step_workspace_bytes(SERVED_8B, cache, 8192, torch.bfloat16, True, cold_passes=3)
-    assert three - one == (6 * 8192 - decode_rows) * row
+    hidden = (8192 + 1024) * (3 * 4096 + 48 * 128 + 3 * 14336) * 2
+    logits, dequant = 1024 * 49_152 * 4 * 5, EXTEND_DEQUANT["dequant_bytes"]
+    assert one == hidden + max(logits, decode_rows * row + dequant) == hidden + logits
+    assert three == hidden + 6 * 8192 * row + dequant > one
     reading = DeviceMemory(140 * GIB, 120 * GIB)
     plan = plan_memory(args, SERVED_8B, cache, 16 * GIB, torch.bfloat16, CUDA, reading,
                        attention_kernels=True, cold_passes=3)  # fmt: skip

@@ -173,8 +173,8 @@ WIDE_DECODE_FORMATS = (1, 2)  # the history formats (keys and values) that take 
 # against 2.670 for pass 4's 64-key, 4-stage shape in this module's kernel; attention_sweep.py, one
 # run). 8-bit codes by keys in this module's kernel, 128 a tile, 3 stages (FP8 4.947 ms; the extend
 # module's best 4.815, without prefetch, not adopted; pass 4's raw shape 9.756). 4-bit by blocks.
-# Extend does not split. ``dequant_bytes`` (not set; with ``module`` "extend"): coded history
-# dequantized first (`dequantizes`).
+# Extend does not split. ``dequant_bytes`` (with ``module`` "extend"): coded history dequantized first
+# (`dequantizes`); entries without the key leave it to `EXTEND_DEQUANT`.
 # A float32 model's extend keeps pass 4's raw shape in this module's kernel: the flash kernel's 128-key
 # tiles of 4-byte K and V over 3 stages would not fit an SM's shared memory at head_dim 128 (not
 # measured: no float32 extend was timed on the GPU).
@@ -215,6 +215,14 @@ EXTEND_LAUNCH = {
         f16_codes=False,
     ),
 }
+# Coded history (8- and 4-bit) in an extend pass of several query blocks a sequence: dequantized to the
+# model dtype first (`dequantized_parts`, at most ``dequant_bytes`` of K and V a pass) and read by the
+# flash kernel at the raw entry's shape, so the query blocks do not each decode every code again.
+# H200, 2K chunk over 30K (attention_sweep.py, one run, SDPA BF16 ~1.77 ms): FP8 2.321 ms against
+# 4.912 reading the codes, int4 2.430 against 9.643, BF16 history 2.325. Used where the kind's entry
+# names no ``dequant_bytes`` of its own (the sweep's variants do) and not for a float32 model on CUDA
+# (`EXTEND_FLOAT32`); the engine's memory plan holds ``dequant_bytes`` back (`memory.step_workspace_bytes`).
+EXTEND_DEQUANT = dict(EXTEND_LAUNCH["raw"], dequant_bytes=512 << 20)
 HALF_FORMATS = (5, 6)  # 4-bit codes: the decode kernel splits q and the output into even/odd channels
 SCALED_KEY_FORMATS = (3, 4)  # int8 keys: per-channel scales (and offsets) over each page
 FP8_FORMATS = (1, 2)  # FP8 E4M3 / E5M2 codes
@@ -935,7 +943,16 @@ def pass_launch(
     # tokens; other page sizes read keys across pages (`_cold_tile`).
     four_bit = k_fmt in HALF_FORMATS or v_fmt in HALF_FORMATS
     launch = DECODE_LAUNCH[four_bit] if T == 1 else EXTEND_LAUNCH[extend_kind(k_fmt, v_fmt)]
-    if T > 1 and q.is_cuda and q.element_size() == 4 and launch.get("module") == "extend":
+    float32_cuda = q.is_cuda and q.element_size() == 4
+    own = "dequant_bytes" in launch
+    if (
+        T > 1
+        and not own
+        and not float32_cuda
+        and dequantizes(EXTEND_DEQUANT, k_fmt, v_fmt, T * group, g, h, d, q.dtype)
+    ):
+        launch = EXTEND_DEQUANT
+    if T > 1 and float32_cuda and launch.get("module") == "extend":
         launch = {**launch, **EXTEND_FLOAT32}
     dequant = T > 1 and dequantizes(launch, k_fmt, v_fmt, T * group, g, h, d, q.dtype)
     if dequant:  # raw history in the pass's page order: the identity table
