@@ -5,27 +5,17 @@ that reads every step back, with BF16 and fp8 history, and every run reports a s
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-import kvstrata
-
-ROOT = Path(kvstrata.__file__).resolve().parents[1]
+from bench_scripts import run_benchmark
 
 
 def test_overlapped_loop_gives_the_sync_loop_tokens(tmp_path) -> None:
     out = tmp_path / "step.json"
-    cmd = [
-        sys.executable, str(ROOT / "benchmarks" / "decode_step_gpu.py"), "--geometry", "tiny",
-        "--device", "cpu", "--batch", "3", "--context", "40", "--kv", "auto,fp8_e4m3",
-        "--loop", "sync,overlap", "--warmup", "3", "--steps", "4", "--profile-steps", "2", "--json", str(out),
-    ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
-    assert done.returncode == 0, done.stderr[-2000:]
+    run_benchmark(
+        "decode_step_gpu.py", "--geometry", "tiny", "--device", "cpu", "--batch", "3", "--context", "40",
+        "--kv", "auto,fp8_e4m3", "--loop", "sync,overlap", "--warmup", "3", "--steps", "4",
+        "--profile-steps", "2", "--json", str(out),
+    )  # fmt: skip
     results = json.loads(out.read_text())["results"]
     assert [(r["kv"], r["loop"]) for r in results] == [
         ("auto", "sync"),

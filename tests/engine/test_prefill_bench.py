@@ -4,27 +4,17 @@ step variants with their profiles, one offline engine run) and reports its figur
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-import kvstrata
-
-ROOT = Path(kvstrata.__file__).resolve().parents[1]
+from bench_scripts import run_benchmark
 
 
 def test_prefill_benchmark_runs_every_part(tmp_path) -> None:
     out = tmp_path / "prefill.json"
-    cmd = [
-        sys.executable, str(ROOT / "benchmarks" / "prefill_gpu.py"), "--geometry", "tiny", "--device", "cpu",
-        "--kv", "fp8_e4m3", "--input-len", "40", "--chunk", "96", "--decodes", "3", "--steps", "1",
-        "--profile-steps", "1", "--prompts", "3", "--new", "2", "--policy", "prefill", "--json", str(out),
-    ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
-    assert done.returncode == 0, done.stderr[-2000:]
+    run_benchmark(
+        "prefill_gpu.py", "--geometry", "tiny", "--device", "cpu", "--kv", "fp8_e4m3", "--input-len", "40",
+        "--chunk", "96", "--decodes", "3", "--steps", "1", "--profile-steps", "1", "--prompts", "3",
+        "--new", "2", "--policy", "prefill", "--json", str(out),
+    )  # fmt: skip
     result = json.loads(out.read_text())
     steps = result["steps"]
     assert steps[0]["what"].startswith("dense forward")
