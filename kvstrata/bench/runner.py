@@ -137,10 +137,12 @@ async def run_load(
             counts["tokens" if success else "errors"] += tokens if success else 1
             progress.update(task, advance=1, **counts)
 
+        def report(res: RequestResult) -> None:
+            done(res.success, res.output_len)
+
         workers = min(load.num_workers, len(prompts), cap)
         if workers == 1:
             start = time.monotonic()
-            report = lambda r: done(r.success, r.output_len)  # noqa: E731
             got, end = await _drive(endpoint, vocab, jobs, cap, start, report)
         else:
             got, start, end = await _in_workers(endpoint, vocab, jobs, cap, workers, done)
