@@ -191,11 +191,12 @@ class DecodeGraphs:
         self.graphs = {bs: self._piece_fns(bs) for bs in self.sizes}
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every bucket, largest first (later, smaller graphs reuse the pool's blocks)."""
+    def capture(self, pool: Any = None) -> None:
+        """Capture every bucket, largest first (later, smaller graphs reuse the pool's blocks), into
+        ``pool`` (a `torch.cuda.graph_pool_handle`; default a new one)."""
         if self.x.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
-        pool = torch.cuda.graph_pool_handle()
+        pool = torch.cuda.graph_pool_handle() if pool is None else pool
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up: cuBLAS handles and workspaces exist before capture

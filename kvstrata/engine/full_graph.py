@@ -25,6 +25,13 @@ A batch is padded to its bucket; padding entries have zero lengths (each attends
 only) and write nothing but the scratch row. `FullDecodeGraphs.use_pieces` runs the same step eagerly
 on the static buffers (any device, the Triton kernels interpreted on CPU), which the tests compare with
 the piecewise and eager engines token for token.
+
+With the drift fallback's raised pool (present whenever the drift monitor is on), a step that reads or
+writes a raised page adds a kernel pass and a page split the static step does not hold. Such steps are
+rare (only after the fallback level went up, and while its pages live): the graphs then capture the
+piecewise pieces too, into the same memory pool, and a step that does not fit the static step replays
+them around eager attention (`DecodeGraphs.step`). Every other step, at fallback level 0 all of them,
+is one replay of the whole step.
 """
 
 from __future__ import annotations
@@ -48,16 +55,14 @@ MIN_WIDTH = 32  # the narrowest page-table width class (a decode launch splits f
 GRAPH_MODES = ("full", "piecewise")
 
 
-def full_graph_unsupported(backend_name: str, images: bool, raised: bool, scales: bool) -> str | None:
+def full_graph_unsupported(backend_name: str, images: bool, scales: bool) -> str | None:
     """Why the full decode graph cannot capture an engine's steps (the piecewise graphs run instead),
-    or None: its attention backend, and whether its cache has an image pool, a raised pool (the drift
-    fallback's) or static KV scales."""
+    or None: its attention backend, and whether its cache has an image pool or static KV scales. (A
+    raised pool does not stop it: the steps over raised pages replay the piecewise pieces.)"""
     if backend_name != "triton":
         return f"the {backend_name} attention backend is not captured (the triton backend is)"
     if images:
         return "image pages are read by a second kernel pass"
-    if raised:
-        return "the drift fallback's raised pool splits a step's pages by pool on the host"
     if scales:
         return "static KV scales (a calibration file) count clipped elements on the host"
     return None
@@ -66,9 +71,7 @@ def full_graph_unsupported(backend_name: str, images: bool, raised: bool, scales
 def cache_unsupported(cache: Any, backend_name: str) -> str | None:
     """`full_graph_unsupported` for a built cache."""
     scales = any(clip is not None for pair in cache.clips for clip in pair)
-    return full_graph_unsupported(
-        backend_name, cache.image_pool is not None, cache.raised_pool is not None, scales
-    )
+    return full_graph_unsupported(backend_name, cache.image_pool is not None, scales)
 
 
 def width_classes(max_width: int) -> list[int]:
@@ -222,6 +225,9 @@ class FullDecodeGraphs(DecodeGraphs):
         self.static = StaticDecodeStep(cache, self.max_bs, max_context)
         # What runs each (bucket, width class)'s step: a captured graph's replay, or the step itself.
         self.whole: dict[tuple[int, int], Callable[[], None]] = {}
+        # Steps over the raised pool do not fit the static step: the piecewise pieces run those.
+        self.with_pieces = cache.raised_pool is not None
+        self.piecewise_steps = 0  # steps that replayed the pieces (`DecodeGraphs.step`) instead
 
     def _step_fn(self, bs: int, width: int) -> Callable[[], None]:
         """The whole step of bucket ``bs``, width class ``width``, on the static buffers (what a graph
@@ -247,6 +253,8 @@ class FullDecodeGraphs(DecodeGraphs):
     def use_pieces(self) -> None:
         """Run each step eagerly on the static buffers instead of replaying (any device)."""
         self.whole = {key: self._step_fn(*key) for key in self._keys()}
+        if self.with_pieces:
+            super().use_pieces()
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -255,6 +263,9 @@ class FullDecodeGraphs(DecodeGraphs):
         writes only the ring's scratch row, so these runs leave the cache as it was."""
         if self.x.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
+        pool = torch.cuda.graph_pool_handle()
+        if self.with_pieces:  # never replayed together with a whole step: one pool for both
+            super().capture(pool)
         self.cache.prepare_graph_capture()
         steps = {key: self._step_fn(*key) for key in self._keys()}
         stream = torch.cuda.Stream()
@@ -264,7 +275,6 @@ class FullDecodeGraphs(DecodeGraphs):
                 fn()
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-        pool = torch.cuda.graph_pool_handle()
         for key, fn in steps.items():
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
@@ -280,11 +290,17 @@ class FullDecodeGraphs(DecodeGraphs):
         bind: Callable[[StepBatch], Any],
         fill: Callable[[Tensor], None] | None = None,
     ) -> Tensor | None:
-        """One decode step in one replay: float32 logits ``[n, V]`` (a view of the static buffer), or
-        None when ``batch`` does not fit the static step (the caller runs it eager)."""
+        """One decode step in one replay: float32 logits ``[n, V]`` (a view of the static buffer). A
+        ``batch`` that does not fit the static step replays the piecewise pieces where they were
+        captured (`with_pieces`), else returns None (the caller runs it eager)."""
         bs = self.bucket(len(ids))
-        if bs is None or not self.static.fits(batch):
+        if bs is None:
             return None
+        if not self.static.fits(batch):
+            if not self.with_pieces:
+                return None
+            self.piecewise_steps += 1
+            return super().step(ids, positions, batch, bind, fill)
         width = self.static.width_for(batch)
         n = self.load_inputs(ids, positions, fill)
         self.static.load(batch, bs, width)

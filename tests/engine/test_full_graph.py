@@ -46,7 +46,7 @@ def prompts(n: int, seed: int) -> list[list[int]]:
     return [torch.randint(4, 300, (length,), generator=g).tolist() for length in lengths]
 
 
-def engine_for(model, kv_cache_dtype: str, sinks: bool) -> Engine:
+def engine_for(model, kv_cache_dtype: str, sinks: bool, **extra) -> Engine:
     return Engine(
         model=model,
         attention_backend="triton",
@@ -58,6 +58,7 @@ def engine_for(model, kv_cache_dtype: str, sinks: bool) -> Engine:
         max_total_tokens=2048,
         max_running_requests=8,
         disable_cuda_graph=True,
+        **extra,
     )
 
 
@@ -165,11 +166,10 @@ def test_width_classes_and_support():
     assert width_classes(20) == [20]
     assert width_classes(100) == [32, 64, 100]
     assert width_classes(128) == [32, 64, 128]
-    assert full_graph_unsupported("triton", False, False, False) is None
-    assert "torch" in full_graph_unsupported("torch", False, False, False)
-    assert "image" in full_graph_unsupported("triton", True, False, False)
-    assert "raised" in full_graph_unsupported("triton", False, True, False)
-    assert "scales" in full_graph_unsupported("triton", False, False, True)
+    assert full_graph_unsupported("triton", False, False) is None
+    assert "torch" in full_graph_unsupported("torch", False, False)
+    assert "image" in full_graph_unsupported("triton", True, False)
+    assert "scales" in full_graph_unsupported("triton", False, True)
     assert EngineArgs().cuda_graph_mode == "full"  # the default (served on the H200)
     with pytest.raises(ValueError, match="cuda_graph_mode"):
         EngineArgs(cuda_graph_mode="whole").validate()
@@ -200,3 +200,52 @@ def test_a_failed_capture_falls_back_to_piecewise_graphs(tiny, monkeypatch, capl
         got = full_graph.decode_graphs(tiny.net, False, 4, "full", cache, backend, 256)
     assert got is piecewise
     assert "failed to capture" in caplog.text
+
+
+# The drift monitor on (so a raised pool), never sampling, its level set by the test.
+RAISED = dict(drift_sample_rate=1e-12, drift_threshold=1e9, seed=0)
+
+
+def raised_greedy(model, mode: str, rounds: list[list[list[int]]]):
+    """Greedy outputs of ``rounds`` of prompts, the first at fallback level 0, the others at level 1
+    (new text pages in the raised pool), with ``mode`` "eager" or "full" (the whole-step graphs'
+    pieces run eagerly); and (whole steps, piecewise steps) of the graphs per round."""
+    engine = engine_for(model, "fp8_e4m3", False, **RAISED)
+    try:
+        assert engine.cache.raised_pool is not None
+        graphs = None
+        if mode == "full":
+            graphs = FullDecodeGraphs(model.net, 4, engine.cache, engine.runner.backend, 192)
+            assert graphs.with_pieces
+            graphs.use_pieces()
+            engine.runner.graphs = graphs
+        params = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
+        outs, counts = [], []
+        for level, ps in enumerate(rounds):
+            engine.drift.policy.level = min(level, 1)  # read by the engine thread at its next step
+            outs.append([o["output_ids"] for o in engine.generate(input_ids=ps, sampling_params=params)])
+            if graphs is not None:
+                counts.append((graphs.replayed_steps - graphs.piecewise_steps, graphs.piecewise_steps))
+                graphs.replayed_steps = graphs.piecewise_steps = 0
+        stats = engine.check_invariants()
+        assert stats.running == 0
+        assert engine.cache.raised  # level 1 reached the cache
+        return outs, counts
+    finally:
+        engine.shutdown()
+
+
+def test_full_graph_with_a_raised_pool_replays_pieces_for_raised_steps(tiny):
+    """With the drift monitor's raised pool the whole-step graphs are still used: at fallback level 0
+    every decode step is one whole step; at level 1 the steps that write or read raised pages replay
+    the piecewise pieces around eager attention. Same greedy tokens as the eager engine throughout."""
+    first, second = prompts(3, seed=11), prompts(3, seed=12)
+    rounds = [first, second, first]  # the last re-reads the first round's level-0 pages (a prefix hit)
+    eager, _ = raised_greedy(tiny, "eager", rounds)
+    full, counts = raised_greedy(tiny, "full", rounds)
+    assert full == eager
+    # (whole steps, piecewise steps) per round; NEW - 1 decode steps a round (the first token is prefill's)
+    assert counts[0] == (NEW - 1, 0)  # level 0: every decode step whole
+    assert counts[1] == (0, NEW - 1)  # level 1, new prompts: their pages are raised from prefill on
+    whole, pieces = counts[2]  # level 1 over level-0 pages: whole until a step completes a raised page
+    assert whole + pieces == NEW - 1 and whole > 0 and pieces > 0

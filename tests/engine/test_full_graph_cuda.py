@@ -104,3 +104,55 @@ def test_full_graph_memory_within_the_plans_estimate(tiny_path):
         engine.check_invariants()  # capture's runs wrote only the scratch row
     finally:
         engine.shutdown()
+
+
+def raised_rounds(model, mode: str | None, rounds) -> tuple[list, list[tuple[int, int]]]:
+    """Greedy outputs of ``rounds`` of prompts with the drift monitor's raised pool (never sampling;
+    the first round at fallback level 0, the others at level 1), and per round the graphs' (whole,
+    piecewise) steps."""
+    engine = Engine(
+        model=model,
+        attention_backend="triton",
+        kv_cache_dtype="fp8_e4m3",
+        kv_plan="off",
+        recent_window=16,
+        page_size=16,
+        max_total_tokens=4096,
+        max_running_requests=16,
+        cuda_graph_max_bs=12,
+        cuda_graph_mode=mode or "piecewise",
+        disable_cuda_graph=mode is None,
+        drift_sample_rate=1e-12,
+        drift_threshold=1e9,
+        seed=0,
+    )
+    try:
+        assert engine.cache.raised_pool is not None
+        graphs = engine.runner.graphs
+        assert isinstance(graphs, FullDecodeGraphs) == (mode == "full")
+        params = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
+        outs, counts = [], []
+        for level, ps in enumerate(rounds):
+            engine.drift.policy.level = min(level, 1)
+            outs.append([o["output_ids"] for o in engine.generate(input_ids=ps, sampling_params=params)])
+            if graphs is not None:
+                counts.append((graphs.replayed_steps - graphs.piecewise_steps, graphs.piecewise_steps))
+                graphs.replayed_steps = graphs.piecewise_steps = 0
+        stats = engine.check_invariants()
+        assert stats.running == 0
+        return outs, counts
+    finally:
+        engine.shutdown()
+
+
+def test_full_graph_with_raised_pool_equals_eager(tiny_path):
+    """Drift monitor on (a raised pool): whole-step graphs at fallback level 0, the captured pieces for
+    steps over raised pages at level 1, the eager engine's tokens throughout."""
+    model = load_model(tiny_path, dtype="float32", device="cuda")
+    first, second = prompts(5, seed=21), prompts(5, seed=22)
+    rounds = [first, second, first]
+    eager, _ = raised_rounds(model, None, rounds)
+    full, counts = raised_rounds(model, "full", rounds)
+    assert full == eager
+    assert counts[0][1] == 0 and counts[0][0] >= NEW - 1
+    assert counts[1][1] >= NEW - 1
