@@ -97,8 +97,8 @@ class EngineCore:
         if graphs_wanted(model.net, args.disable_cuda_graph):
             graph_bytes = graph_memory_bytes(cfg, graph_bs, self.dtype)
             backend_name = resolve_backend(attention_backend, self.device)
-            # with a raised pool too: its steps replay the piecewise pieces, in the whole-step graphs' pool
-            whole = full_graph_unsupported(backend_name, image_codec is not None, scales is not None)
+            # with an image or raised pool too: their steps replay the piecewise pieces (the same pool)
+            whole = full_graph_unsupported(backend_name, scales is not None)
             if args.cuda_graph_mode == "full" and whole is None:
                 ring = self.cache_config.ring_tokens
                 graph_bytes += full_graph_memory_bytes(cfg, graph_bs, self.max_context, args.page_size, ring)

@@ -26,12 +26,12 @@ only) and write nothing but the scratch row. `FullDecodeGraphs.use_pieces` runs 
 on the static buffers (any device, the Triton kernels interpreted on CPU), which the tests compare with
 the piecewise and eager engines token for token.
 
-With the drift fallback's raised pool (present whenever the drift monitor is on), a step that reads or
-writes a raised page adds a kernel pass and a page split the static step does not hold. Such steps are
-rare (only after the fallback level went up, and while its pages live): the graphs then capture the
+With an image pool (a vision-language model whose text pages are quantized) or the drift fallback's
+raised pool (present whenever the drift monitor is on), a step that reads or writes a page of those
+pools adds a kernel pass and a page split the static step does not hold: the graphs then capture the
 piecewise pieces too, into the same memory pool, and a step that does not fit the static step replays
-them around eager attention (`DecodeGraphs.step`). Every other step, at fallback level 0 all of them,
-is one replay of the whole step.
+them around eager attention (`DecodeGraphs.step`). Every other step (text-only requests; at drift
+fallback level 0 every step) is one replay of the whole step.
 """
 
 from __future__ import annotations
@@ -55,14 +55,12 @@ MIN_WIDTH = 32  # the narrowest page-table width class (a decode launch splits f
 GRAPH_MODES = ("full", "piecewise")
 
 
-def full_graph_unsupported(backend_name: str, images: bool, scales: bool) -> str | None:
+def full_graph_unsupported(backend_name: str, scales: bool) -> str | None:
     """Why the full decode graph cannot capture an engine's steps (the piecewise graphs run instead),
-    or None: its attention backend, and whether its cache has an image pool or static KV scales. (A
-    raised pool does not stop it: the steps over raised pages replay the piecewise pieces.)"""
+    or None: its attention backend, and whether its cache has static KV scales. (An image pool or a
+    raised pool does not stop it: the steps over their pages replay the piecewise pieces.)"""
     if backend_name != "triton":
         return f"the {backend_name} attention backend is not captured (the triton backend is)"
-    if images:
-        return "image pages are read by a second kernel pass"
     if scales:
         return "static KV scales (a calibration file) count clipped elements on the host"
     return None
@@ -71,7 +69,7 @@ def full_graph_unsupported(backend_name: str, images: bool, scales: bool) -> str
 def cache_unsupported(cache: Any, backend_name: str) -> str | None:
     """`full_graph_unsupported` for a built cache."""
     scales = any(clip is not None for pair in cache.clips for clip in pair)
-    return full_graph_unsupported(backend_name, cache.image_pool is not None, scales)
+    return full_graph_unsupported(backend_name, scales)
 
 
 def width_classes(max_width: int) -> list[int]:
@@ -225,8 +223,8 @@ class FullDecodeGraphs(DecodeGraphs):
         self.static = StaticDecodeStep(cache, self.max_bs, max_context)
         # What runs each (bucket, width class)'s step: a captured graph's replay, or the step itself.
         self.whole: dict[tuple[int, int], Callable[[], None]] = {}
-        # Steps over the raised pool do not fit the static step: the piecewise pieces run those.
-        self.with_pieces = cache.raised_pool is not None
+        # Steps over the image or the raised pool do not fit the static step: the piecewise pieces run those.
+        self.with_pieces = cache.image_pool is not None or cache.raised_pool is not None
         self.piecewise_steps = 0  # steps that replayed the pieces (`DecodeGraphs.step`) instead
 
     def _step_fn(self, bs: int, width: int) -> Callable[[], None]:

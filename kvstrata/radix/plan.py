@@ -636,7 +636,7 @@ def _plan_group(
         ring_rows,
         ring_len,
         P,
-        _padded(image, nulls.image_page) if image else None,
+        _padded(image, nulls.image_page) if any(image) else None,
         [len(c) for c in image],
         _padded(lifted, nulls.raised_page) if lifted and any(lifted) else None,
         [len(c) for c in lifted],

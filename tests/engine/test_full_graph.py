@@ -166,10 +166,9 @@ def test_width_classes_and_support():
     assert width_classes(20) == [20]
     assert width_classes(100) == [32, 64, 100]
     assert width_classes(128) == [32, 64, 128]
-    assert full_graph_unsupported("triton", False, False) is None
-    assert "torch" in full_graph_unsupported("torch", False, False)
-    assert "image" in full_graph_unsupported("triton", True, False)
-    assert "scales" in full_graph_unsupported("triton", False, True)
+    assert full_graph_unsupported("triton", False) is None
+    assert "torch" in full_graph_unsupported("torch", False)
+    assert "scales" in full_graph_unsupported("triton", True)
     assert EngineArgs().cuda_graph_mode == "full"  # the default (served on the H200)
     with pytest.raises(ValueError, match="cuda_graph_mode"):
         EngineArgs(cuda_graph_mode="whole").validate()

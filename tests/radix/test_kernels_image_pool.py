@@ -150,12 +150,13 @@ def test_bfloat16_compute_and_8_token_pages(text, image, device):
 
 
 def test_text_only_group_is_one_pass():
-    """A group without image pages keeps the single pass: no image plan, the output written directly."""
+    """A group without image pages keeps the single pass: no image table (so a decode step of it fits the
+    whole-step graph's static step), no image plan, the output written directly."""
     cache = image_cache("int4", "bf16", DEVICES[0])
     g = torch.Generator().manual_seed(5)
     seq = cache.admit(list(range(1, 80)))
     batch = cache.begin_step([seq], [60])
-    assert batch.groups[0].image_table is not None and batch.groups[0].image_plan is None
+    assert batch.groups[0].image_table is None and batch.groups[0].image_plan is None
     cache.attention(0, batch, *step_qkv(60, g, cache.device, torch.float32), SCALE)
     cache.end_step(batch)
     assert check(cache, [seq], 1, steps=1, g=g, tol=2e-5) == 0
