@@ -45,6 +45,9 @@ SECTIONS = (
     "MemoryWorkloadAnalysis",
 )
 STALL = re.compile(r"^smsp__average_warps_issue_stalled_(\w+?)_per_issue_active\.ratio$")
+NOT_STALLS = ("selected", "sleeping")  # "selected": the issuing warp itself (~1 by definition)
+# Collected beside the sections (the base MemoryWorkloadAnalysis section leaves DRAM bytes to its tables).
+METRICS = ("dram__bytes_read.sum",)
 # (column title, metric names in order of preference, scale to the printed unit)
 COLUMNS = [
     ("us", ("gpu__time_duration.sum",), 1e-3),
@@ -97,7 +100,11 @@ def kernel_rows(case: str, rows: list[dict[str, str]]) -> list[list[str]]:
             value = next((number(r[n]) for n in names if n in r and number(r[n]) is not None), None)
             cells.append("-" if value is None else shown(value * scale))
         stalls = sorted(
-            ((m[1], v) for name, text in r.items() if (m := STALL.match(name)) and (v := number(text))),
+            (
+                (m[1], v)
+                for name, text in r.items()
+                if (m := STALL.match(name)) and m[1] not in NOT_STALLS and (v := number(text))
+            ),
             key=lambda s: -s[1],
         )
         cells.append(", ".join(f"{n} {shown(v)}" for n, v in stalls[:4]) or "-")
@@ -167,13 +174,17 @@ def profile(cases: list[str], out: Path) -> list[tuple[str, Path]]:
             "--profile-from-start",
             "off",
             *sections,
+            "--metrics",
+            ",".join(METRICS),
             "-f",
             "-o",
             str(report),
         ]
         cmd += [sys.executable, __file__, "run", case]
+        root = str(Path(__file__).resolve().parents[1])  # the checkout's kvstrata, installed or not
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
         with log.open("w") as f:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
         print(f"{case}: ncu exit {rc} ({log})", flush=True)
         if report.exists():
             with raw.open("w") as f:

@@ -11,8 +11,10 @@ Between pieces, attention and the KV store run eagerly on the step's plan: they 
 ring rows and flush completed pages, whose shapes change every step. Pieces exchange data through
 static buffers (token ids, positions, residual stream, cos/sin, q/k/v, attention output, logits)
 sized for the largest bucket; a batch is padded to its bucket (pad rows are computed and ignored:
-every dense op is row-wise). All graphs share one memory pool and replay in the order they were
-captured, so their temporaries can share memory.
+every dense op is row-wise). All graphs share one memory pool, so their temporaries can share memory:
+no graph reads a tensor another graph left in the pool (everything between them goes through the static
+buffers), so their replay order does not matter. The whole-step graphs (`full_graph.py`) capture into
+the same pool when they keep these pieces for steps over image or raised pages.
 
 `DecodePieces` is the same split run eagerly, and `DecodeGraphs.use_pieces` runs it on the static
 buffers in place of the replays: buffers, padding and buckets run on any device and are tested on CPU.

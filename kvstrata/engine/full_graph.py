@@ -30,8 +30,11 @@ With an image pool (a vision-language model whose text pages are quantized) or t
 raised pool (present whenever the drift monitor is on), a step that reads or writes a page of those
 pools adds a kernel pass and a page split the static step does not hold: the graphs then capture the
 piecewise pieces too, into the same memory pool, and a step that does not fit the static step replays
-them around eager attention (`DecodeGraphs.step`). Every other step (text-only requests; at drift
-fallback level 0 every step) is one replay of the whole step.
+them around eager attention (`DecodeGraphs.step`). A step whose batch holds no image or raised page is
+one replay of the whole step. Raised pages are written while the fallback level is raised, and also at
+level 0 once the text pool is full (`StratifiedKVCache._alloc_text`); they stay in running sequences
+and cached prefixes after the level comes down, and one such sequence puts its whole batch on the
+pieces.
 """
 
 from __future__ import annotations
@@ -337,15 +340,21 @@ def decode_graphs(
     graphs = FullDecodeGraphs(net, max_bs, cache, backend, max_context)
     try:
         graphs.capture()
+        captured = True
     except RuntimeError as e:  # out of memory among them: the engine still starts, on the piecewise graphs
         log.warning("whole-step decode graphs failed to capture (%s): piecewise graphs", e)
+        captured = False
+    if not captured:
+        # Outside the except block: its traceback held the capture's frame and so the graphs and their
+        # pool, which must be freed before the piecewise graphs are captured again.
         del graphs
         torch.cuda.empty_cache()
         return decode_graphs_for(net, disable, max_bs)
     log.info(
-        "captured whole-step decode CUDA graphs for batch sizes %s in %.1f s",
+        "captured whole-step decode CUDA graphs for batch sizes %s in %.1f s%s",
         graphs.sizes,
         time.perf_counter() - start,
+        " (and the piecewise pieces, for steps over image or raised pages)" if graphs.with_pieces else "",
     )
     return graphs
 

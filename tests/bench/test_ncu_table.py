@@ -20,10 +20,11 @@ RAW = """==PROF== Connected to process 123
 "ID","Kernel Name","gpu__time_duration.sum","dram__bytes_read.sum","launch__registers_per_thread",\
 "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",\
 "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio",\
-"smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio"
-"","","nsecond","byte","register/thread","ratio","ratio","ratio"
-"0","_decode_kernel","1,309,000","4,330,000,000","255","6.5","1.25","0"
-"1","_merge_kernel","12,500","8,000,000","40","n/a","0.5","2"
+"smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",\
+"smsp__average_warps_issue_stalled_selected_per_issue_active.ratio"
+"","","nsecond","byte","register/thread","ratio","ratio","ratio","ratio"
+"0","_decode_kernel","1,309,000","4,330,000,000","255","6.5","1.25","0","1"
+"1","_merge_kernel","12,500","8,000,000","40","n/a","0.5","2","1"
 """
 
 
@@ -40,6 +41,7 @@ def test_raw_page_rows(tmp_path: Path) -> None:
     assert decode[2] == "1309"  # microseconds
     assert decode[3] == "4330"  # MB read
     assert decode[7] == "255"  # registers
-    assert decode[-1].rstrip(" |") == "long_scoreboard 6.5, wait 1.25"  # zero stalls left out, largest first
+    # largest first; zero stalls and "selected" (the issuing warp, not a stall) left out
+    assert decode[-1].rstrip(" |") == "long_scoreboard 6.5, wait 1.25"
     assert lines[3].split(" | ")[-1].rstrip(" |") == "barrier 2, wait 0.5"  # "n/a" is no number
     assert "no kernel profiled" in lines[4]

@@ -77,8 +77,12 @@ def test_full_graph_bfloat16_fp8_sinks_equals_piecewise(tiny_path, overlap):
     assert full == piecewise
 
 
-def test_full_graph_memory_within_the_plans_estimate(tiny_path):
+@pytest.mark.parametrize("drift", [False, True])
+def test_full_graph_memory_within_the_plans_estimate(tiny_path, drift):
+    """The captured graphs stay within the plan's estimate; with the drift monitor's raised pool they
+    hold the piecewise pieces too, in the same pool."""
     model = load_model(tiny_path, dtype="bfloat16", device="cuda")
+    extra = dict(drift_sample_rate=1e-12, drift_threshold=1e9, seed=0) if drift else {}
     engine = Engine(
         model=model,
         attention_backend="triton",
@@ -88,13 +92,18 @@ def test_full_graph_memory_within_the_plans_estimate(tiny_path):
         max_total_tokens=4096,
         max_running_requests=32,
         disable_cuda_graph=True,
+        **extra,
     )
     try:
+        assert (engine.cache.raised_pool is not None) == drift
         torch.cuda.synchronize()
         before = torch.cuda.memory_reserved()
         context = model.config.max_position_embeddings
         graphs = FullDecodeGraphs(model.net, 32, engine.cache, engine.runner.backend, context)
+        assert graphs.with_pieces == drift
         graphs.capture()
+        if drift:  # every bucket's pieces captured: first, one between each two layers, last
+            assert all(len(graphs.graphs[bs]) == model.config.num_layers + 1 for bs in graphs.sizes)
         torch.cuda.synchronize()
         used = torch.cuda.memory_reserved() - before
         ring = engine.cache.ring.capacity
@@ -154,5 +163,7 @@ def test_full_graph_with_raised_pool_equals_eager(tiny_path):
     eager, _ = raised_rounds(model, None, rounds)
     full, counts = raised_rounds(model, "full", rounds)
     assert full == eager
-    assert counts[0][1] == 0 and counts[0][0] >= NEW - 1
-    assert counts[1][1] >= NEW - 1
+    assert counts[0] == (NEW - 1, 0)  # level 0: every decode step whole
+    assert counts[1] == (0, NEW - 1)  # level 1, new prompts: raised pages from the prefill on
+    whole, pieces = counts[2]  # level 1 over the first round's cached level-0 pages
+    assert whole + pieces == NEW - 1 and whole > 0 and pieces > 0
