@@ -92,12 +92,12 @@ class StratifiedKVCache:
             self._rotate = hadamard_rotate
         self.running: dict[int, Sequence] = {}
         self._next_id = 0
-        # On CUDA each slot's page ids stay on the device, so a step sends only what changed (text pool
-        # only: with an image or raised pool the host splits each sequence's pages by pool). On the CPU the
-        # gather costs what the list build costs: the plan is built from the lists.
+        # On CUDA each slot's page ids stay on the device, so a step sends only what changed (steps whose
+        # sequences hold only text-pool pages: the host splits image and raised pages by pool). On the
+        # CPU the gather costs what the list build costs: the plan is built from the lists.
         self.page_tables = (
             SlotPageTable(self.ring.slots.total, self.pool.null_page, self.device)
-            if self.image_pool is None and self.raised_pool is None and self.device.type == "cuda"
+            if self.device.type == "cuda"
             else None
         )
         self.written = bytearray(self.image_base + (cfg.image_pages if self.image_pool is not None else 0))

@@ -352,11 +352,13 @@ def build_step(
 
     The index tensors are built on the host, then reach ``device`` together in one copy (`upload`):
     on CUDA one asynchronous copy from pinned memory per step, which waits for nothing. With
-    ``tables`` (and no image pool) the cold page tables and ring rows are not built on the host: the
-    copy carries the table's changed entries and a few ids per sequence, and both are made on the
-    device (`_finish_on_device`)."""
+    ``tables`` the cold page tables and ring rows are not built on the host: the copy carries the
+    table's changed entries and a few ids per sequence, and both are made on the device
+    (`_finish_on_device`). A step with a page of the image or the raised pool among its sequences'
+    (their ids are above every text page's) is built from the lists: the host splits its pages by pool.
+    """
     P, R = page_size, ring_capacity
-    if image_base is not None or raised_base is not None:
+    if tables is not None and _holds_other_pools(seqs, image_base, raised_base):
         tables = None
     update = tables.sync(seqs) if tables is not None else None
     offsets, total = [], 0
@@ -518,6 +520,16 @@ def _plan_writes(
         ring_src=host(ring_src),
     )
     return write, new_starts
+
+
+def _holds_other_pools(seqs: list[Sequence], image_base: int | None, raised_base: int | None) -> bool:
+    """Whether a sequence of ``seqs`` holds a page of the image or the raised pool: their ids start at
+    ``raised_base`` (``image_base`` without a raised pool), above the text pool's, so one ``max`` a
+    sequence (C speed over its list) tells."""
+    base = raised_base if raised_base is not None else image_base
+    if base is None:
+        return False
+    return any(seq.page_ids and max(seq.page_ids) >= base for seq in seqs)
 
 
 def _raised_range(raised_base: int | None, raised_end: int | None) -> range | None:
