@@ -30,7 +30,7 @@ from kvstrata.engine.request import Request
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.engine.stats import EngineEvent, EngineStats
 from kvstrata.engine.trace import WARMUP_DONE
-from kvstrata.engine.warmup import warmup_rounds
+from kvstrata.engine.warmup import image_rounds, warmup_rounds
 
 log = logging.getLogger("kvstrata.engine")
 
@@ -99,6 +99,7 @@ class Engine:
         # reads the level every iteration; warm-up requests are not sampled, so the drift worker,
         # which also sets it, is idle.
         levels = (0, 1) if drift is not None and self.cache.raised_pool is not None else (0,)
+        images = 0
         try:
             for level in levels:
                 if drift is not None:
@@ -107,6 +108,7 @@ class Engine:
                     params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in r.max_new]
                     self.generate(input_ids=r.prompts, sampling_params=params)
                 self._flush_when_idle()
+            images = self._warm_up_images()
         finally:
             if drift is not None:
                 drift.policy.level = 0
@@ -116,9 +118,44 @@ class Engine:
             self.core.trace.mark(WARMUP_DONE)  # the timeline's summary starts here
         log.info(
             "warm-up: %d requests in %.1f s",
-            len(levels) * sum(len(r.prompts) for r in rounds),
+            len(levels) * sum(len(r.prompts) for r in rounds) + images,
             time.perf_counter() - start,
         )
+
+    def _warm_up_images(self) -> int:
+        """A vision-language model's warm-up rounds (`warmup.image_rounds`) over one synthetic image;
+        returns the requests run (0 for a text model). Leaves the cache empty and the vision
+        statistics at zero."""
+        vision = self.model.vision
+        if vision is None:
+            return 0
+        from PIL import Image
+
+        size = vision.cfg.vision.image_size
+        image = Image.new("RGB", (size, size), (128, 96, 64))
+        batch, page = self.args.max_running_requests, self.args.page_size
+        # the shared prompt within the context, and within the pool beside every tail (at most 2 pages + 2)
+        room = min(self.max_context, self.capacity_tokens - batch * 3 * page)
+        singles, rounds = image_rounds(
+            batch,
+            page,
+            room,
+            self.config.vocab_size,
+            vision.image_token_id,
+            vision.prompt_tokens(image),
+        )
+        if not singles:
+            return 0
+        params = {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True}
+        for ids in singles:
+            self.generate(input_ids=ids, image_data=image if ids.count(vision.image_token_id) else None,
+                          sampling_params=params)  # fmt: skip
+        for prompts in rounds:
+            self.generate(input_ids=prompts, image_data=[image] * len(prompts), sampling_params=params)
+        self._flush_when_idle()
+        with vision.stats.lock:
+            vision.stats.encoded_images = vision.stats.cached_images = 0
+        return len(singles) + sum(len(p) for p in rounds)
 
     def _flush_when_idle(self) -> None:
         for _ in range(1000):  # the last step's read-back may still be settling

@@ -28,9 +28,12 @@ measured run. The warm-up meets the same shapes through the engine itself, with 
    over 1,536 tokens at 8 KV heads) (`tests/engine/test_warmup_variants.py`).
 
 With a raised pool (the drift fallback's), the engine runs the rounds twice, the second time at fallback
-level 1 (`Engine._warm_up`). Then the prefix cache is emptied and the engine's request statistics
-start from zero. Not covered: the image pool's pass (a vision request's steps), which compiles on the
-first one served.
+level 1 (`Engine._warm_up`). A vision-language model then runs `image_rounds` over one synthetic
+image: the image in a first page (written with its sink) and behind two cached pages of text (written
+without), then batches of ``batch``, ``batch / 2``, ... 1 prompts sharing that prefix, each with its own
+tail, two tokens each: an extend over the cached image pages and decode steps over them at every batch
+size class (with an image pool, its kernel pass and the text pass's split partials). Then the prefix
+cache is emptied (pins too) and the engine's request and vision statistics start from zero.
 """
 
 from __future__ import annotations
@@ -149,3 +152,33 @@ def history_tokens(page_size: int) -> list[int]:
 
     least = min(launch["min_pages"] for launch in DECODE_LAUNCH.values())
     return [(least * 2 ** (j + 1) + 1) * page_size for j in range(32)]
+
+
+def image_rounds(
+    batch: int, page_size: int, room: int, vocab: int, image_token: int, image_tokens: int, seed: int = 0
+) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """The vision warm-up's prompts, run in order: first three single prompts, (1) the image token
+    near the start (its first page an image page, written with the step's sink page), (2) two pages of
+    text, then (3) those two pages, the image token and three tokens: the image's pages complete in a
+    step behind a cached prefix, so with no sink page; then, per batch size ``batch``, ``batch / 2``,
+    ... 1, that many prompts sharing (3) up to its image, each with a tail of its own (1 to 2 pages).
+    ``image_tokens``: the prompt positions the image takes; ``room``: tokens one prompt and its output
+    may hold. Empty when the third prompt and a tail do not fit."""
+    rng = random.Random(seed)
+
+    def ids(n: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < n:
+            t = rng.randrange(vocab)
+            if t != image_token:
+                out.append(t)
+        return out
+
+    text = ids(2 * page_size)
+    head = [*text, image_token]
+    if len(head) + image_tokens + 2 * page_size + 8 > room:
+        return [], []
+    singles = [[*ids(2), image_token, *ids(5)], text, [*head, *ids(3)]]
+    sizes = sorted({max(1, batch >> k) for k in range(batch.bit_length())}, reverse=True)
+    rounds = [[[*head, *ids(1 + (i * 7 + b) % (2 * page_size))] for i in range(b)] for b in sizes]
+    return singles, rounds
