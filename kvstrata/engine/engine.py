@@ -30,7 +30,7 @@ from kvstrata.engine.request import Request
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.engine.stats import EngineEvent, EngineStats
 from kvstrata.engine.trace import WARMUP_DONE
-from kvstrata.engine.warmup import image_rounds, warmup_rounds
+from kvstrata.engine.warmup import IMAGE_WARMUP_BATCH, image_rounds, warmup_rounds
 
 log = logging.getLogger("kvstrata.engine")
 
@@ -108,6 +108,8 @@ class Engine:
                     params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in r.max_new]
                     self.generate(input_ids=r.prompts, sampling_params=params)
                 self._flush_when_idle()
+            if drift is not None:
+                drift.policy.level = 0  # images at the level served nearly always: text pages unraised
             images = self._warm_up_images()
         finally:
             if drift is not None:
@@ -133,7 +135,9 @@ class Engine:
 
         size = vision.cfg.vision.image_size
         image = Image.new("RGB", (size, size), (128, 96, 64))
-        batch, page = self.args.max_running_requests, self.args.page_size
+        # Each prompt of a round preprocesses the image again and keeps its pixels until it ends
+        # (Idefics3 tiles: about 27 MB a prompt): rounds of at most IMAGE_WARMUP_BATCH prompts.
+        batch, page = min(self.args.max_running_requests, IMAGE_WARMUP_BATCH), self.args.page_size
         # the shared prompt within the context, and within the pool beside every tail (at most 2 pages + 2)
         room = min(self.max_context, self.capacity_tokens - batch * 3 * page)
         singles, rounds = image_rounds(
@@ -145,8 +149,11 @@ class Engine:
             vision.prompt_tokens(image),
         )
         if not singles:
+            log.info("warm-up: no image rounds (a prompt with an image does not fit %d tokens)", room)
             return 0
-        params = {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True}
+        # 4 tokens: when a round's extends take several prefill steps, its later decode steps still
+        # hold every prompt of the round
+        params = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
         for ids in singles:
             self.generate(input_ids=ids, image_data=image if ids.count(vision.image_token_id) else None,
                           sampling_params=params)  # fmt: skip

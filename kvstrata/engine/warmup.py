@@ -29,10 +29,11 @@ measured run. The warm-up meets the same shapes through the engine itself, with 
 
 With a raised pool (the drift fallback's), the engine runs the rounds twice, the second time at fallback
 level 1 (`Engine._warm_up`). A vision-language model then runs `image_rounds` over one synthetic
-image: the image in a first page (written with its sink) and behind two cached pages of text (written
-without), then batches of ``batch``, ``batch / 2``, ... 1 prompts sharing that prefix, each with its own
-tail, two tokens each: an extend over the cached image pages and decode steps over them at every batch
-size class (with an image pool, its kernel pass and the text pass's split partials). Then the prefix
+image, at fallback level 0: the image in a first page (written with its sink) and behind two cached
+pages of text (written without), then batches of ``batch``, ``batch / 2``, ... 1 prompts (``batch`` at
+most `IMAGE_WARMUP_BATCH`) sharing that prefix, each with its own tail, four tokens each: an extend
+over the cached image pages and decode steps over them at those batch size classes (with an image
+pool, its kernel pass and the text pass's split partials). Then the prefix
 cache is emptied (pins too) and the engine's request and vision statistics start from zero.
 """
 
@@ -51,6 +52,8 @@ from dataclasses import dataclass
 # a 1,536-token prompt).
 EXTEND_TOKENS = (2, 3, 5, 9, 16, 17, 32, 33, 65, 129, 300)
 MIN_SPLIT_PAGES = 32  # the shortest history whose decode splits (kvstrata/radix/kernels/attend.py)
+# The vision warm-up's largest batch: its prompts each hold the preprocessed image until they end.
+IMAGE_WARMUP_BATCH = 64
 
 
 @dataclass(frozen=True)

@@ -108,3 +108,24 @@ def test_image_rounds_share_the_prefix_and_fit():
         for p in prompts:
             assert p[: len(head)] == head and p.count(IMAGE_TOKEN) == 1 and len(p) - len(head) <= 32
     assert image_rounds(8, 16, room=100, vocab=300, image_token=IMAGE_TOKEN, image_tokens=64) == ([], [])
+
+
+def test_image_rounds_run_at_fallback_level_0(llava: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the drift monitor on, the text rounds end at fallback level 1 (raised pages); the image
+    rounds run at level 0, where image requests are nearly always served."""
+    levels: list[int] = []
+    original = engine_module.Engine._warm_up_images
+
+    def spy(self: Engine) -> int:
+        levels.append(self.core.drift.policy.level)
+        return original(self)
+
+    monkeypatch.setattr(engine_module.Engine, "_warm_up_images", spy)
+    with record_variants(execute=False):
+        engine = Engine(
+            load_model(llava, dtype=torch.float32), attention_backend="triton", kv_cache_dtype="fp8_e4m3",
+            vision_kv_dtype="bf16", kv_plan="off", page_size=16, max_running_requests=4,
+            max_total_tokens=8192, warmup="on", drift_sample_rate=1e-12, drift_threshold=1e9,
+        )  # fmt: skip
+    engine.shutdown()
+    assert engine.cache.raised_pool is not None and levels == [0]
