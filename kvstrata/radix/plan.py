@@ -650,7 +650,7 @@ def _plan_group(
         P,
         _padded(image, nulls.image_page) if any(image) else None,
         [len(c) for c in image],
-        _padded(lifted, nulls.raised_page) if lifted and any(lifted) else None,
+        _padded(lifted, nulls.raised_page) if any(lifted) else None,
         [len(c) for c in lifted],
         lengths=torch.tensor([cold_pages, ring_len, [int(v) for v in sink_valid]], dtype=torch.long),
         device_index=device_index,

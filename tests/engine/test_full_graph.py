@@ -11,6 +11,7 @@ import os
 import pytest
 import tiny_models
 import torch
+from graph_steps import DRIFT_ON, rounds_at_levels
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -201,15 +202,11 @@ def test_a_failed_capture_falls_back_to_piecewise_graphs(tiny, monkeypatch, capl
     assert "failed to capture" in caplog.text
 
 
-# The drift monitor on (so a raised pool), never sampling, its level set by the test.
-RAISED = dict(drift_sample_rate=1e-12, drift_threshold=1e9, seed=0)
-
-
 def raised_greedy(model, mode: str, rounds: list[list[list[int]]]):
     """Greedy outputs of ``rounds`` of prompts, the first at fallback level 0, the others at level 1
     (new text pages in the raised pool), with ``mode`` "eager" or "full" (the whole-step graphs'
     pieces run eagerly); and (whole steps, piecewise steps) of the graphs per round."""
-    engine = engine_for(model, "fp8_e4m3", False, **RAISED)
+    engine = engine_for(model, "fp8_e4m3", False, **DRIFT_ON)
     try:
         assert engine.cache.raised_pool is not None
         graphs = None
@@ -218,14 +215,7 @@ def raised_greedy(model, mode: str, rounds: list[list[list[int]]]):
             assert graphs.with_pieces
             graphs.use_pieces()
             engine.runner.graphs = graphs
-        params = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
-        outs, counts = [], []
-        for level, ps in enumerate(rounds):
-            engine.drift.policy.level = min(level, 1)  # read by the engine thread at its next step
-            outs.append([o["output_ids"] for o in engine.generate(input_ids=ps, sampling_params=params)])
-            if graphs is not None:
-                counts.append((graphs.replayed_steps - graphs.piecewise_steps, graphs.piecewise_steps))
-                graphs.replayed_steps = graphs.piecewise_steps = 0
+        outs, counts = rounds_at_levels(engine, graphs, rounds, NEW)
         stats = engine.check_invariants()
         assert stats.running == 0
         assert engine.cache.raised  # level 1 reached the cache

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from graph_steps import DRIFT_ON, rounds_at_levels
 from tiny_models import random_prompts as prompts
 
 from kvstrata.engine.cuda_graph import graph_memory_bytes
@@ -82,7 +83,7 @@ def test_full_graph_memory_within_the_plans_estimate(tiny_path, drift):
     """The captured graphs stay within the plan's estimate; with the drift monitor's raised pool they
     hold the piecewise pieces too, in the same pool."""
     model = load_model(tiny_path, dtype="bfloat16", device="cuda")
-    extra = dict(drift_sample_rate=1e-12, drift_threshold=1e9, seed=0) if drift else {}
+    extra = DRIFT_ON if drift else {}
     engine = Engine(
         model=model,
         attention_backend="triton",
@@ -131,22 +132,13 @@ def raised_rounds(model, mode: str | None, rounds) -> tuple[list, list[tuple[int
         cuda_graph_max_bs=12,
         cuda_graph_mode=mode or "piecewise",
         disable_cuda_graph=mode is None,
-        drift_sample_rate=1e-12,
-        drift_threshold=1e9,
-        seed=0,
+        **DRIFT_ON,
     )
     try:
         assert engine.cache.raised_pool is not None
         graphs = engine.runner.graphs
         assert isinstance(graphs, FullDecodeGraphs) == (mode == "full")
-        params = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
-        outs, counts = [], []
-        for level, ps in enumerate(rounds):
-            engine.drift.policy.level = min(level, 1)
-            outs.append([o["output_ids"] for o in engine.generate(input_ids=ps, sampling_params=params)])
-            if graphs is not None:
-                counts.append((graphs.replayed_steps - graphs.piecewise_steps, graphs.piecewise_steps))
-                graphs.replayed_steps = graphs.piecewise_steps = 0
+        outs, counts = rounds_at_levels(engine, graphs, rounds, NEW)
         stats = engine.check_invariants()
         assert stats.running == 0
         return outs, counts

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+from graph_steps import DRIFT_ON
 
 from kvstrata import Engine
 from kvstrata.radix.page_table import SlotPageTable
@@ -59,7 +60,7 @@ def generate_raised(path: Path, table: bool) -> tuple[list[list[list[int]]], lis
     took it (the others were built from the lists: a sequence held a raised page)."""
     with Engine(model=str(path), load_format="dummy", kv_cache_dtype="fp8_e4m3", recent_window=16,
                 kv_plan="off", max_total_tokens=4096, max_running_requests=4, chunked_prefill_size=32,
-                seed=0, drift_sample_rate=1e-12, drift_threshold=1e9) as engine:  # fmt: skip
+                **DRIFT_ON) as engine:  # fmt: skip
         cache = engine.core.cache
         assert cache.raised_pool is not None and cache.page_tables is None
         synced = [0]

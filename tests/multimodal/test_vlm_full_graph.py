@@ -15,6 +15,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from graph_steps import take_steps  # noqa: E402
+
 from kvstrata import Engine  # noqa: E402
 from kvstrata.engine.full_graph import FullDecodeGraphs  # noqa: E402
 from kvstrata.engine.loader import load_model  # noqa: E402
@@ -68,8 +70,7 @@ def rounds(path: Path, full: bool) -> tuple[list[list[list[int]]], list[tuple[in
             got = engine.generate(input_ids=ids, image_data=images, sampling_params=params)
             outs.append([o["output_ids"] for o in got])
             if graphs is not None:
-                counts.append((graphs.replayed_steps - graphs.piecewise_steps, graphs.piecewise_steps))
-                graphs.replayed_steps = graphs.piecewise_steps = 0
+                counts.append(take_steps(graphs))
         stats = engine.check_invariants()
         assert stats.running == 0 and stats.tiers["image"].cached > 0
         return outs, counts

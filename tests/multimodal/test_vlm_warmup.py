@@ -7,7 +7,6 @@ kernels not run); the warm-up leaves no page, pin or image count behind."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,8 +15,7 @@ import torch
 if torch.cuda.is_available():
     pytest.skip("records interpreted launches (CPU)", allow_module_level=True)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))  # kernel_variants.py
-
+from graph_steps import DRIFT_ON  # noqa: E402
 from kernel_variants import record_variants  # noqa: E402
 
 from kvstrata import Engine  # noqa: E402
@@ -125,7 +123,7 @@ def test_image_rounds_run_at_fallback_level_0(llava: Path, monkeypatch: pytest.M
         engine = Engine(
             load_model(llava, dtype=torch.float32), attention_backend="triton", kv_cache_dtype="fp8_e4m3",
             vision_kv_dtype="bf16", kv_plan="off", page_size=16, max_running_requests=4,
-            max_total_tokens=8192, warmup="on", drift_sample_rate=1e-12, drift_threshold=1e9,
+            max_total_tokens=8192, warmup="on", **DRIFT_ON,
         )  # fmt: skip
     engine.shutdown()
     assert engine.cache.raised_pool is not None and levels == [0]
