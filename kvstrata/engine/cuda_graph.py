@@ -124,6 +124,15 @@ class DecodePieces:
         return self.last(x, attn(self.num_layers - 1, q, k, v))
 
 
+def release_warmup_blocks() -> None:
+    """Hand the warm-up runs' temporaries back to the driver after a capture: they were allocated on the
+    capture's side stream, whose cached blocks no other stream reuses, so they would stay reserved for
+    nothing (the graphs' own memory is in their pool, which this does not touch). The warm-up and the
+    capture run on that one stream, so cuBLAS makes its workspace for it once, in the warm-up, and none
+    inside the graphs' pool."""
+    torch.cuda.empty_cache()
+
+
 class DecodeGraphs:
     """Captured pieces per bucketed batch size; `run` replays them around eager attention."""
 
@@ -212,11 +221,12 @@ class DecodeGraphs:
             replays = []
             for fn in self._piece_fns(bs):
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
                     fn()
                 replays.append(graph.replay)
             self.graphs[bs] = replays
         torch.cuda.synchronize()
+        release_warmup_blocks()
 
     def load_inputs(
         self, ids: Sequence[int], positions: Sequence[int], fill: Callable[[Tensor], None] | None

@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from kvstrata.engine.config import ModelConfig
-from kvstrata.engine.cuda_graph import DecodeGraphs, decode_graphs_for, graphs_wanted
+from kvstrata.engine.cuda_graph import DecodeGraphs, decode_graphs_for, graphs_wanted, release_warmup_blocks
 from kvstrata.engine.model import Transformer
 from kvstrata.radix.plan import NO_PAGE, StepBatch, static_decode_step
 
@@ -278,10 +278,11 @@ class FullDecodeGraphs(DecodeGraphs):
         torch.cuda.synchronize()
         for key, fn in steps.items():
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
                 fn()
             self.whole[key] = graph.replay
         torch.cuda.synchronize()
+        release_warmup_blocks()
 
     def step(
         self,

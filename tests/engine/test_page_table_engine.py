@@ -1,6 +1,6 @@
-"""The engine with the cache's device page table (`SlotPageTable`, used on CUDA) forced on for the CPU
-gives token-for-token the greedy outputs of the list-built plans: fp8 history with sinks and a short
-window (cold pages are read every step), shared prefixes (inserts swap pages for the tree's copies),
+"""A CPU engine (on any machine) with the cache's device page table (`SlotPageTable`, used on CUDA)
+forced on gives token-for-token the greedy outputs of the list-built plans: fp8 history with sinks and a
+short window (cold pages are read every step), shared prefixes (inserts swap pages for the tree's copies),
 and a pool small enough to preempt."""
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ PROMPTS = [[3, 9, 27, 81] * 12, [3, 9, 27, 81] * 12 + [5, 6], [7] * 40, [11, 13,
 
 
 def generate(path: Path, table: bool, total_tokens: int) -> list[list[int]]:
-    with Engine(model=str(path), load_format="dummy", kv_cache_dtype="fp8_e4m3", recent_window=16,
-                kv_plan="off", max_total_tokens=total_tokens, max_running_requests=4,
+    with Engine(model=str(path), load_format="dummy", device="cpu", kv_cache_dtype="fp8_e4m3",
+                recent_window=16, kv_plan="off", max_total_tokens=total_tokens, max_running_requests=4,
                 chunked_prefill_size=32, seed=0) as engine:  # fmt: skip
         cache = engine.core.cache
         assert cache.page_tables is None  # the CPU default: plans built from the lists
@@ -58,9 +58,9 @@ def generate_raised(path: Path, table: bool) -> tuple[list[list[list[int]]], lis
     """With the drift monitor's raised pool: three rounds of `PROMPTS` (level 0, then level 1 twice,
     the last over the tree's cached pages); the outputs and, with the table, the steps per round that
     took it (the others were built from the lists: a sequence held a raised page)."""
-    with Engine(model=str(path), load_format="dummy", kv_cache_dtype="fp8_e4m3", recent_window=16,
-                kv_plan="off", max_total_tokens=4096, max_running_requests=4, chunked_prefill_size=32,
-                **DRIFT_ON) as engine:  # fmt: skip
+    with Engine(model=str(path), load_format="dummy", device="cpu", kv_cache_dtype="fp8_e4m3",
+                recent_window=16, kv_plan="off", max_total_tokens=4096, max_running_requests=4,
+                chunked_prefill_size=32, **DRIFT_ON) as engine:  # fmt: skip
         cache = engine.core.cache
         assert cache.raised_pool is not None and cache.page_tables is None
         synced = [0]
