@@ -193,13 +193,19 @@ _DEFAULT = dict(shape(64, 128, 4, 2, False, **_FP8), wide_programs=512, wide_for
 # tile (36.3 / 54.4 a key against the default's 28.8), 152 / 158 registers, 3 programs an SM; keys only
 # with 128-key tiles 858 a warp a tile (26.8 a key), 255 registers, 72 KB of shared memory, 2 programs.
 _SWAP_FP8 = dict(_DEFAULT, wide_programs=10**9, block_n=64, swap_ab=True, maxnreg=None)
+# Pass 11 (docs/kernels-h200.md): Nsight Compute on the default (H200, B=64 32K: 70% of DRAM peak, 8
+# warps an SM, issue 41%): 30% of the warps' stall samples sit on the loop's one barrier after
+# ``DEPBAR.LE SB0, 0x0`` (every async copy of the tile waited for: at 2 stages nothing of the next tile
+# is in flight while one computes) and the page-table and value-scale loads stall their users
+# (``long_scoreboard``). Candidates: page-table entries a tile ahead (``prefetch``), a third and fourth
+# stage (7 and 6 programs an SM by shared memory). Pass 9's and 10's variants (measured above, or
+# offline: ``fp8_dot`` on the one-warp shape) left the list.
 DECODE = [
     _DEFAULT,
-    dict(_DEFAULT, wide_formats=(0, 1, 2)),
-    dict(_DEFAULT, codes_asm="values", lazy_rescale=True),
-    dict(_DEFAULT, fp8_dot="keys"),
-    dict(_SWAP_FP8, fp8_dot="keys"),
-    dict(_SWAP_FP8, fp8_dot=True),
+    dict(_DEFAULT, prefetch=True),
+    dict(_DEFAULT, num_stages=3),
+    dict(_DEFAULT, num_stages=3, prefetch=True),
+    dict(_DEFAULT, num_stages=4, prefetch=True),
     dict(_SWAP_FP8, fp8_dot="keys", block_n=128),
 ]
 # int8 keys (per-channel scales) by keys or by 16-token blocks; not part of the fastest-shape pick
@@ -255,7 +261,15 @@ _D4 = dict(
 )
 _D4_ROWS = dict(_D4, keys_as_rows=True, value_reference=True)
 _D4_ROWS_1 = dict(_D4_ROWS, num_stages=1)
-DECODE_4BIT: list[dict] = [_D4_ROWS, dict(_D4_ROWS_1, maxnreg=168), _D4]
+# Pass 11: fp4's default waits on its plain byte loads in the tile (Nsight Compute, B=64 32K: 33% of DRAM
+# peak, ``long_scoreboard`` on the byte packs); a third stage and ``prefetch`` (page-table entries and
+# scales a tile ahead) with it.
+DECODE_4BIT: list[dict] = [
+    _D4_ROWS,
+    dict(_D4_ROWS_1, maxnreg=168),
+    dict(_D4_ROWS, prefetch=True),
+    dict(_D4_ROWS, num_stages=3, prefetch=True),
+]
 # SWEEP_KINDS (environment): the kinds swept, "decode,extend" by default.
 KINDS = os.environ.get("SWEEP_KINDS", "decode,extend").split(",")
 # Decode cases (batch, context): the 32K long-context pair and the serving step (B=256, 2K).

@@ -10,14 +10,15 @@ call with the CUDA profiler's start/stop), so every kernel of that one call is p
 attention kernel and, with split-KV, its merge. ``--clock-control none`` leaves the clocks as they
 are (the device notes ask for it), so times match `attention_gpu.py`'s within a run's spread.
 
-Written to DIR per case: the report (``.ncu-rep``), ncu's details page as text and its raw page as
-CSV. Printed last, one row per kernel: time, DRAM bytes read and the share of DRAM peak, theoretical
-and achieved occupancy, registers, the schedulers' issue share, eligible / active warps a scheduler,
-and the four largest warp-stall reasons (cycles a warp spends stalled on each per issued instruction,
-Nsight Compute's ``smsp__average_warps_issue_stalled_*_per_issue_active``): ``long_scoreboard``
-waits on global memory, ``short_scoreboard`` on shared memory and special functions, ``wait`` on a
-fixed-latency dependency, ``math_pipe_throttle`` / ``mio_throttle`` on a busy pipe or queue,
-``barrier`` on ``__syncthreads``, ``not_selected`` on another eligible warp (issue-bound).
+Written to DIR per case: the report (``.ncu-rep``), ncu's details page as text, its raw page as CSV and
+its source page as CSV (``.sass.csv``: every SASS instruction with its warp-state samples). Printed last,
+one row per kernel: time, DRAM bytes read and the share of DRAM peak, theoretical and achieved occupancy,
+registers, the schedulers' issue share, eligible / active warps a scheduler, and the four largest warp-
+stall reasons (cycles a warp spends stalled on each per issued instruction, Nsight Compute's
+``smsp__average_warps_issue_stalled_*_per_issue_active``): ``long_scoreboard`` waits on global memory,
+``short_scoreboard`` on shared memory and special functions, ``wait`` on a fixed-latency dependency,
+``math_pipe_throttle`` / ``mio_throttle`` on a busy pipe or queue, ``barrier`` on ``__syncthreads``,
+``not_selected`` on another eligible warp (issue-bound).
 
 Needs a CUDA GPU and ``ncu`` (on PATH, or NCU=/path/to/ncu). ``table CSV...`` prints the table of
 saved raw CSVs (no GPU needed).
@@ -43,6 +44,9 @@ SECTIONS = (
     "WarpStateStats",
     "SchedulerStats",
     "MemoryWorkloadAnalysis",
+    "ComputeWorkloadAnalysis",
+    "InstructionStats",
+    "SourceCounters",  # warp-state samples by SASS instruction: the ``.sass.csv`` page
 )
 STALL = re.compile(r"^smsp__average_warps_issue_stalled_(\w+?)_per_issue_active\.ratio$")
 NOT_STALLS = ("selected", "sleeping")  # "selected": the issuing warp itself (~1 by definition)
@@ -193,6 +197,10 @@ def profile(cases: list[str], out: Path) -> list[tuple[str, Path]]:
                 )
             with (out / f"{name}.details.txt").open("w") as f:
                 subprocess.run([ncu, "-i", str(report), "--page", "details"], stdout=f)
+            with (out / f"{name}.sass.csv").open("w") as f:  # where in the loop the warps stall
+                subprocess.run(
+                    [ncu, "-i", str(report), "--page", "source", "--csv", "--print-source", "sass"], stdout=f
+                )
         done.append((case, raw))
     return done
 

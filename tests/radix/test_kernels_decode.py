@@ -289,21 +289,23 @@ def test_decode_few_warps(codec, shape, device, monkeypatch):
 @pytest.mark.parametrize("device", kernel_helpers.DEVICES)
 @pytest.mark.parametrize("wide", [True, False])
 def test_fp8_decode_shape_by_batch(wide, device, monkeypatch):
-    """FP8 history decodes by `attend.FP8_WIDE_DECODE` (one warp, 32-key tiles) where the step has at
-    least `FP8_WIDE_PROGRAMS` (sequence, KV head) programs, by the 4-warp entry below that; both at
-    BF16-level error against the float64 reference. BF16 history keeps the entry either way."""
+    """FP8 history decodes by `attend.FP8_WIDE_DECODE` (one warp, 32-key tiles, three stages, page-table
+    entries a tile ahead) where the step has at least `FP8_WIDE_PROGRAMS` (sequence, KV head) programs,
+    by the 4-warp entry below that; both at BF16-level error against the float64 reference. BF16
+    history keeps the entry either way."""
     from test_kernels_attend import check_steps, make_cache
 
     from kvstrata.radix.kernels import attend
 
     monkeypatch.setattr(attend, "FP8_WIDE_PROGRAMS", 1 if wide else 10**9)
-    shapes = []  # (K format, num_warps, BLOCK_N) of each decode launch
+    shapes = []  # (K format, num_warps, BLOCK_N, num_stages, PREFETCH) of each decode launch
     launch = attend.pass_launch
 
     def recorded(g, k_fmt, *args, **kwargs):
         got = launch(g, k_fmt, *args, **kwargs)
         if g.tokens == 1:
-            shapes.append((k_fmt, got.options["num_warps"], got.options["BLOCK_N"]))
+            o = got.options
+            shapes.append((k_fmt, o["num_warps"], o["BLOCK_N"], o["num_stages"], o["PREFETCH"]))
         return got
 
     monkeypatch.setattr(attend, "pass_launch", recorded)
@@ -313,9 +315,13 @@ def test_fp8_decode_shape_by_batch(wide, device, monkeypatch):
     entry = attend.DECODE_LAUNCH[False]
     fp8 = {s[1:] for s in shapes if s[0] in attend.FP8_FORMATS}
     raw = {s[1:] for s in shapes if s[0] not in attend.FP8_FORMATS}
-    wide_shape = (attend.FP8_WIDE_DECODE["num_warps"], attend.FP8_WIDE_DECODE["block_n"])
-    assert fp8 == ({wide_shape} if wide else {(entry["num_warps"], entry["block_n"])})
-    assert raw == {(entry["num_warps"], entry["block_n"])}
+    wide_entry = dict(entry, **attend.FP8_WIDE_DECODE)
+    wide_shape, entry_shape = (
+        (e["num_warps"], e["block_n"], e["num_stages"], e["prefetch"]) for e in (wide_entry, entry)
+    )
+    assert wide_shape == (1, 32, 3, True)
+    assert fp8 == ({wide_shape} if wide else {entry_shape})
+    assert raw == {entry_shape}
 
 
 @pytest.mark.parametrize("device", kernel_helpers.DEVICES)

@@ -157,8 +157,12 @@ OTHER_4BIT_DECODE = dict(blocks=4, num_warps=4, programs=1024, maxnreg=128, tail
 # no spills, 8 programs an SM). H200, B=64 at 32K 1.300 ms against 1.573 for the 4-warp shape, B=256
 # at 2K 0.355 against 0.430, B=1,024 at 2K 1.416 against 1.580 (attention_sweep.py, one run; docs pass
 # 8). Smaller batches (B=1 at 32K reads 16 one-warp tiles a split instead of 4 of 4 warps) keep the
-# 4-warp shape: they were not measured with it.
-FP8_WIDE_DECODE = dict(block_n=32, num_warps=1, programs=4096, maxnreg=None)
+# 4-warp shape: they were not measured with it. Pass 11: three stages with the page-table entries a
+# tile ahead (``prefetch``): at two stages Nsight Compute put 30% of the warps' stall samples on the
+# wait for the tile's own copies; H200, B=64 at 32K 1.192 ms against 1.299, B=256 at 2K 0.337 against
+# 0.356, B=1,024 at 2K 1.275 against 1.418 (three stages alone were slower: 1.502 / 0.404 / 1.663;
+# attention_sweep.py, one run; docs pass 11).
+FP8_WIDE_DECODE = dict(block_n=32, num_warps=1, num_stages=3, prefetch=True, programs=4096, maxnreg=None)
 # int4 keys and values (`decode4`): one pipeline stage and 168 registers (12 one-warp programs an SM
 # instead of 8) on top of ``DECODE_LAUNCH[True]``. H200, B=64 at 32K 1.326 ms against 1.689 with fp4's
 # 2 stages and no cap, B=256 at 2K 0.404 against 0.453, B=1,024 at 2K 1.434 against 1.700; fp4 is
