@@ -30,6 +30,7 @@ from kvstrata.quant.registry import get_codec  # noqa: E402
 from kvstrata.radix.kernels import attend as kernels  # noqa: E402
 
 CONTEXT, CHUNK = 32768, 2048
+WIDE_DECODE = dict(kernels.FP8_WIDE_DECODE)  # the default wide shape; a variant's ``wide`` goes over it
 FOUR_BIT = ("int4", "fp4_e2m1")
 
 
@@ -200,13 +201,20 @@ _SWAP_FP8 = dict(_DEFAULT, wide_programs=10**9, block_n=64, swap_ab=True, maxnre
 # (``long_scoreboard``). Candidates: page-table entries a tile ahead (``prefetch``), a third and fourth
 # stage (7 and 6 programs an SM by shared memory). Pass 9's and 10's variants (measured above, or
 # offline: ``fp8_dot`` on the one-warp shape) left the list.
+# Measured (H200, one run; ms at B=64 32K / B=256 2K / B=1,024 2K / B=1 32K): pass 10's default 1.299 /
+# 0.356 / 1.418 / 0.046; ``prefetch`` 1.278 / 0.350 / 1.354 / 0.045; 3 stages 1.502 / 0.404 / 1.663 /
+# 0.049; 3 stages and ``prefetch`` 1.192 / 0.337 / 1.275 / 0.045 (`attend.FP8_WIDE_DECODE` since); 4
+# stages and ``prefetch`` 1.528 / 0.432 / 1.579 / 0.046; ``fp8_dot`` keys at 128 keys 1.919 / 0.540 /
+# 2.092 / 0.049. Nsight Compute on the new default: 75% of DRAM peak, and now 26% of the stall samples
+# on the tile's single-byte scale loads (``LDG.E.U8``, not copied ahead by the pipeliner), so the
+# second step loads the FP8 scale exponents a tile ahead beside the page-table entries (``bits_ahead``,
+# `decode._fp8_scale_bits`); ``wide`` variants over the default's wide shape: without it, at 2 and at
+# 4 stages.
 DECODE = [
     _DEFAULT,
-    dict(_DEFAULT, prefetch=True),
-    dict(_DEFAULT, num_stages=3),
-    dict(_DEFAULT, num_stages=3, prefetch=True),
-    dict(_DEFAULT, num_stages=4, prefetch=True),
-    dict(_SWAP_FP8, fp8_dot="keys", block_n=128),
+    dict(_DEFAULT, wide=dict(bits_ahead=False)),
+    dict(_DEFAULT, wide=dict(num_stages=2)),
+    dict(_DEFAULT, wide=dict(num_stages=4)),
 ]
 # int8 keys (per-channel scales) by keys or by 16-token blocks; not part of the fastest-shape pick
 # (it would set the entry FP8 shares).
@@ -329,7 +337,8 @@ def use(kind: str, codec: str, launch: dict | None) -> None:
 
 def apply(key: tuple[str, bool | str], launch: dict) -> None:
     """Set launch table entry ``key`` to ``launch``; a decode variant's ``wide_programs`` goes to
-    `attend.FP8_WIDE_PROGRAMS` (from how many programs FP8 history takes `attend.FP8_WIDE_DECODE`)."""
+    `attend.FP8_WIDE_PROGRAMS` (from how many programs FP8 history takes `attend.FP8_WIDE_DECODE`),
+    its ``wide`` over `attend.FP8_WIDE_DECODE`'s own entries (which win over the table's)."""
     launch = dict(launch)
     if key == ("decode", True):  # a 4-bit variant runs as written, int4 too (not `attend.INT4_DECODE`)
         kernels.INT4_DECODE = {}
@@ -337,6 +346,7 @@ def apply(key: tuple[str, bool | str], launch: dict) -> None:
         kernels.FP8_WIDE_PROGRAMS = launch.pop("wide_programs")
     if "wide_formats" in launch:
         kernels.WIDE_DECODE_FORMATS = tuple(launch.pop("wide_formats"))
+    kernels.FP8_WIDE_DECODE = {**WIDE_DECODE, **launch.pop("wide", {})}
     table_of(key).update(launch)
 
 
@@ -456,6 +466,7 @@ def sweep() -> dict[tuple[str, bool | str], dict]:
         blocks += {True: ", fp8 dots", "keys": ", fp8 key dots"}.get(s.get("fp8_dot"), "")
         blocks += ", keys as rows" if s.get("keys_as_rows") else ""
         blocks += ", value reference" if s.get("value_reference") else ""
+        blocks += f", wide shape with {s['wide']}" if s.get("wide") else ""
         print(
             f"| {kind} | {batch} | {context} | {codec} | {s['block_m']} x {s['block_n']} | "
             f"{s['num_warps']} | "
@@ -463,18 +474,20 @@ def sweep() -> dict[tuple[str, bool | str], dict]:
         )
     total: dict[tuple, float] = {}
     timed: dict[tuple, int] = {}
+    shapes: dict[tuple, dict] = {}
     for kind, codec, _, _, s, ms, _, _ in rows:
         if codec == "int8":
             continue
-        key = (entry(kind, codec), tuple(s.items()))
+        key = (entry(kind, codec), repr(s))  # a variant's ``wide`` is a dict: not hashable itself
+        shapes[key] = s
         total[key] = total.get(key, 0.0) + ms
         timed[key] = timed.get(key, 0) + 1
     # Only shapes that ran in every case of their entry (a failure at one batch is no saving).
     most = {k[0]: max(n for kk, n in timed.items() if kk[0] == k[0]) for k in timed}
     best: dict[tuple[str, bool | str], dict] = {}
-    for which, items in sorted(total, key=total.get, reverse=True):
-        if timed[which, items] == most[which]:
-            best[which] = dict(items)
+    for key in sorted(total, key=total.get, reverse=True):
+        if timed[key] == most[key[0]]:
+            best[key[0]] = shapes[key]
     print("\nfastest shapes (table entry): " + "; ".join(f"{k}: {v}" for k, v in best.items()), flush=True)
     return best
 

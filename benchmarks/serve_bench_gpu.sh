@@ -11,7 +11,8 @@
 # pydantic, opentelemetry-api: the SGLang payload's site; httptools and a recent uvloop from their cp312 wheels,
 # several directories joined with ':'; the server logs `uvloop + httptools` when it runs on them). Knobs: NPROMPTS (256), CONC (256), ILEN (1536), OLEN (512), DEADLINE (s, 280),
 # MIN_LEFT (s needed to start a config, 60), BENCH_TOOLS (kvstrata: `kvstrata bench`; sglang: SGLang's
-# bench_serving as an OpenAI client; comma-separated: each in turn against the same server, seeds 1, 2, ...),
+# bench_serving as an OpenAI client; kvstrata@N: `kvstrata bench` with N client processes; comma-separated:
+# each in turn against the same server, seeds 1, 2, ...),
 # BENCH_WORKERS (kvstrata bench --num-workers, 4). Every server runs with --max-running-requests $CONC
 # --cuda-graph-max-bs $CONC --chunked-prefill-size ${CHUNK:-8192} --kv-plan off.
 # TRACE=1: each server writes its step timeline (KVSTRATA_STEP_TRACE, kvstrata/engine/trace.py) to
@@ -37,7 +38,8 @@ health() {
 # TOOL kvstrata: `kvstrata bench` (token-id prompts); sglang: SGLang's bench_serving (needs sglang on
 # PYTHONPATH, e.g. the payload's site) as an OpenAI client (`--backend vllm`: /v1/completions, text prompts).
 bench_one() {
-  local name=$1 tool=$2 seed=$3 tokens=$4
+  local name=$1 tool=$2 seed=$3 tokens=$4 workers=$BENCH_WORKERS
+  if [[ $tool == kvstrata@* ]]; then workers=${tool#kvstrata@}; fi  # kvstrata@N: N client processes
   local tb=$(date +%s) tl=$(( $(left) - 10 )) before=0 rc
   [ -f "$OUT/bench.jsonl" ] && before=$(wc -l < "$OUT/bench.jsonl")
   if [ "$tool" = sglang ]; then
@@ -53,7 +55,7 @@ bench_one() {
     timeout $tl python3 -m kvstrata bench --base-url http://127.0.0.1:$PORT --tokenizer "$MODEL" \
         --dataset-name random-ids --random-input-len "$ILEN" --random-output-len "$OLEN" \
         --random-range-ratio 1.0 --num-prompts "$NPROMPTS" --max-concurrency "$CONC" --seed "$seed" \
-        --warmup-requests 1 --num-workers "$BENCH_WORKERS" --disable-tqdm --output-file "$OUT/bench.jsonl" \
+        --warmup-requests 1 --num-workers "$workers" --disable-tqdm --output-file "$OUT/bench.jsonl" \
         > "$OUT/bench_${name}_$tool.log" 2>&1
   fi
   rc=$?

@@ -2,11 +2,11 @@
 at most ``max_concurrency`` in flight, a rich progress bar, one warm-up request first.
 
 ``num_workers`` > 1 spreads the requests over that many client processes (round robin, each with its
-share of the concurrency cap and its own event loop), started on one common clock. One Python event
-loop reading hundreds of token streams falls behind the server: on an H200 serving 256 streams of
-about 50 tokens/s each (~13K events/s), a single process measured a median ITL of 20.9 ms (fp8) and
-30.2 ms (BF16) where SGLang's ``bench_serving`` (aiohttp) measured 18.7 and 23.1 on the same server
-code; a late read splits one step's gap into a short and a long one."""
+share of the concurrency cap and its own event loop), started together once all hold their jobs. One
+Python event loop reading hundreds of token streams falls behind the server: on an H200 serving 256
+streams of about 50 tokens/s each (~13K events/s), a single process measured a median ITL of 20.9 ms
+(fp8) and 30.2 ms (BF16) where SGLang's ``bench_serving`` (aiohttp) measured 18.7 and 23.1 on the same
+server code; a late read splits one step's gap into a short and a long one."""
 
 from __future__ import annotations
 
@@ -105,12 +105,18 @@ async def _drive(
 
 
 def _worker(
-    endpoint: Endpoint, vocab: Vocabulary, jobs: list[Job], cap: int, start: float, events: Any
-) -> tuple[list[tuple[int, RequestResult]], float]:
-    """One client process: its jobs on its own event loop; each result's (success, tokens) to ``events``."""
-    return asyncio.run(
+    endpoint: Endpoint, vocab: Vocabulary, jobs: list[Job], cap: int, go: Any, events: Any
+) -> tuple[list[tuple[int, RequestResult]], float, float]:
+    """One client process: its jobs on its own event loop, sent from the instant every worker holds its
+    jobs (``go``, a barrier: the pool hands the workers their arguments one after another, so a start
+    time fixed by the parent found some still unpacking them); each result's (success, tokens) to
+    ``events``. Returns the results, and the monotonic times of the start and of the last answer."""
+    go.wait(timeout=300)
+    start = time.monotonic()
+    out, end = asyncio.run(
         _drive(endpoint, vocab, jobs, cap, start, lambda r: events.put((r.success, r.output_len)))
     )
+    return out, start, end
 
 
 async def run_load(
@@ -160,7 +166,8 @@ async def _in_workers(
     done: Callable[[bool, int], None],
 ) -> tuple[list[tuple[int, RequestResult]], float, float]:
     """``jobs`` round robin over ``workers`` spawned processes, the cap split as evenly (each at least
-    one), all starting at one monotonic instant (Linux's clock is system-wide) once they are up."""
+    one), all starting together once each is up and holds its jobs (`_worker`); the duration runs from
+    the first worker's start (Linux's monotonic clock is system-wide) to the last answer."""
     ctx = multiprocessing.get_context("spawn")
     shares = [jobs[w::workers] for w in range(workers)]
     caps = [max(1, cap // workers + (w < cap % workers)) for w in range(workers)]
@@ -172,9 +179,9 @@ async def _in_workers(
         # warm-up task and the others started their requests seconds late: concurrency 195 of 256.)
         barrier = manager.Barrier(workers)
         list(pool.map(_ready, [barrier] * workers))
-        start = time.monotonic() + 0.2
+        go = manager.Barrier(workers)
         futures = [
-            loop.run_in_executor(pool, _worker, endpoint, vocab, share, c, start, events)
+            loop.run_in_executor(pool, _worker, endpoint, vocab, share, c, go, events)
             for share, c in zip(shares, caps, strict=True)
         ]
         finished = asyncio.gather(*futures)
@@ -187,8 +194,8 @@ async def _in_workers(
                 continue
             done(success, tokens)
         parts = finished.result()
-    got = [item for part, _ in parts for item in part]
-    return got, start, max(end for _, end in parts)
+    got = [item for part, _, _ in parts for item in part]
+    return got, min(start for _, start, _ in parts), max(end for _, _, end in parts)
 
 
 def _ready(barrier: Any) -> bool:

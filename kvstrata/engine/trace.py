@@ -18,9 +18,9 @@ environment on) and every step writes one JSON line:
 (`kvstrata.server.app`) through `loop_lag`; ``gc`` lines each collection of the older generations
 (``gen`` 1 or 2, ``ms``; `gc.callbacks`, any thread: every thread waits for it); a ``mark`` line
 (``name`` `WARMUP_DONE`) the end of the engine's start-up warm-up. `summarize` turns a file into
-totals per step kind, medians of the decode steps, stalled steps, collections and the idle gaps, from
-the warm-up mark on; ``benchmarks/step_timeline.py`` prints it. The cost when on: a dict and two
-CUDA events per step; off (the default) nothing runs.
+totals per step kind, medians of the decode steps at the steady batch size, stalled steps,
+collections and the idle gaps, from the warm-up mark on; ``benchmarks/step_timeline.py`` prints it.
+The cost when on: a dict and two CUDA events per step; off (the default) nothing runs.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import os
 import statistics
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -209,10 +209,12 @@ class KindTotals:
 class Timeline:
     span_s: float
     kinds: dict[str, KindTotals]
-    # per decode step: wall, gpu, idle and the host parts (ms); by whether the step's ids stayed on
-    # the device (overlap scheduling: True) or were read back before the next step was planned
+    # per decode step at the steady batch size (`steady_batch`): wall, gpu, idle and the host parts
+    # (ms); by whether the step's ids stayed on the device (overlap scheduling: True) or were read
+    # back before the next step was planned
     decode_median: dict[bool, dict[str, float]]
-    decode_batch_median: dict[bool, float]
+    decode_batch: dict[bool, int]  # that batch size
+    decode_steps_at_batch: dict[bool, tuple[int, int]]  # (decode steps at that size, all of them)
     engine_idle_s: float  # the span less every step's wall time: the engine thread waiting for work
     loop_lag_ms: dict[str, float]  # median, p90, max of the event loop's lag while steps ran
     loop_samples: int
@@ -224,6 +226,15 @@ class Timeline:
 
 
 STALL_FACTOR, STALL_MS = 5.0, 100.0
+STEADY_SHARE = 0.1  # a batch size needs this share of the decode steps to be the steady one
+
+
+def steady_batch(sizes: list[int]) -> int:
+    """The largest batch size that at least `STEADY_SHARE` of the decode steps ran at: the steady state
+    of a load, where a median over every step can fall between two sizes (a benchmark's warm-up
+    request decodes alone as many steps as its load decodes at full batch)."""
+    counts = Counter(sizes)
+    return max(size for size, n in counts.items() if n >= STEADY_SHARE * len(sizes))
 
 
 def read_trace(lines: Iterable[str]) -> list[dict[str, Any]]:
@@ -260,13 +271,17 @@ def summarize(records: list[dict[str, Any]]) -> Timeline:
             k.host_s[part] += r.get(part, 0.0) / 1e3
     span = last - first
     median: dict[bool, dict[str, float]] = {}
-    batch: dict[bool, float] = {}
+    batch: dict[bool, int] = {}
+    counted: dict[bool, tuple[int, int]] = {}
     for deferred in (False, True):
         decodes = [r for r in steps if r["kind"] == "decode" and r["deferred"] is deferred]
         if decodes:
+            size = steady_batch([r["batch"] for r in decodes])
+            at = [r for r in decodes if r["batch"] == size]
             keys = ("wall", "gpu", "idle", *HOST_PARTS)
-            median[deferred] = {key: statistics.median(r.get(key, 0.0) for r in decodes) for key in keys}
-            batch[deferred] = statistics.median(r["batch"] for r in decodes)
+            median[deferred] = {key: statistics.median(r.get(key, 0.0) for r in at) for key in keys}
+            batch[deferred] = size
+            counted[deferred] = (len(at), len(decodes))
     walls: dict[str, list[float]] = {}
     for r in steps:
         walls.setdefault(r["kind"], []).append(r["wall"])
@@ -287,7 +302,8 @@ def summarize(records: list[dict[str, Any]]) -> Timeline:
         span_s=span,
         kinds=kinds,
         decode_median=median,
-        decode_batch_median=batch,
+        decode_batch=batch,
+        decode_steps_at_batch=counted,
         engine_idle_s=max(0.0, span - sum(k.wall_s for k in kinds.values())),
         loop_lag_ms={
             "median": statistics.median(lags) if lags else 0.0,
@@ -312,9 +328,11 @@ def format_timeline(t: Timeline) -> str:
         rows.append(f"| {name} | {k.steps} | {k.tokens:,} | " + " | ".join(cells) + " |")
     rows.append("")
     for deferred, m in t.decode_median.items():
+        at, of = t.decode_steps_at_batch[deferred]
         rows.append(
-            f"decode step medians ({'ids left on the device' if deferred else 'ids read back'}, batch "
-            f"{t.decode_batch_median[deferred]:.0f}): wall {m['wall']:.2f} ms, GPU {m['gpu']:.2f} ms, "
+            f"decode step medians ({'ids left on the device' if deferred else 'ids read back'}, the {at} "
+            f"of {of} steps at batch {t.decode_batch[deferred]}): wall {m['wall']:.2f} ms, "
+            f"GPU {m['gpu']:.2f} ms, "
             f"GPU idle before it {m['idle']:.2f} ms; host: "
             + ", ".join(f"{p} {m[p]:.2f}" for p in HOST_PARTS)
             + " ms"

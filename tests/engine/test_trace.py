@@ -65,7 +65,8 @@ def test_trace_counts_every_step(default_model, tmp_path, monkeypatch, overlap: 
     decodes = [r for r in steps if r["kind"] == "decode"]
     assert timeline.kinds["decode"].steps == len(decodes)
     assert (True in timeline.decode_median) is overlap  # overlap leaves greedy ids on the device
-    walls = [r["wall"] for r in decodes if r["deferred"] is overlap]
+    size = timeline.decode_batch[overlap]
+    walls = [r["wall"] for r in decodes if r["deferred"] is overlap and r["batch"] == size]
     assert timeline.decode_median[overlap]["wall"] == pytest.approx(statistics.median(walls))
 
 
@@ -217,3 +218,23 @@ def test_collections_are_recorded(tmp_path) -> None:
     assert [(r["kind"], r["gen"]) for r in records] == [("gc", 1), ("gc", 2)]
     assert all(r["ms"] >= 0 for r in records)
     assert summarize(records).gc_ms.keys() == {1, 2}
+
+
+def test_decode_medians_at_the_steady_batch() -> None:
+    """A benchmark's warm-up request decodes alone about as many steps as its load decodes at full
+    batch: the medians are those of the largest batch size with a tenth of the steps or more (not a
+    median over both, which fell between them), and the line says how many steps that is."""
+
+    def step(t: float, batch: int, gpu: float) -> dict[str, Any]:
+        parts = dict.fromkeys(("plan", "launch", "flush", "wait", "post"), 0.0)
+        return {"t": t, "kind": "decode", "batch": batch, "tokens": batch, **parts, "wall": gpu, "gpu": gpu,
+                "idle": 0.0, "deferred": True}  # fmt: skip
+
+    records = [step(i * 0.01, 1, 5.0) for i in range(511)]
+    records += [step(6 + i * 0.02, 256, 17.0 + (i % 3)) for i in range(512)]
+    records += [step(20 + i * 0.02, 200 + i, 15.0) for i in range(40)]  # the tail, each size once
+    timeline = summarize(records)
+    assert timeline.decode_batch == {True: 256}
+    assert timeline.decode_steps_at_batch == {True: (512, 1063)}
+    assert timeline.decode_median[True]["gpu"] == 18.0
+    assert "the 512 of 1063 steps at batch 256" in format_timeline(timeline)

@@ -290,22 +290,24 @@ def test_decode_few_warps(codec, shape, device, monkeypatch):
 @pytest.mark.parametrize("wide", [True, False])
 def test_fp8_decode_shape_by_batch(wide, device, monkeypatch):
     """FP8 history decodes by `attend.FP8_WIDE_DECODE` (one warp, 32-key tiles, three stages, page-table
-    entries a tile ahead) where the step has at least `FP8_WIDE_PROGRAMS` (sequence, KV head) programs,
-    by the 4-warp entry below that; both at BF16-level error against the float64 reference. BF16
-    history keeps the entry either way."""
+    entries and scale exponents a tile ahead) where the step has at least `FP8_WIDE_PROGRAMS`
+    (sequence, KV head) programs, by the 4-warp entry below that; both at BF16-level error against the
+    float64 reference. BF16 history keeps the entry either way."""
     from test_kernels_attend import check_steps, make_cache
 
     from kvstrata.radix.kernels import attend
 
     monkeypatch.setattr(attend, "FP8_WIDE_PROGRAMS", 1 if wide else 10**9)
-    shapes = []  # (K format, num_warps, BLOCK_N, num_stages, PREFETCH) of each decode launch
+    shapes = []  # (K format, num_warps, BLOCK_N, num_stages, PREFETCH, BITS_AHEAD) of each decode launch
     launch = attend.pass_launch
 
     def recorded(g, k_fmt, *args, **kwargs):
         got = launch(g, k_fmt, *args, **kwargs)
         if g.tokens == 1:
             o = got.options
-            shapes.append((k_fmt, o["num_warps"], o["BLOCK_N"], o["num_stages"], o["PREFETCH"]))
+            shapes.append(
+                (k_fmt, o["num_warps"], o["BLOCK_N"], o["num_stages"], o["PREFETCH"], o["BITS_AHEAD"])
+            )
         return got
 
     monkeypatch.setattr(attend, "pass_launch", recorded)
@@ -320,8 +322,9 @@ def test_fp8_decode_shape_by_batch(wide, device, monkeypatch):
         (e["num_warps"], e["block_n"], e["num_stages"], e["prefetch"]) for e in (wide_entry, entry)
     )
     assert wide_shape == (1, 32, 3, True)
-    assert fp8 == ({wide_shape} if wide else {entry_shape})
-    assert raw == {entry_shape}
+    # the wide shape loads the FP8 scale exponents a tile ahead with the page-table entries
+    assert fp8 == ({(*wide_shape, True)} if wide else {(*entry_shape, False)})
+    assert raw == {(*entry_shape, False)}
 
 
 @pytest.mark.parametrize("device", kernel_helpers.DEVICES)

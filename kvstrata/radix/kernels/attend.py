@@ -400,6 +400,9 @@ def _cold_tile(
     NORM_W: tl.constexpr,
     HALVES: tl.constexpr = False,
     POW2_W: tl.constexpr = False,
+    BITS_GIVEN: tl.constexpr = False,
+    k_bits=0,
+    v_bits=0,
 ):
     """One tile of cold keys ``j`` (``[N]`` positions in the sequence's cold pages, ``MASKED``: those
     at or past ``end`` are padding) in pages ``page`` (``[N]`` int64, from the page table). Keys and
@@ -408,13 +411,15 @@ def _cold_tile(
     scores' columns and the value scale the softmax weights (``(p * s_v) . codes + p . offset_v``).
     Per-channel key scales (int8) and 4-bit codes decode per element (`load_decoded`).
 
-    8-bit codes enter their dots as ``CODE_DTYPE`` (FP8 and int8 codes are exact in FP16; ``qc`` is q
-    in it). ``NORM_W``: the scaled weights are divided by the tile's largest value scale before the
-    cast and the product multiplied back, so FP16 weights stay normal (``p * s_v`` of a small scale
-    would lose bits as an FP16 subnormal); with ``POW2_W`` (decode) FP8 values' power-of-two scales
+    8-bit codes enter their dots as ``CODE_DTYPE`` (FP8 and int8 codes are exact in FP16; ``qc`` is q in
+    it). ``BITS_GIVEN`` (decode, FP8 keys and values with ``POW2_W``): the tile's key and value scale
+    exponents come in as ``k_bits`` / ``v_bits`` (`decode._fp8_scale_bits`, loaded a tile ahead) instead
+    of being loaded here. ``NORM_W``: the scaled weights are divided by the tile's largest value scale
+    before the cast and the product multiplied back, so FP16 weights stay normal (``p * s_v`` of a small
+    scale would lose bits as an FP16 subnormal); with ``POW2_W`` (decode) FP8 values' power-of-two scales
     join the softmax exponent instead (`_online_pow2_scaled`: no cross-warp max of the scales a tile;
-    H200: FP8 extend 5.141 ms with it, 4.904 without in pass 4). ``HALVES``: 8/16-bit
-    value codes in `_codes`' channel-pair layout (``acc``'s columns in that order)."""
+    H200: FP8 extend 5.141 ms with it, 4.904 without in pass 4). ``HALVES``: 8/16-bit value codes in
+    `_codes`' channel-pair layout (``acc``'s columns in that order)."""
     ok = j < end
     tok = (j % P).to(tl.int64)
     row = (page * P + tok) * H + h
@@ -425,7 +430,9 @@ def _cold_tile(
     elif K_FMT <= 2:
         k = _codes(K0, row[:, None], d[None, :], d_ok, D, BLOCK_D, K_FMT, CODE_DTYPE, NORM_W)
         s = tl.dot(qc, tl.trans(k), input_precision=DOT_PREC)
-        s = s * pow2_scale(tl.load(K1 + page * H + h))[None, :]
+        if not BITS_GIVEN:
+            k_bits = tl.load(K1 + page * H + h)
+        s = s * pow2_scale(k_bits)[None, :]
     else:
         k = load_decoded(K0, K1, K2, page[:, None], tok[:, None], h, d[None, :], ok[:, None] & d_ok,
                          ok[:, None], H, P, D, BLOCK_D, K_FMT, True).to(DOT_DTYPE)  # fmt: skip
@@ -434,7 +441,9 @@ def _cold_tile(
         s = tl.where(ok[None, :], s, float("-inf"))
     if (V_FMT == 1 or V_FMT == 2) and NORM_W and POW2_W:
         v = _codes(V0, row[:, None], d[None, :], d_ok, D, BLOCK_D, V_FMT, CODE_DTYPE, NORM_W, HALVES)
-        w, alpha, m_i, l_i = _online_pow2_scaled(s, tl.load(V1 + row), m_i, l_i)
+        if not BITS_GIVEN:
+            v_bits = tl.load(V1 + row)
+        w, alpha, m_i, l_i = _online_pow2_scaled(s, v_bits, m_i, l_i)
         acc = acc * alpha[:, None] + tl.dot(w.to(CODE_DTYPE), v, input_precision=DOT_PREC)
     elif V_FMT == 0:
         p, alpha, m_i, l_i = _online(s, m_i, l_i)

@@ -438,12 +438,16 @@ def _decode_cold_tile(
     LAZY: tl.constexpr,
     FP8_DOT: tl.constexpr,
     W_UNIT: tl.constexpr,
+    BITS_AHEAD: tl.constexpr,
+    k_bits,
+    v_bits,
 ):
     """One cold tile of the decode loop: `_fp8_dot_tile` with ``FP8_DOT`` (``fp8_dot``), `_fp8_tile`
     where pass 9's options apply (``CODES_ASM`` or
     ``LAZY``, set by `decode_options` for FP8 keys and values only), `_cold_tile_t` (``SWAP``) or
-    `_cold_tile` with the decode module's value scales (its last argument), so the full tiles and the
-    masked last one share a call."""
+    `_cold_tile` with the decode module's value scales (``POW2_W``), so the full tiles and the masked
+    last one share a call. ``BITS_AHEAD``: `_cold_tile`'s scale exponents ``k_bits`` / ``v_bits`` were
+    loaded a tile ahead (`_fp8_scale_bits`)."""
     if FP8_DOT > 0:
         acc, m_i, l_i = _fp8_dot_tile(
             qh, ql, kq, acc, m_i, l_i, page, K0, K1, V0, V1, j, end, d, h,
@@ -463,8 +467,20 @@ def _decode_cold_tile(
         acc, m_i, l_i = _cold_tile(
             qd, qc, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, j, end, d, h,
             H, P, D, BLOCK_D, K_FMT, V_FMT, MASKED, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES, True,
+            BITS_AHEAD, k_bits, v_bits,
         )  # fmt: skip
     return acc, m_i, l_i
+
+
+@triton.jit
+def _fp8_scale_bits(K1, V1, page, j, h, H, P: tl.constexpr):
+    """The scale exponents of a tile of FP8 history, keys ``j`` in pages ``page``: the key's (one a
+    page and head) and the value's (one a token and head), uint8 each. Single bytes, which Triton's
+    pipeliner does not copy ahead (an async copy moves 4 bytes or more): with ``BITS_AHEAD`` the
+    kernel loads them a tile ahead, beside the page-table entries (H200: the plain loads were the
+    wide loop's largest stall, docs pass 11)."""
+    row = (page * P + (j % P).to(tl.int64)) * H + h
+    return tl.load(K1 + page * H + h), tl.load(V1 + row)
 
 
 @jit_unspecialized(ints=STEP_INTS, pointers=STEP_POINTERS)  # as `attend._attend_kernel`'s
@@ -520,6 +536,7 @@ def _decode_kernel(
     LAZY_RESCALE: tl.constexpr,
     FP8_DOT: tl.constexpr,
     W_UNIT: tl.constexpr,
+    BITS_AHEAD: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -560,28 +577,37 @@ def _decode_kernel(
     full = lo * P + tl.maximum(hi - lo, 0) * P // BLOCK_N * BLOCK_N
     n = tl.arange(0, BLOCK_N)
     pt = PT + b * pt_stride
+    k_bits = 0  # FP8 scale exponents a tile ahead (BITS_AHEAD), else loaded in the tile
+    v_bits = 0
     if PREFETCH:  # page-table entries a tile ahead, so a tile's code loads never wait on them
         page = tl.load(pt + (lo * P + n) // P, mask=lo * P + n < end, other=0).to(tl.int64)
+        if BITS_AHEAD:
+            k_bits, v_bits = _fp8_scale_bits(K1, V1, page, lo * P + n, h, H, P)
     for j0 in range(lo * P, full, BLOCK_N):
         if PREFETCH:
             ahead = j0 + BLOCK_N + n
             page_ahead = tl.load(pt + ahead // P, mask=ahead < end, other=0).to(tl.int64)
+            if BITS_AHEAD:
+                k_ahead, v_ahead = _fp8_scale_bits(K1, V1, page_ahead, ahead, h, H, P)
         else:
             page = tl.load(pt + (j0 + n) // P).to(tl.int64)
         acc, m_i, l_i = _decode_cold_tile(
             qd, qc, qh, ql, kq, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, j0 + n, end, d, h,
             H, P, D, BLOCK_D, K_FMT, V_FMT, False, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES, SWAP,
-            CODES_ASM, LAZY_RESCALE, FP8_DOT, W_UNIT,
+            CODES_ASM, LAZY_RESCALE, FP8_DOT, W_UNIT, BITS_AHEAD, k_bits, v_bits,
         )  # fmt: skip
         if PREFETCH:
             page = page_ahead
+            if BITS_AHEAD:
+                k_bits = k_ahead
+                v_bits = v_ahead
     if full < end:
         if not PREFETCH:
             page = tl.load(pt + (full + n) // P, mask=full + n < end, other=0).to(tl.int64)
         acc, m_i, l_i = _decode_cold_tile(
             qd, qc, qh, ql, kq, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, full + n, end, d, h,
             H, P, D, BLOCK_D, K_FMT, V_FMT, True, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES, SWAP,
-            CODES_ASM, LAZY_RESCALE, FP8_DOT, W_UNIT,
+            CODES_ASM, LAZY_RESCALE, FP8_DOT, W_UNIT, BITS_AHEAD, k_bits, v_bits,
         )  # fmt: skip
     if FP8_DOT == 2:  # the weights' operands were in units of W_UNIT
         acc = acc * (1.0 / W_UNIT)
@@ -650,12 +676,16 @@ def decode_options(group: int, launch: dict, one_dtype: bool, meta: dict) -> dic
     ``launch`` the `DECODE_LAUNCH` entry (``block_n``, ``num_warps``, ``num_stages``, ``prefetch``,
     ``swap_ab``, ``halves``: value codes in `_codes`' channel-pair layout where `halves_apply`,
     ``maxnreg``: a register cap per thread for coded history, so more programs fit an SM, or None;
+    ``bits_ahead`` (absent: on): with ``prefetch``, FP8 scale exponents a tile ahead too (`bits_ahead`);
     ``merged_tail``: the sink page, ring rows and new key as one run of tiles, where ``one_dtype``:
     the step's K/V, the ring and the sinks share a dtype). Pass 9, FP8 keys and values of a BF16 model
     only (`fp8_options`): ``codes_asm`` and ``lazy_rescale``. The kernel's runtime arguments are
     `_attend_kernel`'s without ``T``, its grid (sequences, KV heads, splits)."""
     swap = launch.get("swap_ab", False)
     halves = bool(launch.get("halves")) and halves_apply(meta)
+    fp8 = fp8_options(launch, meta, swap, halves)
+    wanted = bool(launch["prefetch"] and launch.get("bits_ahead", True))
+    ahead = wanted and bits_ahead(meta, fp8, swap, halves)
     options = dict(
         meta,
         GROUP=group,
@@ -665,13 +695,22 @@ def decode_options(group: int, launch: dict, one_dtype: bool, meta: dict) -> dic
         SWAP=swap,
         HALVES=halves,
         MERGED_TAIL=launch.get("merged_tail", True) and one_dtype,
-        **fp8_options(launch, meta, swap, halves),
+        **fp8,
+        BITS_AHEAD=ahead,
         num_warps=launch["num_warps"],
         num_stages=launch["num_stages"],
     )
     if launch.get("maxnreg") and (meta["K_FMT"], meta["V_FMT"]) != (0, 0):  # coded history only
         options["maxnreg"] = launch["maxnreg"]
     return options
+
+
+def bits_ahead(meta: dict, fp8: dict, swap: bool, halves: bool) -> bool:
+    """Whether the tile is `_cold_tile`'s for FP8 keys and values with power-of-two value scales in the
+    softmax exponent (a BF16 model, none of pass 9's or 10's FP8 options, plain layout), whose scale
+    exponents ``prefetch`` then loads a tile ahead (`_fp8_scale_bits`)."""
+    plain = not (swap or halves or fp8["CODES_ASM"] or fp8["LAZY_RESCALE"] or fp8["FP8_DOT"])
+    return meta["K_FMT"] in (1, 2) and meta["V_FMT"] in (1, 2) and meta["NORM_W"] and plain
 
 
 CODES_ASM = {False: 0, "values": 1, True: 2}  # a launch's ``codes_asm``: `_fp8_tile`'s ``CODES_ASM``
