@@ -416,14 +416,18 @@ class EngineCore:
         else:
             self._absorb(step.sampled, self.runner.sampler.collect(step.sample), step.logits)
 
-    @staticmethod
-    def _may_defer(step: Launched) -> bool:
+    def _may_defer(self, step: Launched) -> bool:
         """Whether the step's ids may stay on the device: no request needs them on the host before
-        its next step (penalties count them, logprobs and drift re-scoring read the step's rows)."""
-        return all(
-            r.penalties is None and not r.params.return_logprob and r.drift_logprobs is None and r.mm is None
+        its next step (penalties count them, logprobs read the step's rows, and so does the drift
+        monitor for the first ``drift_max_tokens`` steps of a sampled request, not after)."""
+        return not any(
+            r.penalties is not None or r.params.return_logprob or r.mm is not None or self._records_drift(r)
             for r in step.sampled
         )
+
+    def _records_drift(self, req: Request) -> bool:
+        """Whether the drift monitor still records ``req``'s steps' log-softmax rows (`_absorb`)."""
+        return req.drift_logprobs is not None and len(req.drift_logprobs) < self.args.drift_max_tokens
 
     def _settle(self, ended: list[tuple[Request, dict[str, Any]]] | None = None) -> None:
         """Read back and apply the step in flight, if any (``ended``: see `_absorb`)."""
@@ -466,7 +470,7 @@ class EngineCore:
                 if req.params.return_logprob:
                     req.token_logprobs.append((out.token_logprobs[i], tok))
                     req.top_logprobs.append([(lp, t) for t, lp in out.top_logprobs[i] or []])
-                if req.drift_logprobs is not None and len(req.drift_logprobs) < self.args.drift_max_tokens:
+                if self._records_drift(req):
                     assert logits is not None
                     req.drift_logprobs.append(torch.log_softmax(logits[i].float(), dim=-1).cpu())
                 req.append(tok, now)

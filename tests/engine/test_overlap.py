@@ -16,6 +16,7 @@ import pytest
 import torch
 from prompt_texts import PROMPT_TEXTS
 
+from kvstrata.engine.drift import DriftSample
 from kvstrata.engine.engine import Engine
 
 LENGTHS = [3, 40, 17, 1, 29, 24]
@@ -237,3 +238,25 @@ def test_a_failed_plan_takes_the_token_in_flight_first(default_model, monkeypatc
         assert_clean(engine)
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("recorded", [4, 64])
+def test_drift_sampled_requests_defer_once_recorded(default_model, prompts, recorded):
+    """The drift monitor reads a sampled request's log-softmax rows for its first ``drift_max_tokens``
+    steps only: after those its steps keep their ids on the device like any other's (with 4 recorded
+    of 24 tokens, most steps defer; with 64, none does). Same tokens as without overlap, and every
+    request's re-scored sample holds exactly the recorded steps."""
+    params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+
+    def run(engine: Engine) -> tuple[list, list[int]]:
+        samples: list[DriftSample] = []
+        engine.subscribe(lambda e: samples.append(e) if isinstance(e, DriftSample) else None)
+        got = outputs(engine, prompts[:3], [params] * 3)
+        assert engine.wait_drift_idle(timeout=120)
+        return got, sorted(s.tokens for s in samples)
+
+    drift = dict(drift_sample_rate=1.0, drift_threshold=1e9, drift_max_tokens=recorded, seed=0)
+    (off, off_tokens), (on, on_tokens), deferred = both(default_model, run, **drift)
+    assert on == off
+    assert off_tokens == on_tokens == [min(recorded, 24)] * 3
+    assert (deferred > 0) is (recorded < 24)
