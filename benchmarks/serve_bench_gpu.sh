@@ -39,7 +39,7 @@ health() {
 # PYTHONPATH, e.g. the payload's site) as an OpenAI client (`--backend vllm`: /v1/completions, text prompts).
 bench_one() {
   local name=$1 tool=$2 seed=$3 tokens=$4 workers=$BENCH_WORKERS
-  if [[ $tool == kvstrata@* ]]; then workers=${tool#kvstrata@}; fi  # kvstrata@N: N client processes
+  if [[ $tool == kvstrata@* ]]; then workers=${tool#kvstrata@}; workers=${workers:-$BENCH_WORKERS}; fi  # kvstrata@N
   local tb=$(date +%s) tl=$(( $(left) - 10 )) before=0 rc
   [ -f "$OUT/bench.jsonl" ] && before=$(wc -l < "$OUT/bench.jsonl")
   if [ "$tool" = sglang ]; then

@@ -178,22 +178,29 @@ async def _in_workers(
         # the others, so each runs in a process of its own. (Without it, the first worker up took every
         # warm-up task and the others started their requests seconds late: concurrency 195 of 256.)
         barrier = manager.Barrier(workers)
-        list(pool.map(_ready, [barrier] * workers))
         go = manager.Barrier(workers)
-        futures = [
-            loop.run_in_executor(pool, _worker, endpoint, vocab, share, c, go, events)
-            for share, c in zip(shares, caps, strict=True)
-        ]
-        finished = asyncio.gather(*futures)
-        while True:  # progress until every worker has returned (or one failed: gather raises)
-            try:
-                success, tokens = await loop.run_in_executor(None, events.get, True, 0.2)
-            except queue.Empty:
-                if finished.done():
-                    break
-                continue
-            done(success, tokens)
-        parts = finished.result()
+        try:
+            list(pool.map(_ready, [barrier] * workers))
+            futures = [
+                loop.run_in_executor(pool, _worker, endpoint, vocab, share, c, go, events)
+                for share, c in zip(shares, caps, strict=True)
+            ]
+            finished = asyncio.gather(*futures)
+            while True:  # progress until every worker has returned (or one failed: gather raises)
+                try:
+                    success, tokens = await loop.run_in_executor(None, events.get, True, 0.2)
+                except queue.Empty:
+                    if finished.done():
+                        break
+                    continue
+                done(success, tokens)
+            parts = finished.result()
+        except BaseException:
+            # A worker that failed before a barrier would leave the others waiting there until its
+            # timeout, and the pool's shutdown with them: release them (they raise BrokenBarrierError).
+            barrier.abort()
+            go.abort()
+            raise
     got = [item for part, _, _ in parts for item in part]
     return got, min(start for _, start, _ in parts), max(end for _, _, end in parts)
 

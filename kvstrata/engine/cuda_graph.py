@@ -125,11 +125,11 @@ class DecodePieces:
 
 
 def release_warmup_blocks() -> None:
-    """Hand the warm-up runs' temporaries back to the driver after a capture: they were allocated on the
-    capture's side stream, whose cached blocks no other stream reuses, so they would stay reserved for
-    nothing (the graphs' own memory is in their pool, which this does not touch). The warm-up and the
-    capture run on that one stream, so cuBLAS makes its workspace for it once, in the warm-up, and none
-    inside the graphs' pool."""
+    """Hand the allocator's free cached blocks back to the driver after a capture (every stream's; those
+    of the warm-up runs' temporaries on the capture's side stream, which no other stream reuses, among
+    them). The graphs' own memory is in their pool, which this does not touch. The warm-up and the
+    capture run on one side stream, so cuBLAS makes its workspace for it once, in the warm-up (kept
+    alive by cuBLAS's per-stream map: the graphs hold its address), and none inside the graphs' pool."""
     torch.cuda.empty_cache()
 
 
@@ -202,13 +202,14 @@ class DecodeGraphs:
         self.graphs = {bs: self._piece_fns(bs) for bs in self.sizes}
 
     @torch.inference_mode()
-    def capture(self, pool: Any = None) -> None:
+    def capture(self, pool: Any = None, stream: torch.cuda.Stream | None = None) -> None:
         """Capture every bucket, largest first (later, smaller graphs reuse the pool's blocks), into
-        ``pool`` (a `torch.cuda.graph_pool_handle`; default a new one)."""
+        ``pool`` (a `torch.cuda.graph_pool_handle`; default a new one), warm-up and capture on
+        ``stream`` (default a new side stream)."""
         if self.x.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
         pool = torch.cuda.graph_pool_handle() if pool is None else pool
-        stream = torch.cuda.Stream()
+        stream = torch.cuda.Stream() if stream is None else stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up: cuBLAS handles and workspaces exist before capture
             for bs in (self.sizes[-1], self.sizes[0]):

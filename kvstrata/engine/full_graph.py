@@ -265,11 +265,11 @@ class FullDecodeGraphs(DecodeGraphs):
         if self.x.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
         pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()  # the pieces' capture too: one cuBLAS workspace for both
         if self.with_pieces:  # never replayed together with a whole step: one pool for both
-            super().capture(pool)
+            super().capture(pool, stream)
         self.cache.prepare_graph_capture()
         steps = {key: self._step_fn(*key) for key in self._keys()}
-        stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for fn in steps.values():

@@ -230,11 +230,12 @@ STEADY_SHARE = 0.1  # a batch size needs this share of the decode steps to be th
 
 
 def steady_batch(sizes: list[int]) -> int:
-    """The largest batch size that at least `STEADY_SHARE` of the decode steps ran at: the steady state
-    of a load, where a median over every step can fall between two sizes (a benchmark's warm-up
-    request decodes alone as many steps as its load decodes at full batch)."""
+    """The largest batch size that at least `STEADY_SHARE` of the decode steps ran at (else the most
+    common one): the steady state of a load, where a median over every step can fall between two sizes
+    (a benchmark's warm-up request decodes alone as many steps as its load decodes at full batch)."""
     counts = Counter(sizes)
-    return max(size for size, n in counts.items() if n >= STEADY_SHARE * len(sizes))
+    steady = [size for size, n in counts.items() if n >= STEADY_SHARE * len(sizes)]
+    return max(steady) if steady else counts.most_common(1)[0][0]  # no size that common: the most common
 
 
 def read_trace(lines: Iterable[str]) -> list[dict[str, Any]]:

@@ -98,8 +98,8 @@ def test_ranged_lengths_at_a_request_rate_match_the_seeded_prompts(base_url: str
 
 def test_worker_processes_share_the_requests_in_prompt_order(base_url: str, tmp_path: Path) -> None:
     """--num-workers 3: 7 seeded prompts of ranged lengths over 3 client processes (round robin, the cap
-    of 4 split 2/1/1), Poisson arrivals on one clock; the JSON is in prompt order, every request counted
-    once, and the duration covers them all."""
+    of 4 split 2/1/1), Poisson arrivals from a common start; the JSON is in prompt order, every request
+    counted once, and the duration covers them all."""
     args = ["--num-prompts", "7", "--random-input-len", "24", "--random-output-len", "5", "--seed", "5",
             "--random-range-ratio", "0.5", "--request-rate", "30", "--max-concurrency", "4"]  # fmt: skip
     rc, res = _bench(base_url, tmp_path / "w.jsonl", *args, "--num-workers", "3")

@@ -16,7 +16,8 @@ def take_steps(graphs: Any, engine: Any) -> tuple[int, int, int]:
     the steps past a round's end among them: 1 when overlap scheduling (CUDA) kept the round's sampled
     ids on the device, so its requests' last step was launched before they were known to be finished
     (the step runs, its rows are dropped), else 0. A round of ``max_new_tokens`` n whose requests all
-    prefill in one step runs n - 1 decode steps plus that one."""
+    prefill in one step runs n - 1 decode steps plus that one. Resets the graphs' counters and the
+    engine's ``deferred_steps``."""
     counts = (graphs.replayed_steps - graphs.piecewise_steps, graphs.piecewise_steps)
     past_end = int(engine.core.deferred_steps > 0)
     graphs.replayed_steps = graphs.piecewise_steps = engine.core.deferred_steps = 0

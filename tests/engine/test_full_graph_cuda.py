@@ -83,7 +83,8 @@ def test_full_graph_bfloat16_fp8_sinks_equals_piecewise(tiny_path, overlap):
 def held_bytes() -> int:
     """Memory torch holds on the device, after handing back what nothing uses: blocks cached but free
     (the capture's warm-up temporaries) and cuBLAS's workspaces (one per stream that ran a product;
-    torch's own leak checks leave them out the same way)."""
+    torch's own leak checks leave them out the same way; the plan does not count them either). The
+    graphs captured here hold the freed workspace's address: they are never replayed."""
     torch.cuda.synchronize()
     gc.collect()
     torch._C._cuda_clearCublasWorkspaces()

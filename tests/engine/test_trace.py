@@ -21,6 +21,7 @@ from kvstrata.engine.trace import (
     StepTrace,
     format_timeline,
     read_trace,
+    steady_batch,
     step_kind,
     summarize,
 )
@@ -238,3 +239,10 @@ def test_decode_medians_at_the_steady_batch() -> None:
     assert timeline.decode_steps_at_batch == {True: (512, 1063)}
     assert timeline.decode_median[True]["gpu"] == 18.0
     assert "the 512 of 1063 steps at batch 256" in format_timeline(timeline)
+
+
+def test_steady_batch_without_a_common_size() -> None:
+    """A ramp where no batch size holds a tenth of the steps: the most common size (the first of a tie)."""
+    assert steady_batch(list(range(1, 21))) == 1
+    assert steady_batch([*range(1, 21), 7, 7]) == 7
+    assert steady_batch([1] * 5 + [256] * 5 + [100]) == 256

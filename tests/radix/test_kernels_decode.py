@@ -314,6 +314,9 @@ def test_fp8_decode_shape_by_batch(wide, device, monkeypatch):
     for codec in ("fp8_e4m3", "bf16"):
         cache = make_cache(codec, device, sinks=True, dtype=torch.bfloat16)
         check_steps(cache, [9, 70, 300], steps=2, n_new=1, tol=1.5e-2, dtype=torch.bfloat16)
+    # forced splits: splits of one masked tile only, and splits past a short sequence's cold pages
+    cache = make_cache("fp8_e4m3", device, sinks=True, dtype=torch.bfloat16)
+    check_steps(cache, [17, 40, 300], steps=2, n_new=1, tol=1.5e-2, dtype=torch.bfloat16, splits=5)
     entry = attend.DECODE_LAUNCH[False]
     fp8 = {s[1:] for s in shapes if s[0] in attend.FP8_FORMATS}
     raw = {s[1:] for s in shapes if s[0] not in attend.FP8_FORMATS}
