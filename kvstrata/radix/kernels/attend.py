@@ -161,7 +161,9 @@ OTHER_4BIT_DECODE = dict(blocks=4, num_warps=4, programs=1024, maxnreg=128, tail
 # tile ahead (``prefetch``): at two stages Nsight Compute put 30% of the warps' stall samples on the
 # wait for the tile's own copies; H200, B=64 at 32K 1.192 ms against 1.299, B=256 at 2K 0.337 against
 # 0.356, B=1,024 at 2K 1.275 against 1.418 (three stages alone were slower: 1.502 / 0.404 / 1.663;
-# attention_sweep.py, one run; docs pass 11).
+# attention_sweep.py, one run; docs pass 11). With ``prefetch`` the FP8 scale exponents come a tile
+# ahead too (`decode.bits_ahead`; launch key ``bits_ahead``, absent: on): 1.202 / 0.333 / 1.303 against
+# 1.246 / 0.341 / 1.316 without, in a second run.
 FP8_WIDE_DECODE = dict(block_n=32, num_warps=1, num_stages=3, prefetch=True, programs=4096, maxnreg=None)
 # int4 keys and values (`decode4`): one pipeline stage and 168 registers (12 one-warp programs an SM
 # instead of 8) on top of ``DECODE_LAUNCH[True]``. H200, B=64 at 32K 1.326 ms against 1.689 with fp4's
