@@ -179,6 +179,9 @@ def build_cache(net: Any, cfg: ModelConfig, kv: str, batch: int, tokens: int) ->
     return StratifiedKVCache(cache_cfg)
 
 
+FILL_TOKENS = 1 << 17
+
+
 @torch.inference_mode()
 def fill(
     cache: StratifiedKVCache, cfg: ModelConfig, batch: int, context: int, seed: int
@@ -188,15 +191,20 @@ def fill(
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(10, cfg.vocab_size - 10, (batch, context), generator=g).tolist()
     seqs = [cache.admit(list(p)) for p in prompts]
-    plan = cache.begin_step(seqs, [context] * batch)
     dev_gen = torch.Generator(device=cache.device).manual_seed(seed)
-    shape = (batch * context, cfg.kv_heads, cfg.head_dim)
-    for layer in range(cfg.num_layers):
-        k = torch.randn(shape, generator=dev_gen, device=cache.device).to(cache.cfg.ring_dtype)
-        v = torch.randn(shape, generator=dev_gen, device=cache.device).to(cache.cfg.ring_dtype)
-        radix_attention.store(layer, plan, k, v, cache.pool, cache.ring, cache.sinks, cache.clips[layer])
-        plan.layers_done.add(layer)
-    cache.end_step(plan)
+    # sequences a step: at most FILL_TOKENS rows of float32 K/V at once (B=1,024 at 2K in one step
+    # needed 24 GiB of temporaries beside a pool that fills the GPU)
+    chunk = max(1, FILL_TOKENS // context)
+    for start in range(0, batch, chunk):
+        part = seqs[start : start + chunk]
+        plan = cache.begin_step(part, [context] * len(part))
+        shape = (len(part) * context, cfg.kv_heads, cfg.head_dim)
+        for layer in range(cfg.num_layers):
+            k = torch.randn(shape, generator=dev_gen, device=cache.device).to(cache.cfg.ring_dtype)
+            v = torch.randn(shape, generator=dev_gen, device=cache.device).to(cache.cfg.ring_dtype)
+            radix_attention.store(layer, plan, k, v, cache.pool, cache.ring, cache.sinks, cache.clips[layer])
+            plan.layers_done.add(layer)
+        cache.end_step(plan)
     reqs = [DecodeRequest(seq, p) for seq, p in zip(seqs, prompts, strict=True)]
     first = torch.randint(10, cfg.vocab_size - 10, (batch,), generator=g).tolist()
     for req, tok in zip(reqs, first, strict=True):  # the token the prefill would have sampled

@@ -46,13 +46,15 @@ def create_kvstrata_cache(ctx):
 def mha_pool_class_hook(original, configurator, *args, **kwargs):
     """AROUND hook on ``KVCacheConfigurator._build_mha_kv_pool`` (the seam both supported SGLang
     releases share; 0.5.17 asks the platform for the pool class only on out-of-tree platforms):
-    kvstrata's pool class as ``mha_pool_class`` when the kvstrata radix cache is selected. SGLang's
-    own quantized pools (fp4, mxfp8) cannot be combined with it."""
-    if kvstrata_cache_selected():
+    kvstrata's pool class as ``mha_pool_class`` when the kvstrata radix cache is selected with a
+    kvstrata codec. SGLang's own quantized pools (fp4, mxfp8) cannot be combined with it; with
+    ``KVSTRATA_KV_CODEC=auto`` SGLang's pool is built as without the plugin."""
+    if stratified_pool_selected():
         if kwargs.get("quant_method") is not None or configurator.kv_cache_dtype_str == "mxfp8":
             raise ValueError(
                 "--radix-cache-backend kvstrata stores its own quantized pages: leave --kv-cache-dtype "
-                "at auto/bfloat16 and choose the codec with KVSTRATA_KV_CODEC"
+                "at auto/bfloat16 and choose the codec with KVSTRATA_KV_CODEC, or set KVSTRATA_KV_CODEC=auto "
+                "to keep SGLang's own pool"
             )
         kwargs["mha_pool_class"] = kvstrata_pool_class()
     return original(configurator, *args, **kwargs)
@@ -62,6 +64,14 @@ def kvstrata_cache_selected() -> bool:
     from sglang.srt.runtime_context import get_memory
 
     return get_memory().radix_cache_backend == BACKEND
+
+
+def stratified_pool_selected() -> bool:
+    """The kvstrata radix cache is selected and ``KVSTRATA_KV_CODEC`` is not ``auto``: kvstrata's
+    stratified pool (and its memory plan) replaces SGLang's."""
+    from kvstrata.integrations.sglang.options import PluginOptions
+
+    return kvstrata_cache_selected() and PluginOptions.from_env().stratified
 
 
 def kvstrata_pool_class():

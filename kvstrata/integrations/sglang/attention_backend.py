@@ -78,7 +78,9 @@ class KvstrataAttnBackend(AttentionBackend):
         if not isinstance(pool, StratifiedTokenToKVPool):
             raise ValueError(
                 "--attention-backend kvstrata reads kvstrata's stratified KV pool, which is installed "
-                "with --radix-cache-backend kvstrata; got " + type(pool).__name__
+                "with --radix-cache-backend kvstrata and a kvstrata codec in KVSTRATA_KV_CODEC (with "
+                "KVSTRATA_KV_CODEC=auto SGLang keeps its own pool: use one of SGLang's attention "
+                "backends); got " + type(pool).__name__
             )
         self.pool = pool
         self.kernels = kernels or make_kernels(device=pool.device)

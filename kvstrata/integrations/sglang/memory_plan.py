@@ -2,8 +2,9 @@
 
 SGLang sizes its KV pool as ``max_total_num_tokens = available_bytes // cell_size`` in its
 ``DefaultPoolConfigurator`` (the same class in 0.5.17 and 0.5.23), with ``cell_size`` the bytes one
-token takes in a BF16 (or ``--kv-cache-dtype``) pool. With ``--radix-cache-backend kvstrata`` two
-AROUND hooks change that plan:
+token takes in a BF16 (or ``--kv-cache-dtype``) pool. With ``--radix-cache-backend kvstrata`` and a
+kvstrata codec (not ``KVSTRATA_KV_CODEC=auto``, which keeps SGLang's pool and plan) two AROUND hooks
+change that plan:
 
 - ``_compute_cell_size``: a token costs its share of a cold page in kvstrata's codec, scales
   included (``ceil(cold_page_bytes / page_size)``), so ``max_total_num_tokens`` grows by the codec's
@@ -60,9 +61,9 @@ def strata_plan(
 
 def cell_size_hook(original, configurator, kvc, num_layers: int, *args, **kwargs) -> int:
     """AROUND hook on ``DefaultPoolConfigurator._compute_cell_size`` (see the module docstring)."""
-    from kvstrata.integrations.sglang import kvstrata_cache_selected
+    from kvstrata.integrations.sglang import stratified_pool_selected
 
-    if not kvstrata_cache_selected() or kvc.use_mla_backend:
+    if not stratified_pool_selected() or kvc.use_mla_backend:
         return original(configurator, kvc, num_layers, *args, **kwargs)
     from sglang.srt.runtime_context import get_parallel, get_schedule
 

@@ -99,6 +99,16 @@ def test_rings_of_a_float32_model_are_float32(monkeypatch):
     ]
 
 
+def test_codec_auto_keeps_sglangs_plan(monkeypatch):
+    """``KVSTRATA_KV_CODEC=auto``: SGLang's own pool, so its own plan (no rings, no
+    ``--max-running-requests`` needed) with the kvstrata radix cache selected."""
+    bf16_tokens, _ = plan()
+    monkeypatch.setenv("KVSTRATA_KV_CODEC", "auto")
+    tokens, ours = plan(radix_cache_backend="kvstrata")
+    assert (tokens, ours._cell_size) == (bf16_tokens, BF16_CELL)
+    assert not hasattr(ours, "kvstrata_ring_bytes")
+
+
 def test_rings_need_max_running_requests(monkeypatch):
     with pytest.raises(ValueError, match="--max-running-requests"):
         plan(radix_cache_backend="kvstrata")

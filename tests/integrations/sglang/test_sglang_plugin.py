@@ -142,6 +142,42 @@ def test_create_tree_cache_builds_kvstrata_cache(published, monkeypatch):
     cache.check_invariants()
 
 
+def test_codec_auto_keeps_sglangs_pool(published, monkeypatch):
+    """``KVSTRATA_KV_CODEC=auto``: SGLang builds its own pool (any of its ``--kv-cache-dtype`` values,
+    the hook leaves them alone) and the kvstrata radix cache runs over it with its pins."""
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.registry import create_tree_cache
+    from sglang.srt.plugins import load_plugins
+
+    from kvstrata.integrations.sglang.radix_cache import KvstrataRadixCache
+
+    monkeypatch.setenv("KVSTRATA_KV_CODEC", "auto")
+    load_plugins()
+    assert type(build_mha_pool()) is MHATokenToKVPool
+    assert type(build_mha_pool(kv_cache_dtype_str="fp8_e4m3", kv_cache_dtype=torch.float8_e4m3fn)) is MHATokenToKVPool
+    req_pool, kv, allocator = make_pools(type(build_mha_pool()))
+    params = CacheInitParams(
+        disable=False, req_to_token_pool=req_pool, token_to_kv_pool_allocator=allocator, page_size=PAGE
+    )
+    fields = dict(is_hybrid_swa=False, is_hybrid_ssm=False, enable_hierarchical_cache=False)
+    ctx = tree_cache_context(
+        server_args=published,
+        params=params,
+        **fields,
+        disable_radix_cache=False,
+        tp_worker=None,
+        model_config=None,
+        tp_size=1,
+        tp_rank=0,
+        tp_group=None,
+    )
+    cache = create_tree_cache(ctx)
+    assert isinstance(cache, KvstrataRadixCache) and cache.options.codec == "auto"
+    assert cache.page_bytes == LAYERS * 2 * PAGE * KV_HEADS * HEAD_DIM * 2  # SGLang's BF16 page
+    cache.check_invariants()
+
+
 def test_installed_sglang_is_a_supported_release():
     from importlib.metadata import requires, version
 

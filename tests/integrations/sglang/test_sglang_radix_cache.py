@@ -24,7 +24,10 @@ class Harness:
 
         from kvstrata.integrations.sglang.radix_cache import KvstrataRadixCache
 
-        self.req_pool, self.kv, self.allocator = make_pools(pool_class(options))
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+        pool_cls = pool_class(options) if options.stratified else MHATokenToKVPool
+        self.req_pool, self.kv, self.allocator = make_pools(pool_cls)
         params = CacheInitParams(
             disable=False,
             req_to_token_pool=self.req_pool,
@@ -84,9 +87,11 @@ def tokens(start: int, n: int) -> list[int]:
     return list(range(start, start + n))
 
 
-@pytest.fixture
-def h():
-    return Harness(PluginOptions(codec="fp8_e4m3", recent_window=2 * PAGE, pin_budget_bytes=None))
+@pytest.fixture(params=["fp8_e4m3", "auto"])
+def h(request):
+    """The cache over kvstrata's stratified pool (fp8 history) and over SGLang's own BF16 pool
+    (``KVSTRATA_KV_CODEC=auto``)."""
+    return Harness(PluginOptions(codec=request.param, recent_window=2 * PAGE, pin_budget_bytes=None))
 
 
 def test_insert_match_lock_evict(h):
@@ -173,14 +178,15 @@ def test_invariants_catch_a_leaked_page(h):
     h.check()
 
 
-def test_metrics_follow_pins_and_evictions():
+@pytest.mark.parametrize("codec", ["int8", "auto"])
+def test_metrics_follow_pins_and_evictions(codec):
     from prometheus_client import CollectorRegistry
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
     from kvstrata.integrations.sglang.metrics import CacheMetrics
 
     registry = CollectorRegistry()
-    h = Harness(PluginOptions(codec="int8", recent_window=PAGE), CacheMetrics(registry))
+    h = Harness(PluginOptions(codec=codec, recent_window=PAGE), CacheMetrics(registry))
     h.run(tokens(0, 5 * PAGE))
     node = h.cache.pin_prefix(h.key(tokens(0, 2 * PAGE)))
 
@@ -192,6 +198,8 @@ def test_metrics_follow_pins_and_evictions():
     assert sample("kvstrata:pages", tier="cold", state="tree") == 3
     assert sample("kvstrata:pages", tier="cold", state="free") == 64 - 5
     assert sample("kvstrata:bytes", tier="cold") == 65 * h.cache.page_bytes
+    # SGLang's own pool (auto): BF16 pages of 2 layers x (K + V) x 4 tokens x 2 heads x 16 dims
+    assert bool(h.cache.page_bytes == 2 * 2 * PAGE * 2 * 16 * 2) is (codec == "auto")
     h.cache.evict(EvictParams(num_tokens=100 * PAGE))
     assert sample("kvstrata:evicted_pages_total") == 3
     h.cache.unpin(node)
