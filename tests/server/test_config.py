@@ -124,7 +124,8 @@ def test_gc_threshold_takes_one_to_three_integers_and_is_not_an_engine_option() 
     assert parse([], {"KVSTRATA_GC_THRESHOLD": "50000 20"}).gc_threshold == (50000, 20)
     cfg = parse(["--gc-threshold", "0"])
     assert cfg.gc_threshold == (0,) and cfg.engine_kwargs() == {}
-    assert parse([]).gc_threshold is None
+    assert parse([]).gc_threshold == (50000, 20, 100)  # the default; Python's own on request:
+    assert parse(["--gc-threshold", "700,10,10"]).gc_threshold == (700, 10, 10)
 
 
 def test_serve_sets_the_gc_thresholds_it_is_given() -> None:
@@ -135,9 +136,9 @@ def test_serve_sets_the_gc_thresholds_it_is_given() -> None:
 
     before = gc.get_threshold()
     try:
-        apply_process_settings(parse(["--gc-threshold", "50000,20,100"]), logging.getLogger("test"))
-        assert gc.get_threshold() == (50000, 20, 100)
-        apply_process_settings(parse([]), logging.getLogger("test"))  # unset: left alone
+        apply_process_settings(parse(["--gc-threshold", "700,10,10"]), logging.getLogger("test"))
+        assert gc.get_threshold() == (700, 10, 10)
+        apply_process_settings(parse([]), logging.getLogger("test"))  # the default
         assert gc.get_threshold() == (50000, 20, 100)
     finally:
         gc.set_threshold(*before)

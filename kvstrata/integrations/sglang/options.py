@@ -26,8 +26,9 @@ SGLANG_POOL = "auto"  # KVSTRATA_KV_CODEC value: SGLang's own pool and attention
 @dataclass(frozen=True)
 class PluginOptions:
     """``codec``: history codec of every layer, or ``auto`` (`SGLANG_POOL`: SGLang's own pool and
-    attention); ``recent_window``: BF16 tokens kept per request (a multiple of the page size); ``pin_budget_bytes``: cap on pinned cold bytes (None: a quarter
-    of the pool); ``pin_multimodal``: pin the prefix ending at each image's pad-token span."""
+    attention); ``recent_window``: BF16 tokens kept per request (a multiple of the page size);
+    ``pin_budget_bytes``: cap on pinned cold bytes (None: a quarter of the pool);
+    ``pin_multimodal``: pin the prefix ending at each image's pad-token span."""
 
     codec: str = "fp8_e4m3"
     recent_window: int = 128

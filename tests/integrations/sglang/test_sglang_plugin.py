@@ -155,7 +155,8 @@ def test_codec_auto_keeps_sglangs_pool(published, monkeypatch):
     monkeypatch.setenv("KVSTRATA_KV_CODEC", "auto")
     load_plugins()
     assert type(build_mha_pool()) is MHATokenToKVPool
-    assert type(build_mha_pool(kv_cache_dtype_str="fp8_e4m3", kv_cache_dtype=torch.float8_e4m3fn)) is MHATokenToKVPool
+    fp8 = build_mha_pool(kv_cache_dtype_str="fp8_e4m3", kv_cache_dtype=torch.float8_e4m3fn)
+    assert type(fp8) is MHATokenToKVPool
     req_pool, kv, allocator = make_pools(type(build_mha_pool()))
     params = CacheInitParams(
         disable=False, req_to_token_pool=req_pool, token_to_kv_pool_allocator=allocator, page_size=PAGE

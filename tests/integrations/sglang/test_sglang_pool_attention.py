@@ -261,7 +261,9 @@ def test_refusals_are_clear():
     with pytest.raises(NotImplementedError, match="only --attention-backend kvstrata"):
         w.pool.get_key_buffer(0)
     req_pool, bf16_pool, _ = make_pools(MHATokenToKVPool)
-    with pytest.raises(ValueError, match="--radix-cache-backend kvstrata and a kvstrata codec .*=auto SGLang keeps"):
+    with pytest.raises(
+        ValueError, match="--radix-cache-backend kvstrata and a kvstrata codec .*=auto SGLang"
+    ):
         KvstrataAttnBackend(SimpleNamespace(token_to_kv_pool=bf16_pool, req_to_token_pool=req_pool))
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 

@@ -21,10 +21,9 @@ class Harness:
 
     def __init__(self, options: PluginOptions, metrics=None) -> None:
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
         from kvstrata.integrations.sglang.radix_cache import KvstrataRadixCache
-
-        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
         pool_cls = pool_class(options) if options.stratified else MHATokenToKVPool
         self.req_pool, self.kv, self.allocator = make_pools(pool_cls)
