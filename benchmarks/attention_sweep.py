@@ -216,7 +216,8 @@ _SWAP_FP8 = dict(_DEFAULT, wide_programs=10**9, block_n=64, swap_ab=True, maxnre
 # samples) is the first use of the value codes' byte pairs (``LDS.U8``, ``IMAD x, 0x100, y``), which
 # pass 9's ``codes_asm`` "values" removes; it gained nothing while the loop waited on its copies, so
 # it is listed again over the new default (it takes `decode._fp8_tile`, which reads its scales in the
-# tile). Prepared, not run: the session that wrote it had no device time left.
+# tile). Measured over the new default (H200, a later session, cases B=64 32K / B=256 2K): default
+# 1.160 / 0.327, ``codes_asm`` "values" 1.397 / 0.394, with ``lazy_rescale`` 1.367 / 0.389: both lose.
 DECODE = [
     _DEFAULT,
     dict(_DEFAULT, wide=dict(codes_asm="values")),
