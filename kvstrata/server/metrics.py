@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 
 from kvstrata.engine.drift import DriftSample
 from kvstrata.engine.stats import RequestFinished
+from kvstrata.server.histogram import BatchHistogram
 from kvstrata.server.snapshot import PAGE_STATES, EngineSnapshot
 
 P = "kvstrata:"
@@ -174,9 +175,7 @@ class ServerMetrics:
         self.ttft = Histogram(
             P + "time_to_first_token_seconds", "Time to first token.", buckets=LATENCY_BUCKETS, registry=r
         )
-        self.itl = Histogram(
-            P + "inter_token_latency_seconds", "Time between tokens.", buckets=ITL_BUCKETS, registry=r
-        )
+        self.itl = BatchHistogram(P + "inter_token_latency_seconds", "Time between tokens.", ITL_BUCKETS, r)
         self.e2e = Histogram(
             P + "e2e_request_latency_seconds", "Request latency.", buckets=LATENCY_BUCKETS, registry=r
         )
@@ -193,8 +192,7 @@ class ServerMetrics:
         if isinstance(event, RequestFinished):
             if event.ttft is not None:
                 self.ttft.observe(event.ttft)
-            for gap in event.inter_token_latencies:
-                self.itl.observe(gap)
+            self.itl.observe_many(event.inter_token_latencies)
             self.e2e.observe(event.e2e_latency)
         elif isinstance(event, DriftSample):
             self.ppl_ratio.observe(event.ppl_ratio)
