@@ -187,13 +187,14 @@ def fill(
     cache: StratifiedKVCache, cfg: ModelConfig, batch: int, context: int, seed: int
 ) -> list[DecodeRequest]:
     """``batch`` sequences of ``context`` random tokens whose K/V (random, seeded) the cache stored
-    through one planned step, as a prefill would: completed pages quantized, the window in the ring."""
+    through planned steps of whole sequences, as a prefill would: completed pages quantized, the
+    window in the ring."""
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(10, cfg.vocab_size - 10, (batch, context), generator=g).tolist()
     seqs = [cache.admit(list(p)) for p in prompts]
     dev_gen = torch.Generator(device=cache.device).manual_seed(seed)
-    # sequences a step: at most FILL_TOKENS rows of float32 K/V at once (B=1,024 at 2K in one step
-    # needed 24 GiB of temporaries beside a pool that fills the GPU)
+    # sequences a step: FILL_TOKENS rows of float32 K/V at once, or one sequence if it is longer
+    # (B=1,024 at 2K in one step needed 24 GiB of temporaries beside a pool that fills the GPU)
     chunk = max(1, FILL_TOKENS // context)
     for start in range(0, batch, chunk):
         part = seqs[start : start + chunk]

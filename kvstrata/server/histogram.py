@@ -5,9 +5,9 @@ A finished request carries one inter-token gap per generated token (511 for a 51
 0.33 ms for 511 values on the CI machine's CPU: when a batch of 256 requests ends in one step (a
 benchmark's last step), that is 84 ms on the engine thread before their last chunks go out (1,024
 requests: a third of a second). Here the values of one call are bucketed by `numpy.searchsorted`
-and added once. The exposition is prometheus_client's: cumulative ``_bucket`` samples with ``le``
-as it writes them, ``_count``, ``_sum`` (the sum of a call's values is taken with `math.fsum`, so it
-can differ from one-by-one float additions in the last bits).
+and added once. The exposition is prometheus_client's ``_bucket`` samples (cumulative, ``le`` as it
+writes them), ``_count`` and ``_sum`` (the sum of a call's values is taken with `math.fsum`, so it can
+differ from one-by-one float additions in the last bits), without the ``_created`` series.
 """
 
 from __future__ import annotations
@@ -51,10 +51,19 @@ class BatchHistogram(Collector):
         if not array.size:
             return
         counts = np.bincount(np.searchsorted(self.bounds, array, side="left"), minlength=len(self.bounds))
-        total = math.fsum(array.tolist())
+        try:
+            total = math.fsum(array.tolist())
+        except (ValueError, OverflowError):  # inf - inf, or a sum past the float range: as numpy sums
+            with np.errstate(all="ignore"):
+                total = float(array.sum())
         with self._lock:
             self._counts += counts
             self._sum += total
+
+    def describe(self) -> Iterator[Metric]:
+        """The family's name and type without values (a registry that describes its collectors
+        finds duplicate names by this)."""
+        yield HistogramMetricFamily(self.name, self.documentation)
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:

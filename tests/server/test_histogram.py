@@ -53,3 +53,19 @@ def test_nan_is_skipped_and_empty_calls_are_harmless() -> None:
     assert s[("y_count", "")] == 2 and s[("y_sum", "")] == math.inf
     with pytest.raises(ValueError, match="strictly increasing"):
         BatchHistogram("z", "doc", (2.0, 1.0), CollectorRegistry())
+
+
+def test_sums_past_the_float_range_do_not_raise() -> None:
+    registry = CollectorRegistry()
+    h = BatchHistogram("w", "doc", (1.0,), registry)
+    h.observe_many([math.inf, -math.inf])
+    h.observe_many([1e308, 1e308])
+    s = samples(registry, "w")
+    assert s[("w_count", "")] == 4 and math.isnan(s[("w_sum", "")])
+
+
+def test_describe_names_the_family() -> None:
+    registry = CollectorRegistry(auto_describe=True)
+    BatchHistogram("v_seconds", "doc", (1.0,), registry)
+    with pytest.raises(ValueError, match="Duplicated timeseries"):
+        Histogram("v_seconds", "doc", registry=registry)

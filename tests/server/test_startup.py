@@ -51,5 +51,10 @@ def test_serve_freezes_before_it_listens(monkeypatch) -> None:
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.append("listen"))
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
-    assert cli.run(parser.parse_args([])) == 0
+    before = gc.get_threshold()
+    try:
+        assert cli.run(parser.parse_args([])) == 0
+        assert gc.get_threshold() == (50000, 20, 100)
+    finally:
+        gc.set_threshold(*before)  # serve sets its own thresholds for the process
     assert calls == ["engine warmup=cuda", "freeze", "listen", "shutdown"]

@@ -2,10 +2,10 @@
 
 `register()` (called by SGLang's ``load_plugins()`` in every process, idempotent) registers the
 radix-cache backend ``kvstrata``, the attention backend ``kvstrata``, a hook that installs the
-stratified KV pool when the ``kvstrata`` radix cache is selected, the hooks that size SGLang's
-memory plan for it (`memory_plan`), and one that gives decode-graph replays the batch's request ids
-(`request_rows`). This package is the only code of
-kvstrata that imports sglang; see docs/sglang.md.
+stratified KV pool when the ``kvstrata`` radix cache is selected with a kvstrata codec
+(``KVSTRATA_KV_CODEC=auto`` keeps SGLang's pool), the hooks that size SGLang's memory plan for it
+(`memory_plan`), and one that gives decode-graph replays the batch's request ids (`request_rows`).
+This package is the only code of kvstrata that imports sglang; see docs/sglang.md.
 """
 
 from __future__ import annotations

@@ -13,6 +13,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 _BY_REGISTRY: dict[int, CacheMetrics] = {}
 
 
+def kv_size_bytes(kvcache) -> int:
+    """Bytes of SGLang's KV pool ``kvcache``: its ``get_kv_size_bytes()`` is (K, V) for MHA pools,
+    one number for MLA's."""
+    sizes = kvcache.get_kv_size_bytes()
+    return int(sizes) if isinstance(sizes, int) else int(sum(sizes))
+
+
 class CacheMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         kw = {} if registry is None else {"registry": registry}
@@ -38,7 +45,7 @@ class CacheMetrics:
         self.pinned_bytes.set(pinned * cache.page_bytes)
         self.pin_budget_bytes.set(cache.pin_budget_bytes)
         kvcache = allocator.get_kvcache()
-        self.bytes.labels("cold").set(sum(kvcache.get_kv_size_bytes()))
+        self.bytes.labels("cold").set(kv_size_bytes(kvcache))
         ring_bytes = getattr(kvcache, "ring_bytes", 0)
         self.bytes.labels("ring").set(ring_bytes)
         quantized, overflow = getattr(kvcache, "quantized_pages", 0), getattr(kvcache, "overflow", 0)

@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 
 from kvstrata.quant import get_codec
+from kvstrata.quant.registry import UnknownCodecError
 
 ENV_CODEC = "KVSTRATA_KV_CODEC"
 ENV_WINDOW = "KVSTRATA_RECENT_WINDOW"
@@ -37,7 +38,10 @@ class PluginOptions:
 
     def __post_init__(self) -> None:
         if self.codec != SGLANG_POOL:
-            get_codec(self.codec)  # raises UnknownCodecError naming the valid codecs
+            try:
+                get_codec(self.codec)
+            except UnknownCodecError as exc:
+                raise ValueError(f"{ENV_CODEC}: {exc}, or {SGLANG_POOL} (SGLang's own pool)") from None
         if self.recent_window < 0:
             raise ValueError(f"{ENV_WINDOW} must be >= 0, got {self.recent_window}")
         if self.pin_budget_bytes is not None and self.pin_budget_bytes < 0:

@@ -18,7 +18,7 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, Mat
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from kvstrata.integrations.sglang import compat
-from kvstrata.integrations.sglang.metrics import CacheMetrics
+from kvstrata.integrations.sglang.metrics import CacheMetrics, kv_size_bytes
 from kvstrata.integrations.sglang.options import PluginOptions
 from kvstrata.integrations.sglang.pool import StratifiedTokenToKVPool
 from kvstrata.radix.errors import PinBudgetExceeded
@@ -30,8 +30,7 @@ def page_bytes_of(kvcache, page_size: int) -> int:
     """Exact bytes one page of ``kvcache`` takes, all layers, K and V."""
     if isinstance(kvcache, StratifiedTokenToKVPool):
         return kvcache.cold.page_bytes
-    k, v = kvcache.get_kv_size_bytes()
-    return (k + v) // (kvcache.size + kvcache.page_size) * page_size
+    return kv_size_bytes(kvcache) // (kvcache.size + kvcache.page_size) * page_size
 
 
 class KvstrataRadixCache(RadixCache):

@@ -179,6 +179,35 @@ def test_codec_auto_keeps_sglangs_pool(published, monkeypatch):
     cache.check_invariants()
 
 
+def test_codec_auto_leaves_sglangs_quantized_pools_alone(published, monkeypatch):
+    """SGLang's own quantized pools (a ``quant_method``, mxfp8) are refused beside a kvstrata codec
+    and built as without the plugin with ``auto``; a wrong codec's error names ``auto``."""
+    import kvstrata.integrations.sglang as plugin
+    from kvstrata.integrations.sglang.options import PluginOptions
+
+    def original(configurator, *args, **kwargs):
+        return kwargs
+
+    configurator = SimpleNamespace(kv_cache_dtype_str="mxfp8")
+    monkeypatch.setenv("KVSTRATA_KV_CODEC", "int8")
+    with pytest.raises(ValueError, match="KVSTRATA_KV_CODEC=auto"):
+        plugin.mha_pool_class_hook(original, configurator, quant_method=None)
+    monkeypatch.setenv("KVSTRATA_KV_CODEC", "auto")
+    quant = object()
+    assert plugin.mha_pool_class_hook(original, configurator, quant_method=quant) == {"quant_method": quant}
+    with pytest.raises(ValueError, match=r"unknown codec 'fp9'.*or auto"):
+        PluginOptions(codec="fp9")
+
+
+def test_page_bytes_of_an_mla_pool():
+    """MLA pools report one size (MHA pools a (K, V) pair): the cache's page bytes from either."""
+    from kvstrata.integrations.sglang.radix_cache import page_bytes_of
+
+    mla = SimpleNamespace(get_kv_size_bytes=lambda: 65 * 4 * 576 * 2, size=64 * 4, page_size=4)
+    mha = SimpleNamespace(get_kv_size_bytes=lambda: (65 * 4 * 256, 65 * 4 * 256), size=64 * 4, page_size=4)
+    assert (page_bytes_of(mla, 4), page_bytes_of(mha, 4)) == (4 * 576 * 2, 4 * 512)
+
+
 def test_installed_sglang_is_a_supported_release():
     from importlib.metadata import requires, version
 
