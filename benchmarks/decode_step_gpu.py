@@ -358,7 +358,8 @@ def busy_us(spans: list[tuple[float, float, str]]) -> float:
 def kernel_kind(name: str) -> str:
     lowered = name.lower()
     for kind, keys in (
-        ("attention (Triton)", ("_attend_kernel", "_decode_kernel", "_decode4_kernel", "_merge_kernel")),
+        ("attention (Triton)", ("_attend_", "_decode_", "_decode4_", "_merge", "_extend_kernel", "_dequant")),
+        ("attention (SDPA flash)", ("flash", "fmha")),
         ("fused dense (Triton)", ("rms_norm_kernel", "silu_mul_kernel", "rope_qkv_kernel")),
         ("page quantize (Triton)", ("_page_quantize",)),
         ("matmul (cuBLAS/CUTLASS)", ("gemm", "nvjet", "cutlass", "sm90_xmma", "gemv")),

@@ -22,8 +22,9 @@ Llama-3-8B geometry with random BF16 weights (`dummy_model`; ``--config`` a mode
    default scheduling (prefill-only steps while prompts wait), ``mixed``: ``enable_mixed_chunk``.
    Decode steps run eager here (``disable_cuda_graph``: no capture time), as mixed steps always do.
 
-``--geometry tiny --device cpu`` runs the same code on a small model on the CPU (a smoke test; the
-torch attention backend, so the variants of part 1 are the same code there).
+``--profile-engine``: each engine run also in one profiler window (kernel time by kind over the whole
+run). ``--geometry tiny --device cpu`` runs the same code on a small model on the CPU (a smoke test;
+the torch attention backend, so the variants of part 1 are the same code there).
 """
 
 from __future__ import annotations
@@ -214,9 +215,20 @@ def engine_run(model: LoadedModel, policy: str, args: argparse.Namespace) -> dic
         unsubscribe = engine.subscribe(lambda e: events.append(e) if isinstance(e, RequestFinished) else None)
         prompts = random_prompts(args.prompts, args.input_len, vocab, gen)
         compiled, steps = compiled_variants(), engine.get_stats().steps_total
-        t = time.perf_counter()
-        outs = engine.generate(input_ids=prompts, sampling_params=params)
-        total = time.perf_counter() - t
+        runs: list[tuple[float, list]] = []
+
+        def run() -> None:
+            t = time.perf_counter()
+            outs = engine.generate(input_ids=prompts, sampling_params=params)
+            runs.append((time.perf_counter() - t, outs))
+
+        if args.profile_engine:
+            # the whole run in one profiler window: kernel time by kind over every step it made
+            prof = profile_steps(SimpleNamespace(step=run), 1, model.net.device)
+        else:
+            prof = {}
+            run()
+        ((total, outs),) = runs
         unsubscribe()
         steps = engine.get_stats().steps_total - steps
     finally:
@@ -236,6 +248,7 @@ def engine_run(model: LoadedModel, policy: str, args: argparse.Namespace) -> dic
         "output_tokens_per_s": args.prompts * args.new / total,
         "steps": steps,
         "kernel_variants_compiled": compiled_variants() - compiled if compiled >= 0 else -1,
+        "profile": prof,
     }
     print(f"engine {policy}: {json.dumps(row)}", flush=True)
     return row
@@ -278,12 +291,14 @@ def print_tables(steps: list[dict], engines: list[dict], args: argparse.Namespac
                 f"| {r['p99_ttft_s']:.2f} | {r['last_ttft_s']:.2f} | {r['total_s']:.2f} | {r['steps']} "
                 f"| {r['kernel_variants_compiled']} |"
             )
-    for r in steps:
-        p = r["profile"]
+    profiled = [(r["what"], r["profile"], "ms/step") for r in steps]
+    profiled += [(f"engine {r['policy']}, whole run", r.get("profile"), "ms in all") for r in engines]
+    for what, p, unit in profiled:
         if not p:
             continue
         kinds = ", ".join(f"{k} {v:.1f}" for k, v in p.get("kernel_ms_per_step_by_kind", {}).items())
-        print(f"\n{r['what']}: kernel ms/step by kind: {kinds}")
+        busy, idle = p["busy_ms_per_step"], p["idle_ms_per_step"]
+        print(f"\n{what}: kernel {unit} by kind: {kinds}; GPU busy {busy:.1f}, idle {idle:.1f}")
         for name, ms in p.get("top_kernels_ms_per_step", {}).items():
             print(f"    {ms:8.2f} ms  {name}")
 
@@ -303,6 +318,9 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=16, help="tokens generated per prompt in the engine runs")
     ap.add_argument("--policy", default="prefill,mixed", help="engine runs: prefill, mixed (empty: none)")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument(
+        "--profile-engine", action="store_true", help="profile each engine run's kernels (CUDA, one window)"
+    )
     args = ap.parse_args()
     device = torch.device(args.device)
     cfg = read_config(args.config, args.geometry)
