@@ -91,13 +91,8 @@ def attend(
     out = torch.empty(q.shape, dtype=COMPUTE, device=q.device)
     for group in batch.groups:
         assert group.rows is not None
-        got = _attend_group(layer, group, q, k, v, scale, pools, ring, sinks, block_pages)
-        out.index_copy_(0, group.rows, got)
+        group.put(out, _attend_group(layer, group, q, k, v, scale, pools, ring, sinks, block_pages))
     return out
-
-
-def _take(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-    return x if rows is None else x.index_select(0, rows)
 
 
 def _attend_group(
@@ -120,8 +115,8 @@ def _attend_group(
     ring_rows = g.ring_rows.view(-1)
     tails_k = [ring.k[layer].index_select(0, ring_rows).view(B, -1, hkv, d)]
     tails_v = [ring.v[layer].index_select(0, ring_rows).view(B, -1, hkv, d)]
-    tails_k.append(_take(k, g.rows).view(B, T, hkv, d))
-    tails_v.append(_take(v, g.rows).view(B, T, hkv, d))
+    tails_k.append(g.take(k).reshape(B, T, hkv, d))
+    tails_v.append(g.take(v).reshape(B, T, hkv, d))
     sink_k = sink_v = None
     if sinks is not None and g.sink_table is not None:
         sink_k = sinks.k[layer].index_select(0, g.sink_table)
@@ -129,7 +124,7 @@ def _attend_group(
     group = hq // hkv
     # GQA as rows: the ``group`` query heads of a KV head become ``group * T`` query rows of that
     # head, so each KV head's keys are read once (no expansion to hq heads).
-    qs = _take(q, g.rows).to(COMPUTE)
+    qs = g.take(q).to(COMPUTE)
     qg = qs.view(B, T, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(B, hkv, group * T, d)
     segments = _cold_segments(g, pools)
     if sum(table.shape[1] for _, table, _ in segments) <= block_pages:

@@ -180,6 +180,17 @@ def test_bfloat16_model_with_fp16_code_operands(codec, device, monkeypatch):
     check_steps(cache, [30, 70], steps=1, n_new=9, tol=1.5e-2, dtype=torch.bfloat16)
 
 
+def _history_and_fresh_prompts(device, dtype, seed: int):
+    """An fp8 cache with sinks holding one 40-token sequence with history and three fresh 40-token
+    prompts admitted; the tolerance for ``dtype`` and the generator for q/k/v."""
+    tol = 2e-5 if dtype == torch.float32 else 1.5e-2
+    g = torch.Generator().manual_seed(seed)
+    cache = make_cache("fp8_e4m3", device, sinks=True, dtype=dtype)
+    old = fill(cache, [40], g, HQ, SCALE)
+    fresh = [cache.admit(list(range(5000 * i, 5000 * i + 40))) for i in range(1, 4)]
+    return tol, g, cache, old, fresh
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prompts_without_history_take_causal_sdpa(device, dtype):
@@ -188,11 +199,7 @@ def test_prompts_without_history_take_causal_sdpa(device, dtype):
     has history (kernel only), agree with the float64 reference."""
     from kvstrata.radix.kernels import attend
 
-    tol = 2e-5 if dtype == torch.float32 else 1.5e-2
-    g = torch.Generator().manual_seed(5)
-    cache = make_cache("fp8_e4m3", device, sinks=True, dtype=dtype)
-    old = fill(cache, [40], g, HQ, SCALE)
-    fresh = [cache.admit(list(range(5000 * i, 5000 * i + 40))) for i in range(1, 4)]
+    tol, g, cache, old, fresh = _history_and_fresh_prompts(device, dtype, seed=5)
     for seqs, n_new, want in (
         (fresh, [20, 20, 7], [True, True]),
         ([*fresh[:2], old[0]], [20, 20, 20], [False]),
@@ -206,6 +213,46 @@ def test_prompts_without_history_take_causal_sdpa(device, dtype):
         by_kernel = kernel_attend(cache, batch, q, k, v, SCALE, splits=1)  # attend_group per group
         assert got.dtype == dtype
         assert rel_err(got.cpu(), ref) < tol and rel_err(by_kernel.cpu(), ref) < tol
+        cache.cancel_step(batch)
+    cache.check_invariants()
+
+
+def _both_backends(cache, batch, q, k, v) -> list[torch.Tensor]:
+    from kvstrata.radix import attention as torch_backend
+
+    by_torch = torch_backend.attend(0, batch, q, k, v, SCALE, cache.pool, cache.ring, cache.sinks, 2)
+    return [kernel_attend(cache, batch, q, k, v, SCALE), by_torch]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_groups_in_one_run_are_sliced_not_gathered(device, dtype):
+    """Groups are runs of adjacent sequences with equal new-token counts, so each reads q/k/v as a slice
+    (``span``) and writes its slice of the output in place. Steps of fresh prompts (SDPA), of equal
+    lengths apart (two groups), and of a continuation over history (the kernel): equal to the float64
+    reference, and bit-equal to the same step with every group gathered (``span`` None, the rows
+    gathered and scattered), in both backends (Triton and torch)."""
+    tol, g, cache, old, fresh = _history_and_fresh_prompts(device, dtype, seed=7)
+    for seqs, n_new, spans in (
+        (fresh, [20, 20, 7], [(0, 40), (40, 47)]),  # whole prompts then a partial one
+        (fresh, [20, 7, 20], [(0, 20), (20, 27), (27, 47)]),  # equal lengths apart: two groups
+        ([old[0], *fresh[:2]], [9, 20, 20], [(0, 9), (9, 49)]),  # a continuation, then prompts
+    ):
+        batch = cache.begin_step(seqs, n_new)
+        assert [grp.span for grp in batch.groups] == spans
+        T = sum(n_new)
+        q, k, v = (torch.randn(T, n, D, generator=g).to(cache.device, dtype) for n in (HQ, HKV, HKV))
+        for grp in batch.groups:  # a run is read as a view of q (no copy)
+            if grp.span is not None:
+                assert grp.take(q).data_ptr() == q[grp.span[0]].data_ptr()
+        ref = reference_attend(cache, batch, q, k, v, SCALE)
+        sliced = _both_backends(cache, batch, q, k, v)
+        for grp in batch.groups:
+            grp.span = None
+        gathered = _both_backends(cache, batch, q, k, v)
+        for got, again in zip(sliced, gathered, strict=True):
+            assert rel_err(got.cpu(), ref) < tol
+            assert torch.equal(got, again)
         cache.cancel_step(batch)
     cache.check_invariants()
 

@@ -5,6 +5,7 @@ built from ``range`` runs and tensor operations over all sequences; the referenc
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -95,8 +96,18 @@ def test_plan_tensors_equal_per_token_reference(seed):
         for key, tensor in got.items():
             assert tensor.dtype == torch.long and tensor.tolist() == ref[key], key
         assert sum(g.batch * g.tokens for g in step.groups) == step.num_tokens == sum(n_new)
+        # groups: the maximal runs of adjacent sequences with equal new-token counts, each one slice
+        assert all(a.tokens != b.tokens for a, b in itertools.pairwise(step.groups))
+        first = at = 0
         for g in step.groups:
-            group_seqs = [s for s, n in zip(seqs, n_new, strict=True) if n == g.tokens]
+            group_seqs = seqs[first : first + g.batch]
+            assert n_new[first : first + g.batch] == [g.tokens] * g.batch
+            if len(step.groups) == 1:
+                assert g.rows is None and g.span is None
+            else:
+                assert g.span == (at, at + g.batch * g.tokens)
+                assert g.rows.tolist() == list(range(*g.span))
+            first, at = first + g.batch, at + g.batch * g.tokens
             width = g.ring_rows.shape[1]
             for row, seq in zip(g.ring_rows.tolist(), group_seqs, strict=True):
                 real = [seq.slot * R + p % R for p in range(seq.ring_start, seq.length)]

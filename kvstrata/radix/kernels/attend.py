@@ -1143,10 +1143,6 @@ def dequantized_parts(
     return [ko] * 3, [vo] * 3
 
 
-def _take(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-    return (x if rows is None else x.index_select(0, rows)).contiguous()
-
-
 def prompt_only(g: GroupPlan) -> bool:
     """Prompts read from their first token: several new tokens a sequence and no history (no cold,
     image or raised page, ring row or sink page), so attention is plain causal attention. Read from
@@ -1157,9 +1153,15 @@ def prompt_only(g: GroupPlan) -> bool:
 
 
 def causal_sdpa(
-    g: GroupPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    g: GroupPlan,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    into: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`prompt_only` groups: torch SDPA (flash on CUDA) over ``[B, heads, T, D]`` views, causal, GQA."""
+    """`prompt_only` groups: torch SDPA (flash on CUDA) over ``[B, heads, T, D]`` views, causal, GQA;
+    the result written into ``into`` (like q) when given, in one copy."""
     B, T = g.batch, g.tokens
 
     def heads_first(x: torch.Tensor) -> torch.Tensor:
@@ -1168,7 +1170,10 @@ def causal_sdpa(
     out = F.scaled_dot_product_attention(
         heads_first(q), heads_first(k), heads_first(v), is_causal=True, scale=scale, enable_gqa=True
     )
-    return out.transpose(1, 2).reshape(q.shape)
+    if into is None:
+        return out.transpose(1, 2).reshape(q.shape)
+    into.view(B, T, *q.shape[1:]).copy_(out.transpose(1, 2))
+    return into
 
 
 def attend(
@@ -1194,9 +1199,9 @@ def attend(
     launches = _STEP_LAUNCHES.setdefault(batch, {})
 
     def group_out(g: GroupPlan, into: torch.Tensor | None = None) -> torch.Tensor:
-        gq, gk, gv = _take(q, g.rows), _take(k, g.rows), _take(v, g.rows)
+        gq, gk, gv = (g.take(x).contiguous() for x in (q, k, v))
         if prompt_only(g):
-            return causal_sdpa(g, gq, gk, gv, scale)
+            return causal_sdpa(g, gq, gk, gv, scale, into)
         return attend_group(
             layer, g, gq, gk, gv, scale, pool, ring, sinks, None, image_pool, raised_pool, launches, into
         )
@@ -1206,5 +1211,6 @@ def attend(
     if out is None:
         out = torch.empty_like(q)
     for g in batch.groups:
-        out.index_copy_(0, g.rows, group_out(g))
+        # a group whose rows are one run writes its slice of ``out`` in place (the kernel's output)
+        g.put(out, group_out(g, g.take(out) if g.span is not None else None))
     return out
