@@ -23,7 +23,14 @@ SCALE = 1 / math.sqrt(D)
 
 
 def make_cache(
-    codec: str, device: str, *, sinks: bool = False, window: int = 16, dtype=torch.float32, page: int = P
+    codec: str,
+    device: str,
+    *,
+    sinks: bool = False,
+    window: int = 16,
+    dtype=torch.float32,
+    page: int = P,
+    max_running: int = 4,
 ):
     return small_cache(
         num_layers=1,
@@ -34,7 +41,7 @@ def make_cache(
         layer_codecs=[codec],
         ring_dtype=dtype,
         num_pages=48,
-        max_running=4,
+        max_running=max_running,
         sinks=sinks,
         device=device,
     )
@@ -181,12 +188,12 @@ def test_bfloat16_model_with_fp16_code_operands(codec, device, monkeypatch):
 
 
 def _history_and_fresh_prompts(device, dtype, seed: int):
-    """An fp8 cache with sinks holding one 40-token sequence with history and three fresh 40-token
+    """An fp8 cache with sinks holding two 40-token sequences with history and three fresh 40-token
     prompts admitted; the tolerance for ``dtype`` and the generator for q/k/v."""
     tol = 2e-5 if dtype == torch.float32 else 1.5e-2
     g = torch.Generator().manual_seed(seed)
-    cache = make_cache("fp8_e4m3", device, sinks=True, dtype=dtype)
-    old = fill(cache, [40], g, HQ, SCALE)
+    cache = make_cache("fp8_e4m3", device, sinks=True, dtype=dtype, max_running=5)
+    old = fill(cache, [40, 40], g, HQ, SCALE)
     fresh = [cache.admit(list(range(5000 * i, 5000 * i + 40))) for i in range(1, 4)]
     return tol, g, cache, old, fresh
 
@@ -229,7 +236,8 @@ def _both_backends(cache, batch, q, k, v) -> list[torch.Tensor]:
 def test_groups_in_one_run_are_sliced_not_gathered(device, dtype):
     """Groups are runs of adjacent sequences with equal new-token counts, so each reads q/k/v as a slice
     (``span``) and writes its slice of the output in place. Steps of fresh prompts (SDPA), of equal
-    lengths apart (two groups), and of a continuation over history (the kernel): equal to the float64
+    lengths apart (two groups), of a continuation over history (the kernel), and of a prompt, a decode
+    and a continuation (kernel groups at row offsets; q/k/v not contiguous): equal to the float64
     reference, and bit-equal to the same step with every group gathered (``span`` None, the rows
     gathered and scattered), in both backends (Triton and torch)."""
     tol, g, cache, old, fresh = _history_and_fresh_prompts(device, dtype, seed=7)
@@ -237,11 +245,18 @@ def test_groups_in_one_run_are_sliced_not_gathered(device, dtype):
         (fresh, [20, 20, 7], [(0, 40), (40, 47)]),  # whole prompts then a partial one
         (fresh, [20, 7, 20], [(0, 20), (20, 27), (27, 47)]),  # equal lengths apart: two groups
         ([old[0], *fresh[:2]], [9, 20, 20], [(0, 9), (9, 49)]),  # a continuation, then prompts
+        ([fresh[2], *old], [20, 1, 9], [(0, 20), (20, 21), (21, 30)]),  # kernel groups at offsets
     ):
         batch = cache.begin_step(seqs, n_new)
         assert [grp.span for grp in batch.groups] == spans
         T = sum(n_new)
-        q, k, v = (torch.randn(T, n, D, generator=g).to(cache.device, dtype) for n in (HQ, HKV, HKV))
+        # heads-major storage for the last step: q/k/v rows are not contiguous
+        q, k, v = (
+            torch.randn(n, T, D, generator=g).to(cache.device, dtype).transpose(0, 1)
+            if spans[0] == (0, 20) and len(spans) == 3 and n_new[1] == 1
+            else torch.randn(T, n, D, generator=g).to(cache.device, dtype)
+            for n in (HQ, HKV, HKV)
+        )
         for grp in batch.groups:  # a run is read as a view of q (no copy)
             if grp.span is not None:
                 assert grp.take(q).data_ptr() == q[grp.span[0]].data_ptr()

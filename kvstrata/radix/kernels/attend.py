@@ -1209,8 +1209,10 @@ def attend(
     if len(batch.groups) == 1 and batch.groups[0].rows is None:
         return group_out(batch.groups[0], out)
     if out is None:
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, whatever q's strides
+    # a group whose rows are one run writes its slice of a contiguous ``out`` in place (the kernels and
+    # SDPA's copy write whole rows); otherwise its result is copied there
+    in_place = out.is_contiguous()
     for g in batch.groups:
-        # a group whose rows are one run writes its slice of ``out`` in place (the kernel's output)
-        g.put(out, group_out(g, g.take(out) if g.span is not None else None))
+        g.put(out, group_out(g, g.take(out) if in_place and g.span is not None else None))
     return out
