@@ -620,11 +620,8 @@ def _plan_group(
     B = len(seqs)
     rows = span = None
     if not every_token:
-        token_rows: list[int] = []
-        for o in offsets:
-            token_rows.extend(range(o, o + n))
-        rows = torch.tensor(token_rows, dtype=torch.long)
         span = (offsets[0], offsets[0] + B * n)  # adjacent sequences: their rows are one run
+        rows = torch.arange(*span, dtype=torch.long)
     firsts: list[int] = []
     sinks: list[int | None] = []
     for seq in seqs:

@@ -241,19 +241,19 @@ def test_groups_in_one_run_are_sliced_not_gathered(device, dtype):
     reference, and bit-equal to the same step with every group gathered (``span`` None, the rows
     gathered and scattered), in both backends (Triton and torch)."""
     tol, g, cache, old, fresh = _history_and_fresh_prompts(device, dtype, seed=7)
-    for seqs, n_new, spans in (
-        (fresh, [20, 20, 7], [(0, 40), (40, 47)]),  # whole prompts then a partial one
-        (fresh, [20, 7, 20], [(0, 20), (20, 27), (27, 47)]),  # equal lengths apart: two groups
-        ([old[0], *fresh[:2]], [9, 20, 20], [(0, 9), (9, 49)]),  # a continuation, then prompts
-        ([fresh[2], *old], [20, 1, 9], [(0, 20), (20, 21), (21, 30)]),  # kernel groups at offsets
+    for seqs, n_new, spans, heads_major in (
+        (fresh, [20, 20, 7], [(0, 40), (40, 47)], False),  # whole prompts then a partial one
+        (fresh, [20, 7, 20], [(0, 20), (20, 27), (27, 47)], False),  # equal lengths apart: two groups
+        ([old[0], *fresh[:2]], [9, 20, 20], [(0, 9), (9, 49)], False),  # a continuation, then prompts
+        ([fresh[2], *old], [20, 1, 9], [(0, 20), (20, 21), (21, 30)], True),  # kernel groups at offsets
     ):
         batch = cache.begin_step(seqs, n_new)
         assert [grp.span for grp in batch.groups] == spans
         T = sum(n_new)
-        # heads-major storage for the last step: q/k/v rows are not contiguous
+        # heads_major: q/k/v stored [heads, T, D] and viewed [T, heads, D], so their rows are not contiguous
         q, k, v = (
             torch.randn(n, T, D, generator=g).to(cache.device, dtype).transpose(0, 1)
-            if spans[0] == (0, 20) and len(spans) == 3 and n_new[1] == 1
+            if heads_major
             else torch.randn(T, n, D, generator=g).to(cache.device, dtype)
             for n in (HQ, HKV, HKV)
         )
