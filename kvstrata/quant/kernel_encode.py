@@ -251,6 +251,16 @@ def _expand_blocks(s, CHANNEL: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D2: tl
 
 
 @triton.jit
+def store_pairs(OUT, row, even, odd, row_ok, D: tl.constexpr, BLOCK_D2: tl.constexpr):
+    """Rows ``row`` of ``OUT`` (D elements each, ``row_ok`` of them) from their even and odd channels
+    ``[BLOCK_P, BLOCK_D2]``: joined in registers and stored whole (vector stores, not two strided
+    element stores a row)."""
+    x = tl.reshape(tl.join(even, odd), [even.shape[0], 2 * BLOCK_D2])
+    c = tl.arange(0, 2 * BLOCK_D2)[None, :]
+    tl.store(OUT + row * D + c, x, mask=row_ok & (c < D))
+
+
+@triton.jit
 def encode_store(
     xe,
     xo,
@@ -267,7 +277,8 @@ def encode_store(
     FMT: tl.constexpr,
     CHANNEL: tl.constexpr,
 ):
-    """Encode head ``h`` of page ``page`` (int64) from ``xe``/``xo`` and store every part."""
+    """Encode head ``h`` of page ``page`` (int64) from ``xe``/``xo`` and store every part of a coded
+    format (raw rows are stored whole by the caller: `page_quantize._store_rows`)."""
     tok = tl.arange(0, BLOCK_P)[:, None]
     i = tl.arange(0, BLOCK_D2)[None, :]
     de = 2 * i
@@ -281,10 +292,7 @@ def encode_store(
         s_ok_e = (tok < P) & (i == 0)
         se_off = row + 0 * i
         so_off = se_off
-    if FMT == 0:
-        tl.store(p0 + row * D + de, to_storage(xe, p0.dtype.element_ty), mask=ok)
-        tl.store(p0 + row * D + de + 1, to_storage(xo, p0.dtype.element_ty), mask=ok)
-    elif FMT == 1 or FMT == 2:
+    if FMT == 1 or FMT == 2:
         if FMT == 2:
             fmax: tl.constexpr = 57344.0
         else:
@@ -295,8 +303,7 @@ def encode_store(
         ee = _pow2_exponent(ae, fmax)
         ye = tl.minimum(tl.maximum(xe * _pow2(-ee), -fmax), fmax)
         yo = tl.minimum(tl.maximum(xo * _pow2(-ee), -fmax), fmax)
-        tl.store(p0 + row * D + de, fp8_bits(ye, FMT == 2), mask=ok)
-        tl.store(p0 + row * D + de + 1, fp8_bits(yo, FMT == 2), mask=ok)
+        store_pairs(p0, row, fp8_bits(ye, FMT == 2), fp8_bits(yo, FMT == 2), tok < P, D, BLOCK_D2)
         if CHANNEL:
             tl.store(
                 p1 + page * H + h + 0 * tok, (ee + 127).to(tl.uint8) + 0 * tok.to(tl.uint8), mask=tok == 0
@@ -311,8 +318,7 @@ def encode_store(
         co = _rint(tl.math.div_rn(xo, _safe(so) + 0.0 * xo))
         ce = tl.minimum(tl.maximum(ce, -127.0), 127.0).to(tl.int8)
         co = tl.minimum(tl.maximum(co, -127.0), 127.0).to(tl.int8)
-        tl.store(p0 + row * D + de, ce, mask=ok)
-        tl.store(p0 + row * D + de + 1, co, mask=ok)
+        store_pairs(p0, row, ce, co, tok < P, D, BLOCK_D2)
         tl.store(p1 + se_off, se + 0.0 * tok, mask=s_ok_e)
         if CHANNEL:
             tl.store(p1 + so_off, so + 0.0 * tok, mask=s_ok_e)
@@ -329,8 +335,7 @@ def encode_store(
         co = _rint(tl.math.div_rn(xo - lo_o, _safe(so) + 0.0 * xo))
         ce = tl.minimum(tl.maximum(ce, 0.0), levels).to(tl.int32)
         co = tl.minimum(tl.maximum(co, 0.0), levels).to(tl.int32)
-        tl.store(p0 + row * D + de, ce.to(tl.uint8), mask=ok)
-        tl.store(p0 + row * D + de + 1, co.to(tl.uint8), mask=ok)
+        store_pairs(p0, row, ce.to(tl.uint8), co.to(tl.uint8), tok < P, D, BLOCK_D2)
         tl.store(p1 + se_off, se + 0.0 * tok, mask=s_ok_e)
         tl.store(p2 + se_off, lo_e + 0.0 * tok, mask=s_ok_e)
         if CHANNEL:

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvstrata.quant.kernel_encode import encode_store, to_storage
+from kvstrata.quant.kernel_encode import encode_store, store_pairs, to_storage
 from kvstrata.radix.attention import layer_kv, write_ring
 from kvstrata.radix.kernels.jit import jit_unspecialized
 from kvstrata.radix.plan import StepBatch, WritePlan
@@ -28,12 +28,22 @@ def as_bits(t: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _load_rows(RING, NEW, ring_row, new_row, from_ring, c, ok, H, h, D: tl.constexpr):
-    """float32 rows of one head, each from the ring or from the new K/V, and their NaN/Inf mask."""
+def _load_rows(
+    RING, NEW, ring_row, new_row, from_ring, row_ok, H, h, D: tl.constexpr, BLOCK_D2: tl.constexpr
+):
+    """float32 even and odd channels ``[BLOCK_P, BLOCK_D2]`` of one head's rows ``row_ok``, each row
+    from the ring or from the new K/V. Rows load whole (contiguous channels: vector loads) and split
+    into the halves in registers."""
+    c = tl.arange(0, 2 * BLOCK_D2)[None, :]
+    ok = row_ok & (c < D)
     r = tl.load(RING + (ring_row * H + h) * D + c, mask=ok & from_ring, other=0.0).to(tl.float32)
     n = tl.load(NEW + (new_row * H + h) * D + c, mask=ok & (from_ring == 0), other=0.0).to(tl.float32)
-    x = tl.where(from_ring, r, n)
-    return x, ((x != x) | (tl.abs(x) > 3.4028234663852886e38)) & ok
+    return tl.split(tl.reshape(tl.where(from_ring, r, n), [r.shape[0], BLOCK_D2, 2]))
+
+
+@triton.jit
+def _nonfinite(x):
+    return (x != x) | (tl.abs(x) > 3.4028234663852886e38)
 
 
 @triton.jit
@@ -64,10 +74,14 @@ def _quantize_head(
     HAS_SINKS: tl.constexpr,
 ):
     ok = (tok < P) & (2 * i < D)
-    xe, bad_e = _load_rows(RING, NEW, ring_row, new_row, from_ring, 2 * i, ok, H, h, D)
-    xo, bad_o = _load_rows(RING, NEW, ring_row, new_row, from_ring, 2 * i + 1, ok, H, h, D)
+    xe, xo = _load_rows(RING, NEW, ring_row, new_row, from_ring, tok < P, H, h, D, BLOCK_D2)
+    bad_e = _nonfinite(xe) & ok
+    bad_o = _nonfinite(xo) & ok
     if FMT == 0:  # raw storage keeps NaN/Inf as they are, like the torch raw codecs
-        encode_store(xe, xo, p0, p1, p2, page, h, H, P, D, BLOCK_P, BLOCK_D2, FMT, CHANNEL)
+        ty = p0.dtype.element_ty
+        store_pairs(
+            p0, (page * P + tok) * H + h, to_storage(xe, ty), to_storage(xo, ty), tok < P, D, BLOCK_D2
+        )
     else:  # the codecs' input preparation: NaN/Inf count and become 0 before any scale
         encode_store(
             tl.where(bad_e, 0.0, xe),
@@ -86,10 +100,11 @@ def _quantize_head(
             CHANNEL,
         )
     if HAS_SINKS:
-        s_ok = ok & (tok * 0 + sink_slot >= 0)  # (a scalar bool in a mask trips the interpreter)
-        off = ((sink_slot * P + tok) * H + h) * D + 2 * i
-        tl.store(SINK + off, to_storage(xe, SINK.dtype.element_ty), mask=s_ok)
-        tl.store(SINK + off + 1, to_storage(xo, SINK.dtype.element_ty), mask=s_ok)
+        s_ok = (tok < P) & (tok * 0 + sink_slot >= 0)  # (a scalar bool in a mask trips the interpreter)
+        ty = SINK.dtype.element_ty
+        store_pairs(
+            SINK, (sink_slot * P + tok) * H + h, to_storage(xe, ty), to_storage(xo, ty), s_ok, D, BLOCK_D2
+        )
     amax = tl.max(
         tl.max(tl.maximum(tl.abs(tl.where(bad_e, 0.0, xe)), tl.abs(tl.where(bad_o, 0.0, xo))), 1), 0
     )
