@@ -58,27 +58,36 @@ def products(weights: dict[str, torch.Tensor], rows: int, halves: bool) -> list:
     return runs
 
 
-def time_round_robin(configs: list[tuple[str, list]], repeats: int, warm_s: float) -> list[list[list[float]]]:
+def time_round_robin(
+    configs: list[tuple[str, list]], repeats: int, warm_s: float, inner: int = 5
+) -> list[list[list[float]]]:
     """ms of each product of each configuration, ``repeats`` rounds that visit every configuration in
     turn (its library preferred while it runs), after ``warm_s`` seconds of the same rounds untimed: the
     GPU's clocks settle under sustained matrix work, and a configuration timed in one block after
-    another would carry that drift into its ratio."""
+    another would carry that drift into its ratio. A sample is ``inner`` back-to-back calls between two
+    events, queued behind one more call, so that the GPU is busy when the first event fires and no
+    host launch time falls inside the window."""
     times: list[list[list[float]]] = [[[] for _ in runs] for _, runs in configs]
+    previous = torch.backends.cuda.preferred_blas_library()
     start_warm = time.perf_counter()
     timed = False
-    while not timed or len(times[0][0]) < repeats:
-        timed = time.perf_counter() - start_warm >= warm_s
-        for c, (lib, runs) in enumerate(configs):
-            torch.backends.cuda.preferred_blas_library(lib)
-            for i, run in enumerate(runs):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                run()
-                end.record()
-                end.synchronize()
-                if timed:
-                    times[c][i].append(start.elapsed_time(end))
-    torch.backends.cuda.preferred_blas_library("cublas")
+    try:
+        while not timed or len(times[0][0]) < repeats:
+            timed = time.perf_counter() - start_warm >= warm_s
+            for c, (lib, runs) in enumerate(configs):
+                torch.backends.cuda.preferred_blas_library(lib)
+                for i, run in enumerate(runs):
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    run()
+                    start.record()
+                    for _ in range(inner):
+                        run()
+                    end.record()
+                    end.synchronize()
+                    if timed:
+                        times[c][i].append(start.elapsed_time(end) / inner)
+    finally:
+        torch.backends.cuda.preferred_blas_library(previous)
     return times
 
 
@@ -100,7 +109,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="7680,8192,16384", help="row counts (prefill tokens a step)")
     ap.add_argument("--libs", default="cublas,cublaslt", help="cuBLAS libraries PyTorch may prefer")
     ap.add_argument("--no-halves", action="store_true", help="skip the two-half-products variant")
-    ap.add_argument("--repeats", type=int, default=20, help="timed rounds over all configurations")
+    ap.add_argument("--repeats", type=int, default=20, help="timed rounds over all configurations (>= 1)")
     ap.add_argument("--warm-s", type=float, default=10.0, help="seconds of untimed rounds first")
     args = ap.parse_args()
     cfg = ModelConfig.from_hf(args.config or GEOMETRIES["llama3-8b"])
@@ -121,6 +130,7 @@ def main() -> None:
     times = time_round_robin(configs, args.repeats, args.warm_s)
     rows_out = []
     base = None
+    previous = torch.backends.cuda.preferred_blas_library()
     for (rows, label), (lib, runs), each_times in zip(labels, configs, times, strict=True):
         torch.backends.cuda.preferred_blas_library(lib)
         names = kernel_names(runs)
@@ -130,7 +140,7 @@ def main() -> None:
         base = base or us_token
         tflops = flops_token * rows / (ms * 1e-3) / 1e12
         rows_out.append((rows, label, ms, us_token, tflops, base / us_token, each, names))
-    torch.backends.cuda.preferred_blas_library("cublas")
+    torch.backends.cuda.preferred_blas_library(previous)
     print("\n| tokens | library | ms a layer | us a token | TFLOP/s | vs first | ms qkv/o/gate_up/down |")
     print("|---:|---|---:|---:|---:|---:|---|")
     for rows, label, ms, us_token, tflops, ratio, each, _ in rows_out:

@@ -278,7 +278,8 @@ def encode_store(
     CHANNEL: tl.constexpr,
 ):
     """Encode head ``h`` of page ``page`` (int64) from ``xe``/``xo`` and store every part of a coded
-    format (raw rows are stored whole by the caller: `page_quantize._store_rows`)."""
+    format (raw rows, format 0, are the caller's: `store_pairs` of the rows themselves)."""
+    tl.static_assert(FMT != 0, "encode_store: raw rows are stored by the caller (store_pairs)")
     tok = tl.arange(0, BLOCK_P)[:, None]
     i = tl.arange(0, BLOCK_D2)[None, :]
     de = 2 * i

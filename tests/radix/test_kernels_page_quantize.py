@@ -32,10 +32,10 @@ CODECS += ["int4/fp4_e2m1", "int8_asym/fp8_e4m3"]
 HKV, HQ, D, P = 2, 4, 32, 16
 
 
-def tricky(n: int, g: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
-    x = torch.randn(n, HKV, D, generator=g) * torch.exp2(torch.randint(-6, 7, (n, HKV, 1), generator=g))
+def tricky(n: int, g: torch.Generator, dtype: torch.dtype, d: int = D) -> torch.Tensor:
+    x = torch.randn(n, HKV, d, generator=g) * torch.exp2(torch.randint(-6, 7, (n, HKV, 1), generator=g))
     x[::5, :, 3] *= 40.0  # outlier channel
-    x[1::7] = torch.randint(-8, 9, (HKV, D), generator=g) * 0.25  # exact ties of several grids
+    x[1::7] = torch.randint(-8, 9, (HKV, d), generator=g) * 0.25  # exact ties of several grids
     x[2::11] = 0.0  # all-zero tokens
     x[3::13] = 1.5  # constant tokens
     x[4::17, 0, 5] = float("nan")
@@ -43,13 +43,23 @@ def tricky(n: int, g: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
-def run_both(codec: str, device: str, lengths: list[int], steps: int, n_new: int, sinks: bool, dtype):
+def run_both(
+    codec: str,
+    device: str,
+    lengths: list[int],
+    steps: int,
+    n_new: int,
+    sinks: bool,
+    dtype,
+    head_dim: int = D,
+    page_size: int = P,
+):
     caches = [
         small_cache(
             num_layers=1,
             kv_heads=HKV,
-            head_dim=D,
-            page_size=P,
+            head_dim=head_dim,
+            page_size=page_size,
             recent_window=16,
             layer_codecs=[codec],
             ring_dtype=dtype,
@@ -68,8 +78,8 @@ def run_both(codec: str, device: str, lengths: list[int], steps: int, n_new: int
     pages = 0
     for n_step in plan:
         T = sum(n_step)
-        q = torch.randn(T, HQ, D, generator=g).to(device, dtype)
-        k, v = (tricky(T, g, dtype).to(device) for _ in range(2))
+        q = torch.randn(T, HQ, head_dim, generator=g).to(device, dtype)
+        k, v = (tricky(T, g, dtype, head_dim).to(device) for _ in range(2))
         for c, s, kernels in zip(caches, seqs, (False, True), strict=True):
             batch = c.begin_step(s, n_step)
             pages += batch.write.page_ids.numel() if kernels else 0
@@ -104,4 +114,20 @@ def test_page_codes_equal_torch_codecs(codec, device):
 @pytest.mark.parametrize("codec", ["fp8_e4m3", "int4", "fp4_e2m1"])
 def test_page_codes_equal_from_bfloat16_rows(codec, device):
     pages = run_both(codec, device, [40, 17], steps=2, n_new=8, sinks=True, dtype=torch.bfloat16)
+    assert pages >= 4
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("codec", "head_dim", "page_size"),
+    [("bf16", 80, 8), ("fp8_e4m3", 80, 16), ("int8", 96, 8), ("int8_asym", 48, 16), ("fp4_e2m1", 96, 16)],
+)
+def test_page_codes_equal_at_other_geometries(codec, head_dim, page_size, device):
+    """Head dims that are not a power of two (the kernel's rows padded to the next one: the channel
+    masks of its whole-row loads and stores) and pages smaller than the kernel's 16-row tile (the row
+    masks), BF16 rows with sinks."""
+    pages = run_both(
+        codec, device, [40, 17], steps=2, n_new=8, sinks=True, dtype=torch.bfloat16, head_dim=head_dim,
+        page_size=page_size,
+    )  # fmt: skip
     assert pages >= 4
