@@ -42,9 +42,9 @@ def products(weights: dict[str, torch.Tensor], rows: int, halves: bool) -> list:
     runs = []
     for w in weights.values():
         x = torch.randn(rows, w.shape[1], device=w.device, dtype=w.dtype)
-        y = torch.empty(rows, w.shape[0], device=w.device, dtype=w.dtype)
         if halves:
             h = rows // 2
+            y = torch.empty(rows, w.shape[0], device=w.device, dtype=w.dtype)
 
             def run(x=x, y=y, w=w, h=h) -> None:
                 torch.mm(x[:h], w.t(), out=y[:h])
