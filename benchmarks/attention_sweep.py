@@ -273,6 +273,7 @@ _D4 = dict(
     value_offsets_apart=True,
     keys_as_rows=False,
     value_reference=False,
+    value_quads=False,
 )
 _D4_ROWS = dict(_D4, keys_as_rows=True, value_reference=True)
 _D4_ROWS_1 = dict(_D4_ROWS, num_stages=1)
@@ -281,11 +282,17 @@ _D4_ROWS_1 = dict(_D4_ROWS, num_stages=1)
 # scales a tile ahead) with it. Measured (H200, one run; B=64 32K / B=256 2K / B=1,024 2K): the default
 # 1.534 / 0.416 / 1.544 ms, int4's shape 1.532 / 0.447 / 1.634, ``prefetch`` 1.586 / 0.440 / 1.718, with
 # 3 stages 1.545 / 0.424 / 1.591: no gain, fp4's default unchanged.
+# Pass 12 (prepared offline, Triton 3.6 for sm_90, cold loop a 32-key tile at B=1,024 2K): fp4's PTX
+# decoding writes E5M2 bytes four codes an instruction before spreading them (18 -> 11 instructions an
+# instance, every launch: fp4's default 1,294 -> 1,069); ``value_quads`` reads the value codes as 16-bit
+# elements, so that P.V's operand comes from a transposing ldmatrix instead of 64 one-byte shared loads
+# and their packing (fp4 1,069 -> 959; int4 at its shape 1,072 -> 951).
 DECODE_4BIT: list[dict] = [
     _D4_ROWS,
     dict(_D4_ROWS_1, maxnreg=168),
-    dict(_D4_ROWS, prefetch=True),
-    dict(_D4_ROWS, num_stages=3, prefetch=True),
+    dict(_D4_ROWS, value_quads=True),
+    dict(_D4_ROWS_1, maxnreg=168, value_quads=True),
+    dict(_D4_ROWS, maxnreg=168, value_quads=True),
 ]
 # SWEEP_KINDS (environment): the kinds swept, "decode,extend" by default.
 KINDS = os.environ.get("SWEEP_KINDS", "decode,extend").split(",")
@@ -476,6 +483,7 @@ def sweep() -> dict[tuple[str, bool | str], dict]:
         blocks += {True: ", fp8 dots", "keys": ", fp8 key dots"}.get(s.get("fp8_dot"), "")
         blocks += ", keys as rows" if s.get("keys_as_rows") else ""
         blocks += ", value reference" if s.get("value_reference") else ""
+        blocks += ", value quads" if s.get("value_quads") else ""
         blocks += f", wide shape with {s['wide']}" if s.get("wide") else ""
         print(
             f"| {kind} | {batch} | {context} | {codec} | {s['block_m']} x {s['block_n']} | "

@@ -357,13 +357,17 @@ def fp4_value_codes(p0, p1, row, ok, D: tl.constexpr, BLOCK_C: tl.constexpr, OUT
 
 
 # Packed 4-bit decoding for the 4-bit decode kernel (`kvstrata.radix.kernels.decode4`): whole bytes in,
-# FP16 pairs out, four bytes (eight codes) an instance of inline PTX. A byte pair is spread over two
-# 16-bit lanes (prmt), then one lop3 a lane pair puts a nibble under an FP16 exponent: int4 codes as
+# FP16 pairs out, four bytes (eight codes) an instance of inline PTX. int4: a byte pair is spread over
+# two 16-bit lanes (prmt), then one lop3 a lane pair puts a nibble under an FP16 exponent, codes as
 # 1024 + c (low nibble) or 64 + c (high nibble, whose bits sit 4 higher), the bias subtracted exactly
-# by a packed FP16 subtraction; E2M1 codes as their sign, exponent and mantissa bits (the value times
-# 2**-14, as `e2m1_value`). Scales and offsets apply as packed FP16 products (``fma.rn.f16x2``).
-# Operands ($n): outputs low nibbles (2 registers), high nibbles (2), then the bytes (1), then the
-# FP16 scale and offset pairs of the low and of the high nibbles.
+# by a packed FP16 subtraction. fp4: the four low nibbles are first rewritten in place as E5M2 bytes
+# (sign to bit 7, exponent and mantissa bits to bits 1-3: `_FP4_BYTES`, four codes an instruction), the
+# high nibbles likewise, and a prmt then puts two such bytes under two FP16 lanes' high bytes, which
+# reads an E5M2 byte as FP16 exactly: the E2M1 value times 2**-14, as `e2m1_value` (11 instructions an
+# instance against 18 for spreading first and placing the bits lane by lane). Scales and offsets apply as
+# packed FP16 products (``fma.rn.f16x2``). Operands ($n): outputs low nibbles (2 registers), high
+# nibbles (2), then the bytes (1), then the FP16 scale and offset pairs of the low and of the high
+# nibbles.
 _SPREAD = """
 .reg .b32 z, t0, t1, a, b, m;
 mov.b32 z, 0;
@@ -377,18 +381,25 @@ sub.f16x2 a, a, m;
 lop3.b32 b, t1, {mask}, m, 0xEA;
 sub.f16x2 b, b, m;
 """
-_FP4_NIBBLE = """
-shl.b32 a, t0, {mant};
-shl.b32 m, t0, {sign};
-and.b32 a, a, 0x0E000E00;
-lop3.b32 a, m, 0x80008000, a, 0xEA;
-shl.b32 b, t1, {mant};
-shl.b32 m, t1, {sign};
-and.b32 b, b, 0x0E000E00;
-lop3.b32 b, m, 0x80008000, b, 0xEA;
+# Low nibbles (s e1 e0 m in bits 0-3 of each byte): bits 0-2 up one, bit 3 up four; high nibbles (bits
+# 4-7): bits 4-6 down three, bit 7 in place. Bits shifted in from a neighbouring byte are masked off.
+_FP4_BYTES = """
+.reg .b32 z, t0, t1, a, b, m;
+mov.b32 z, 0;
+shl.b32 t0, $4, 1;
+and.b32 t0, t0, 0x0E0E0E0E;
+shl.b32 m, $4, 4;
+lop3.b32 t0, m, 0x80808080, t0, 0xEA;
+shr.b32 t1, $4, 3;
+and.b32 t1, t1, 0x0E0E0E0E;
+lop3.b32 t1, $4, 0x80808080, t1, 0xEA;
 """
-_LO = dict(bias="0x64006400", mask="0x000F000F", mant=9, sign=12)
-_HI = dict(bias="0x54005400", mask="0x00F000F0", mant=5, sign=8)
+_FP4_NIBBLE = """
+prmt.b32 a, {bytes}, z, 0x1404;
+prmt.b32 b, {bytes}, z, 0x3424;
+"""
+_LO = dict(bias="0x64006400", mask="0x000F000F", bytes="t0")
+_HI = dict(bias="0x54005400", mask="0x00F000F0", bytes="t1")
 _OUT = {
     "plain": "mov.b32 ${0}, a;\nmov.b32 ${1}, b;\n",
     "scale": "mul.rn.f16x2 ${0}, a, ${2};\nmul.rn.f16x2 ${1}, b, ${3};\n",
@@ -400,12 +411,46 @@ def _nibbles_asm(nibble: str, out: str) -> str:
     """PTX of one packed decode: ``nibble`` the per-nibble code (`_INT4_NIBBLE`/`_FP4_NIBBLE`), ``out``
     how its FP16 pairs leave (`_OUT`)."""
     per_half = {"plain": 0, "scale": 2, "affine": 4}[out]  # scale/offset registers per nibble half
-    body = _SPREAD
+    body = _FP4_BYTES if nibble is _FP4_NIBBLE else _SPREAD
     for half, regs in ((_LO, (0, 1)), (_HI, (2, 3))):
         first = 5 + (half is _HI) * per_half
         operands = (*regs, first, first + 1, first + 2, first + 3)
         body += nibble.format(**half) + _OUT[out].format(*operands)
     return "{\n" + body + "}"
+
+
+# Half-word decoding (`nibble_quads`): two 16-bit elements (four codes each) an instance, and out of it
+# one register a code position, holding that position's code of both elements. An operand that pairs
+# the same channel of two keys (P.V's, whose reduction runs over keys) then comes from one transposing
+# ldmatrix of 16-bit elements, with no byte gathering. fp4: `_FP4_BYTES`, then a prmt a position takes
+# its E5M2 byte of each element (bytes 0 and 2: codes 0 of the two elements, 1 and 3: codes 2). int4:
+# a lop3 a position under an FP16 exponent as in `_INT4_NIBBLE` (positions 2 and 3 after one shift).
+# Operands: outputs codes 0 to 3 (one register each), then the two elements (1), then fp4's FP16 scale pair.
+_FP4_QUADS = (
+    _FP4_BYTES
+    + "prmt.b32 a, t0, z, 0x2404;\nprmt.b32 b, t1, z, 0x2404;\n"
+    + "prmt.b32 t0, t0, z, 0x3414;\nprmt.b32 t1, t1, z, 0x3414;\n"
+)
+_INT4_QUADS = """
+.reg .b32 a, b, t0, t1, lo, hi, w;
+mov.b32 lo, 0x64006400;
+mov.b32 hi, 0x54005400;
+shr.b32 w, $4, 8;
+lop3.b32 a, $4, 0x000F000F, lo, 0xEA;
+sub.f16x2 a, a, lo;
+lop3.b32 b, $4, 0x00F000F0, hi, 0xEA;
+sub.f16x2 b, b, hi;
+lop3.b32 t0, w, 0x000F000F, lo, 0xEA;
+sub.f16x2 t0, t0, lo;
+lop3.b32 t1, w, 0x00F000F0, hi, 0xEA;
+sub.f16x2 t1, t1, hi;
+"""
+_QUADS_OUT = {
+    "plain": "".join(f"mov.b32 ${i}, {r};\n" for i, r in enumerate(("a", "b", "t0", "t1"))),
+    "scale": "".join(f"mul.rn.f16x2 ${i}, {r}, $5;\n" for i, r in enumerate(("a", "b", "t0", "t1"))),
+}
+FP4_QUADS_SCALED_ASM = tl.constexpr("{\n" + _FP4_QUADS + _QUADS_OUT["scale"] + "}")
+INT4_QUADS_ASM = tl.constexpr("{\n" + _INT4_QUADS + _QUADS_OUT["plain"] + "}")
 
 
 INT4_CODES_ASM = tl.constexpr(_nibbles_asm(_INT4_NIBBLE, "plain"))
@@ -460,6 +505,37 @@ def nibble_pairs(
             x0 = x0 * s0.to(tl.float32) + o0.to(tl.float32)
             x1 = x1 * s1.to(tl.float32) + o1.to(tl.float32)
     return x0.to(OUT), x1.to(OUT)
+
+
+@triton.jit
+def nibble_quads(half, s, FMT: tl.constexpr, ASM: tl.constexpr, OUT: tl.constexpr):
+    """The four codes of uint16 ``half`` (bits 4i to 4i + 3: channel 4j + i of element j) as ``OUT``
+    ``(x0, x1, x2, x3)``: int4 the code; fp4 (FMT 6) the E2M1 value times 2**-14 times ``s`` (a block
+    scale broadcastable to ``half``; exact in FP16, as in `nibble_pairs`). ``ASM``: packed PTX
+    (`FP4_QUADS_SCALED_ASM` / `INT4_QUADS_ASM`, FP16 ``OUT`` on a GPU only), else float32 arithmetic."""
+    if ASM:
+        if FMT == 6:
+            x0, x1, x2, x3 = tl.inline_asm_elementwise(
+                FP4_QUADS_SCALED_ASM, "=r,=r,=r,=r,r,r", [half, s.to(tl.float16)], (tl.float16,) * 4, True, 2
+            )
+        else:
+            x0, x1, x2, x3 = tl.inline_asm_elementwise(
+                INT4_QUADS_ASM, "=r,=r,=r,=r,r", [half], (tl.float16,) * 4, True, 2
+            )
+    else:
+        h = half.to(tl.int32)
+        if FMT == 6:
+            f = s.to(tl.float32) * 6.103515625e-05
+            x0 = e2m1_value(h & 15) * f
+            x1 = e2m1_value((h >> 4) & 15) * f
+            x2 = e2m1_value((h >> 8) & 15) * f
+            x3 = e2m1_value((h >> 12) & 15) * f
+        else:
+            x0 = nibble_value(h & 15)
+            x1 = nibble_value((h >> 4) & 15)
+            x2 = nibble_value((h >> 8) & 15)
+            x3 = nibble_value((h >> 12) & 15)
+    return x0.to(OUT), x1.to(OUT), x2.to(OUT), x3.to(OUT)
 
 
 @triton.jit

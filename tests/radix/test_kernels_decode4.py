@@ -18,6 +18,7 @@ from kvstrata.quant.kernel_decode import (
     int4_key_scale_codes,
     int4_value_scale,
     nibble_pairs,
+    nibble_quads,
 )
 from kvstrata.quant.nibbles import unpack
 
@@ -72,6 +73,37 @@ def test_fp4_pairs_times_block_scales_exact(asm):
     for half in range(2):
         want = table[codes[half::2]] * s[half].double() * 2**-14
         assert torch.equal(got[half].double(), want), half
+
+
+@triton.jit
+def _quads_kernel(X, S, OUT, FMT: tl.constexpr, ASM: tl.constexpr):
+    i = tl.program_id(0) * 1024 + tl.arange(0, 1024)
+    x0, x1, x2, x3 = nibble_quads(tl.load(X + i), tl.load(S + i), FMT, ASM, tl.float16)
+    tl.store(OUT + 4 * i, x0)
+    tl.store(OUT + 4 * i + 1, x1)
+    tl.store(OUT + 4 * i + 2, x2)
+    tl.store(OUT + 4 * i + 3, x3)
+
+
+@pytest.mark.parametrize("asm", ASM)
+@pytest.mark.parametrize("fmt", [5, 6])
+def test_nibble_quads_every_half_word(fmt, asm):
+    """All 65,536 16-bit elements, in a random order (so that the PTX's element pairs differ): code
+    position i (bits 4i to 4i + 3) out as output i, exactly: int4 the code, fp4 the E2M1 value times
+    its element's E4M3 scale (subnormal to 448) times 2**-14."""
+    g = torch.Generator().manual_seed(40 + fmt)
+    half = torch.randperm(65536, generator=g).to(torch.int32)
+    e4m3 = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    s = e4m3[torch.randint(0, 126, (65536,), generator=g)].half()
+    out = torch.full((65536 * 4,), float("nan"), dtype=torch.float16, device=DEVICE)
+    x = torch.where(half >= 32768, half - 65536, half).to(torch.int16)  # the same 16 bits, signed
+    _quads_kernel[(64,)](x.to(DEVICE), s.to(DEVICE), out, FMT=fmt, ASM=asm)
+    codes = torch.stack([(half >> (4 * i)) & 15 for i in range(4)], 1)
+    if fmt == 6:
+        want = _table(torch.device("cpu")).double()[codes] * s.double()[:, None] * 2**-14
+    else:
+        want = codes.double()
+    assert torch.equal(out.cpu().view(65536, 4).double(), want)
 
 
 @triton.jit
@@ -166,7 +198,7 @@ def _use(monkeypatch, launch: dict, asm: bool) -> list[tuple]:
     # Every option off unless the entry sets it (the defaults turn several on: an entry's name says
     # all that it runs with).
     options = ("fold_key_scales", "heads_together", "tail_rows", "value_offsets_apart")
-    options += ("keys_as_rows", "value_reference")
+    options += ("keys_as_rows", "value_reference", "value_quads")
     for key, value in {"module": "decode4", "asm": asm, **dict.fromkeys(options, False), **launch}.items():
         monkeypatch.setitem(attend.DECODE_LAUNCH[True], key, value)
     grids: list[tuple] = []
@@ -246,6 +278,67 @@ def test_decode4_folded_query_range(codec, k_scale, monkeypatch):
     got = kernel_helpers.kernel_attend(cache, batch, q, k, v, SCALE)
     assert torch.isfinite(got).all() and grids
     assert rel_err(got.cpu(), kernel_helpers.reference_attend(cache, batch, q, k, v, SCALE)) < 1.5e-2
+
+
+# ``value_quads`` over the two keys-as-rows launches above (each option on or off in one of them).
+QUAD_LAUNCHES = {
+    f"{name}, value quads": dict(LAUNCHES[name], value_quads=True)
+    for name in (
+        "2 blocks, folded, keys as rows, value reference",
+        "4 blocks, folded, keys as rows, prefetch, offsets per tile",
+    )
+}
+
+
+@pytest.fixture
+def head_dim_64(monkeypatch):
+    """`test_kernels_attend`'s caches and steps at head_dim 64, where ``value_quads`` applies (parts
+    of D/4 channels, the product's M of 16 at least)."""
+    import test_kernels_attend
+
+    monkeypatch.setattr(test_kernels_attend, "D", 64)
+    monkeypatch.setattr(test_kernels_attend, "SCALE", 1 / 8)
+
+
+@pytest.mark.parametrize("launch", list(QUAD_LAUNCHES))
+@pytest.mark.parametrize("codec", ["int4", "fp4_e2m1", "int4/fp4_e2m1", "fp4_e2m1/int4"])
+def test_decode4_value_quads_float32(codec, launch, monkeypatch, head_dim_64):
+    """``value_quads`` (values as 16-bit elements, the output in four channel parts put together after
+    the cold tiles), float32 model: sinks, forced splits, full and partial tiles, against the float64
+    reference within float32 rounding."""
+    from test_kernels_attend import check_steps, make_cache
+
+    grids = _use(monkeypatch, QUAD_LAUNCHES[launch], False)
+    cache = make_cache(codec, DEVICE, sinks=True)
+    assert check_steps(cache, [9, 70, 300], steps=2, n_new=1, tol=2e-5, splits=3) == 6
+    assert grids and all(g[2] == 3 for g in grids)
+
+
+@pytest.mark.parametrize("launch", list(QUAD_LAUNCHES))
+@pytest.mark.parametrize("asm", ASM)
+@pytest.mark.parametrize("codec", ["int4", "fp4_e2m1", "fp4_e2m1/int4"])
+def test_decode4_value_quads_bfloat16(codec, asm, launch, monkeypatch, head_dim_64):
+    """``value_quads`` with a BF16 model (FP16 operands and `nibble_quads`' PTX on CUDA): BF16-level
+    error, with and without splits."""
+    from test_kernels_attend import check_steps, make_cache
+
+    grids = _use(monkeypatch, QUAD_LAUNCHES[launch], asm)
+    cache = make_cache(codec, DEVICE, dtype=torch.bfloat16)
+    check_steps(cache, [12, 50, 299], steps=2, n_new=1, tol=1.5e-2, dtype=torch.bfloat16)
+    assert grids
+
+
+def test_value_quads_options():
+    """``value_quads`` needs ``keys_as_rows`` (refused without) and applies from head_dim 64 (ignored
+    below: parts of D/4 channels are the product's M)."""
+    from kvstrata.radix.kernels.decode4 import decode4_options
+
+    launch = dict(blocks=2, num_warps=1, num_stages=2, fold_key_scales=True, value_quads=True)
+    with pytest.raises(ValueError, match="keys_as_rows"):
+        decode4_options(4, launch, True, dict(DOT_DTYPE=tl.float32, D=64))
+    launch["keys_as_rows"] = True
+    assert decode4_options(4, launch, True, dict(DOT_DTYPE=tl.float32, D=64))["VALUE_QUADS"]
+    assert not decode4_options(4, launch, True, dict(DOT_DTYPE=tl.float32, D=32))["VALUE_QUADS"]
 
 
 def test_applies_only_to_4bit_layers():

@@ -131,7 +131,9 @@ DECODE_LAUNCH = {
         f16_codes=False,
         swap_ab=False,
         halves=False,
-        maxnreg=None,
+        # Pass 12: 168 registers (12 one-warp programs an SM instead of 8; with ``value_quads`` fp4's
+        # two-stage loop keeps within them, int4 takes one stage, `INT4_DECODE`).
+        maxnreg=168,
         module="decode4",
         min_pages=16,
         merged_tail=True,
@@ -147,6 +149,12 @@ DECODE_LAUNCH = {
         # 0.499, B=1,024 at 2K 1.537 against 1.874 (attention_sweep.py, one run; docs pass 9).
         keys_as_rows=True,
         value_reference=True,
+        # Pass 12: ``value_quads`` (the value codes as 16-bit elements: P.V's operand by a transposing
+        # ldmatrix, no byte gathering; and fp4's PTX decoding, 18 -> 11 instructions an instance, in
+        # every launch). H200, fp4 with 168 registers: B=64 at 32K 1.198 ms against 1.528 before the
+        # pass, B=256 at 2K 0.354 against 0.415, B=1,024 at 2K 1.271 against 1.540; int4 (its one
+        # stage) 1.268 / 0.385 / 1.387 against 1.325 / 0.403 / 1.426 (attention_sweep.py, one run).
+        value_quads=True,
     ),
 }
 # 4-bit decode layers `decode4` does not read (one side 8/16-bit, or head_dim not a power of two): the

@@ -58,6 +58,7 @@ from kvstrata.quant.kernel_decode import (
     int4_key_words,
     key_block_scales,
     nibble_pairs,
+    nibble_quads,
     value_tile_scales,
 )
 from kvstrata.radix.kernels.attend import HALF_FORMATS, _accumulate, _online, _raw_tile, _scores
@@ -190,6 +191,8 @@ def _cold_tile4(
     qc1,
     acc0,
     acc1,
+    acc2,
+    acc3,
     m_i,
     l_i,
     o_i,
@@ -218,6 +221,7 @@ def _cold_tile4(
     OFFSETS_APART: tl.constexpr,
     KEYS_AS_ROWS: tl.constexpr,
     VALUE_REF: tl.constexpr,
+    VALUE_QUADS: tl.constexpr,
 ):
     """Keys ``j0`` to ``j0 + 16 * BLOCKS`` of the sequence's cold pages, in pages ``pb`` (``[BLOCKS]``,
     each block's) and ``pv`` (``[16 * BLOCKS]``, each key's), with the tile's `_side_scales`
@@ -231,7 +235,10 @@ def _cold_tile4(
     ``[D/2, rows]`` halves (``acc0``/``acc1``). ``VALUE_REF``: the accumulator is kept in units of
     ``v_ref``, the tile's largest value scale (at least ``VALUE_REF_FLOOR`` times ``v_hi``, the
     largest seen), so that the product adds to the accumulator carried into the new units
-    (``acc * alpha * old / new``) with no multiply of the product by the tile's scale."""
+    (``acc * alpha * old / new``) with no multiply of the product by the tile's scale.
+    ``VALUE_QUADS`` (with ``KEYS_AS_ROWS``): the value codes read as 16-bit elements (`nibble_quads`),
+    the output in four ``[D/4, rows]`` parts ``acc0`` to ``acc3`` (part i: channels 4j + i), else in
+    the even/odd halves ``acc0``/``acc1`` (``acc2``/``acc3`` unused)."""
     HD: tl.constexpr = D // 2
     N: tl.constexpr = BLOCKS * 16
     ka, kb, kc, kd, vx, vy = side
@@ -272,7 +279,22 @@ def _cold_tile4(
             s = s * kc[None, :]
         p, alpha, m_i, l_i = _online(s, m_i, l_i)
 
-    if V_FMT == 6:  # [N, 32-channel blocks, 16 bytes]: a block's scale loads once per row
+    if VALUE_QUADS:  # [N, D/4] 16-bit elements (fp4: [N, 32-channel blocks, 8]), four code positions
+        v16 = V0.to(tl.pointer_type(tl.uint16))
+        if V_FMT == 6:
+            g = tl.arange(0, D // 32)[None, :, None]
+            vh = tl.load(v16 + rv[:, None, None] * (D // 4) + g * 8 + tl.arange(0, 8)[None, None, :])
+            u0, u1, u2, u3 = nibble_quads(vh, vx, 6, ASM, CODE_DTYPE)
+            vs = vy
+        else:
+            vh = tl.load(v16 + rv[:, None] * (D // 4) + tl.arange(0, D // 4)[None, :])
+            u0, u1, u2, u3 = nibble_quads(vh, 1.0, 5, ASM, CODE_DTYPE)
+            vs = vx
+        v0 = tl.trans(tl.reshape(u0, [N, D // 4]))
+        v1 = tl.trans(tl.reshape(u1, [N, D // 4]))
+        v2 = tl.trans(tl.reshape(u2, [N, D // 4]))
+        v3 = tl.trans(tl.reshape(u3, [N, D // 4]))
+    elif V_FMT == 6:  # [N, 32-channel blocks, 16 bytes]: a block's scale loads once per row
         g = tl.arange(0, HD // 16)[None, :, None]
         vb = tl.load(V0 + rv[:, None, None] * HD + g * 16 + tl.arange(0, 16)[None, None, :])
         v0, v1 = nibble_pairs(vb, vx, vx, vx, vx, 6, True, ASM, CODE_DTYPE)
@@ -291,15 +313,26 @@ def _cold_tile4(
     else:
         top = tl.max(vs, 0) + 1.1754943508222875e-38
         carry = alpha
-    if KEYS_AS_ROWS:  # the output transposed, [D/2, rows] halves: v^T . p
+    if KEYS_AS_ROWS:  # the output transposed, [D/2, rows] halves (or [D/4, rows] parts): v^T . p
         w = (p * (vs * (1.0 / top))[:, None]).to(CODE_DTYPE)
-        v0 = tl.trans(v0)
-        v1 = tl.trans(v1)
+        if not VALUE_QUADS:
+            v0 = tl.trans(v0)
+            v1 = tl.trans(v1)
         carry = carry[None, :]
     else:
         w = (p * (vs * (1.0 / top))[None, :]).to(CODE_DTYPE)
         carry = carry[:, None]
-    if VALUE_REF and KEYS_AS_ROWS:
+    if VALUE_QUADS and VALUE_REF:
+        acc0 = tl.dot(v0, w, acc0 * carry, input_precision=DOT_PREC)
+        acc1 = tl.dot(v1, w, acc1 * carry, input_precision=DOT_PREC)
+        acc2 = tl.dot(v2, w, acc2 * carry, input_precision=DOT_PREC)
+        acc3 = tl.dot(v3, w, acc3 * carry, input_precision=DOT_PREC)
+    elif VALUE_QUADS:
+        acc0 = acc0 * carry + tl.dot(v0, w, input_precision=DOT_PREC) * top
+        acc1 = acc1 * carry + tl.dot(v1, w, input_precision=DOT_PREC) * top
+        acc2 = acc2 * carry + tl.dot(v2, w, input_precision=DOT_PREC) * top
+        acc3 = acc3 * carry + tl.dot(v3, w, input_precision=DOT_PREC) * top
+    elif VALUE_REF and KEYS_AS_ROWS:
         acc0 = tl.dot(v0, w, acc0 * carry, input_precision=DOT_PREC)
         acc1 = tl.dot(v1, w, acc1 * carry, input_precision=DOT_PREC)
     elif VALUE_REF:
@@ -323,10 +356,13 @@ def _cold_tile4(
         elif KEYS_AS_ROWS:
             acc0 += off[None, :]
             acc1 += off[None, :]
+            if VALUE_QUADS:
+                acc2 += off[None, :]
+                acc3 += off[None, :]
         else:
             acc0 += off[:, None]
             acc1 += off[:, None]
-    return acc0, acc1, m_i, l_i, o_i, v_ref, v_hi
+    return acc0, acc1, acc2, acc3, m_i, l_i, o_i, v_ref, v_hi
 
 
 @jit_unspecialized(  # the per-step arguments, as `attend._attend_kernel`'s
@@ -386,6 +422,7 @@ def _decode4_kernel(
     OFFSETS_APART: tl.constexpr,
     KEYS_AS_ROWS: tl.constexpr,
     VALUE_REF: tl.constexpr,
+    VALUE_QUADS: tl.constexpr,
 ):
     if HEADS_TOGETHER:  # consecutive programs: the KV heads of one sequence (same grid, ids remapped)
         pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
@@ -409,7 +446,14 @@ def _decode4_kernel(
     q1 = tl.load(q_at + c1[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * qk_scale
     m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    if KEYS_AS_ROWS:  # the cold tiles' output transposed (`_cold_tile4`), turned back after them
+    # The cold tiles' output (`_cold_tile4`): with VALUE_QUADS four [D/4, rows] parts, put together
+    # into the halves after them; with KEYS_AS_ROWS transposed, turned back after them.
+    acc2 = tl.zeros([D // 4, BLOCK_H], dtype=tl.float32)
+    acc3 = tl.zeros([D // 4, BLOCK_H], dtype=tl.float32)
+    if VALUE_QUADS:
+        acc0 = tl.zeros([D // 4, BLOCK_H], dtype=tl.float32)
+        acc1 = tl.zeros([D // 4, BLOCK_H], dtype=tl.float32)
+    elif KEYS_AS_ROWS:
         acc0 = tl.zeros([D // 2, BLOCK_H], dtype=tl.float32)
         acc1 = tl.zeros([D // 2, BLOCK_H], dtype=tl.float32)
     else:
@@ -469,10 +513,10 @@ def _decode4_kernel(
                 K1, K2, V1, V2, j0, pb, pv, pr, qc0, qc1, q_mul, h, H,
                 P, D, BLOCKS, K_FMT, V_FMT, FOLD, CODE_DTYPE,
             )  # fmt: skip
-        acc0, acc1, m_i, l_i, o_i, v_ref, v_hi = _cold_tile4(
-            qc0, qc1, acc0, acc1, m_i, l_i, o_i, v_ref, v_hi, K0, K1, K2, V0, j0, pb, pv, side, slot, h, H,
-            P, D, BLOCKS, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC, FOLD, OFFSETS_APART, KEYS_AS_ROWS,
-            VALUE_REF,
+        acc0, acc1, acc2, acc3, m_i, l_i, o_i, v_ref, v_hi = _cold_tile4(
+            qc0, qc1, acc0, acc1, acc2, acc3, m_i, l_i, o_i, v_ref, v_hi, K0, K1, K2, V0, j0, pb, pv, side,
+            slot, h, H, P, D, BLOCKS, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC, FOLD, OFFSETS_APART,
+            KEYS_AS_ROWS, VALUE_REF, VALUE_QUADS,
         )  # fmt: skip
         if PREFETCH:
             pb = pb_ahead
@@ -487,12 +531,15 @@ def _decode4_kernel(
             K1, K2, V1, V2, j0, pb1, pv1, pr1, qc0, qc1, q_mul, h, H,
             P, D, 1, K_FMT, V_FMT, FOLD, CODE_DTYPE,
         )  # fmt: skip
-        acc0, acc1, m_i, l_i, o_i, v_ref, v_hi = _cold_tile4(
-            qc0, qc1, acc0, acc1, m_i, l_i, o_i, v_ref, v_hi, K0, K1, K2, V0, j0, pb1, pv1, side1, slot, h, H,
-            P, D, 1, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC, FOLD, OFFSETS_APART, KEYS_AS_ROWS,
-            VALUE_REF,
+        acc0, acc1, acc2, acc3, m_i, l_i, o_i, v_ref, v_hi = _cold_tile4(
+            qc0, qc1, acc0, acc1, acc2, acc3, m_i, l_i, o_i, v_ref, v_hi, K0, K1, K2, V0, j0, pb1, pv1, side1,
+            slot, h, H, P, D, 1, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC, FOLD, OFFSETS_APART,
+            KEYS_AS_ROWS, VALUE_REF, VALUE_QUADS,
         )  # fmt: skip
 
+    if VALUE_QUADS:  # channels 4j + i in part i: the even halves from parts 0 and 2, the odd from 1 and 3
+        acc0 = tl.reshape(tl.permute(tl.join(acc0, acc2), (0, 2, 1)), [D // 2, BLOCK_H])
+        acc1 = tl.reshape(tl.permute(tl.join(acc1, acc3), (0, 2, 1)), [D // 2, BLOCK_H])
     if VALUE_REF:
         acc0 *= v_ref
         acc1 *= v_ref
@@ -565,13 +612,18 @@ def decode4_options(group: int, launch: dict, interpreted: bool, meta: dict) -> 
     summed per row (`_cold_tile4`); the last three off unless set (docs/kernels-h200.md, pass 8);
     ``keys_as_rows`` (with ``fold_key_scales`` only; the slots padded to 8 rows in all, not 16: the
     query side is then the product's N, whose tensor-core minimum is 8) and ``value_reference``
-    (`_cold_tile4`; pass 9), off unless set.
+    (`_cold_tile4`; pass 9), off unless set; ``value_quads`` (with ``keys_as_rows``; head_dim 64 or
+    more, else ignored): the value codes as 16-bit elements (`_cold_tile4`; pass 12).
     Operands are FP16 for 16-bit models on a GPU, else float32 (``interpreted``, float32 models)."""
     f16 = not interpreted and meta["DOT_DTYPE"] in (tl.bfloat16, tl.float16)
     fold = bool(launch.get("fold_key_scales"))
     keys_as_rows = bool(launch.get("keys_as_rows"))
     if keys_as_rows and not fold:
         raise ValueError("decode4: keys_as_rows needs fold_key_scales")
+    value_quads = bool(launch.get("value_quads"))
+    if value_quads and not keys_as_rows:
+        raise ValueError("decode4: value_quads needs keys_as_rows")
+    value_quads = value_quads and meta["D"] >= 64  # parts of D/4 >= 16 channels: the product's M
     least = 8 if keys_as_rows else 16  # a tile's query rows at least: the product's N, or its M
     rows = max(triton.next_power_of_2(group), least // launch["blocks"])  # a block's rows with ``fold``
     block_h = rows * launch["blocks"] if fold else max(16, triton.next_power_of_2(group))
@@ -590,6 +642,7 @@ def decode4_options(group: int, launch: dict, interpreted: bool, meta: dict) -> 
         OFFSETS_APART=bool(launch.get("value_offsets_apart")),
         KEYS_AS_ROWS=keys_as_rows,
         VALUE_REF=bool(launch.get("value_reference")),
+        VALUE_QUADS=value_quads,
         num_warps=launch["num_warps"],
         num_stages=launch["num_stages"],
     )
