@@ -41,7 +41,9 @@ Launch options of pass 9 (docs/kernels-h200.md, "Pass 9, 4-bit"), with ``FOLD``:
 turns the products over (scores ``k . q^T``, the output ``v^T . p``), so that the query side is the
 product's N (8 columns for the 8B's group of 4 at 2 blocks, against M's 16 rows, half of them padding,
 without it): half the tensor-core products, score and accumulator elements a tile. ``VALUE_REF``
-keeps the accumulator in units of a running value scale (`_cold_tile4`).
+keeps the accumulator in units of a running value scale (`_cold_tile4`). Pass 12 (docs/kernels-h200.md):
+``VALUE_QUADS`` reads the value codes as 16-bit elements (`nibble_quads`), so that P.V's operand, which
+pairs one channel of two keys, loads by a transposing ldmatrix instead of byte by byte.
 """
 
 from __future__ import annotations
