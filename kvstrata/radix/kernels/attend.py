@@ -74,7 +74,7 @@ LOG2E = 1.4426950408889634
 # the fewest cold pages a split reads (H200, FP8 at B=1, 32K: splits of 32 pages 0.046 ms, of 16
 # pages 0.061; B=64 keeps its 2 splits: 1.684 ms against 1.854 unsplit). ``swap_ab``, ``halves``
 # and ``maxnreg``: see `decode.decode_options` (``swap_ab`` and ``halves`` slower on the H200,
-# `attention_sweep.py`). ``maxnreg`` 168 (8-bit codes only): 3 programs an SM instead of 2 despite
+# `attention_sweep.py`). ``maxnreg`` 168 (the 8-bit entry): 3 programs an SM instead of 2 despite
 # spills (H200, FP8: B=64 at 32K 1.562 ms against 1.602 uncapped, B=256 at 2K 0.418 against 0.483,
 # B=1 at 32K 0.045 against 0.043; docs/kernels-h200.md, pass 6).
 # ``merged_tail``: the decode module reads the sink page, ring rows and new key as one run of tiles.
@@ -173,11 +173,17 @@ OTHER_4BIT_DECODE = dict(blocks=4, num_warps=4, programs=1024, maxnreg=128, tail
 # ahead too (`decode.bits_ahead`; launch key ``bits_ahead``, absent: on): 1.202 / 0.333 / 1.303 against
 # 1.246 / 0.341 / 1.316 without, in a second run.
 FP8_WIDE_DECODE = dict(block_n=32, num_warps=1, num_stages=3, prefetch=True, programs=4096, maxnreg=None)
-# int4 keys and values (`decode4`): one pipeline stage and 168 registers (12 one-warp programs an SM
-# instead of 8) on top of ``DECODE_LAUNCH[True]``. H200, B=64 at 32K 1.326 ms against 1.689 with fp4's
-# 2 stages and no cap, B=256 at 2K 0.404 against 0.453, B=1,024 at 2K 1.434 against 1.700; fp4 is
-# slower so (1.533 / 0.446 / 1.632 against 1.529 / 0.415 / 1.537): attention_sweep.py, one run.
+# int4 keys and values (`decode4`): one pipeline stage (and 168 registers, as ``DECODE_LAUNCH[True]``
+# since pass 12). Pass 9, H200: B=64 at 32K 1.326 ms against 1.689 with fp4's 2 stages and no cap, B=256
+# at 2K 0.404 against 0.453, B=1,024 at 2K 1.434 against 1.700 (attention_sweep.py, one run). Pass 12,
+# with ``value_quads``: one stage 1.268 / 0.385 / 1.387 ms, two stages 1.502 / 0.403 / 1.474 uncapped,
+# 1.540 / 0.436 / 1.566 capped.
 INT4_DECODE = dict(num_stages=1, maxnreg=168)
+# The 4-bit decode's register cap (`DECODE_LAUNCH[True]`'s ``maxnreg``, other than int4's) up to this
+# head_dim: measured at 128 (the 8B layer) and run at 64; at 256 the capped cold loop spills (an offline
+# compile for sm_90 with Triton 3.9, fp4: 70 reloads and 17 stores a tile, 2 reloads uncapped), so wider
+# heads run uncapped.
+DECODE4_CAPPED_HEAD_DIM = 128
 INT4_FORMAT = 5
 FP8_WIDE_PROGRAMS = 512
 WIDE_DECODE_FORMATS = (1, 2)  # the history formats (keys and values) that take `FP8_WIDE_DECODE`
@@ -991,6 +997,8 @@ def pass_launch(
             launch = {**launch, **OTHER_4BIT_DECODE}
         elif k_fmt == v_fmt == INT4_FORMAT:
             launch = {**launch, **INT4_DECODE}
+        elif d > DECODE4_CAPPED_HEAD_DIM:
+            launch = {**launch, "maxnreg": None}
     wide = k_fmt in WIDE_DECODE_FORMATS and v_fmt in WIDE_DECODE_FORMATS
     if T == 1 and wide and B * h >= FP8_WIDE_PROGRAMS:
         launch = {**launch, **FP8_WIDE_DECODE}
