@@ -290,27 +290,32 @@ QUAD_LAUNCHES = {
 }
 
 
-@pytest.fixture
-def head_dim_64(monkeypatch):
-    """`test_kernels_attend`'s caches and steps at head_dim 64, where ``value_quads`` applies (parts
-    of D/4 channels, the product's M of 16 at least). Yields the ``VALUE_QUADS`` option of every
-    `_decode4_kernel` launch, for the test to check that the quads path ran."""
+def _at_head_dim(monkeypatch, head_dim: int) -> list[tuple[dict, dict]]:
+    """`test_kernels_attend`'s caches and steps at ``head_dim``; returns the ``(launch, options)`` of
+    every `decode4.decode4_options` call from then on, for a test to check what its launches ran with."""
     import test_kernels_attend
 
     from kvstrata.radix.kernels import decode4
 
-    monkeypatch.setattr(test_kernels_attend, "D", 64)
-    monkeypatch.setattr(test_kernels_attend, "SCALE", 1 / 8)
-    seen: list[bool] = []
+    monkeypatch.setattr(test_kernels_attend, "D", head_dim)
+    monkeypatch.setattr(test_kernels_attend, "SCALE", head_dim**-0.5)
+    seen: list[tuple[dict, dict]] = []
     options_of = decode4.decode4_options
 
-    def recorded(*args, **kwargs):
-        options = options_of(*args, **kwargs)
-        seen.append(options["VALUE_QUADS"])
+    def recorded(group, launch, *args, **kwargs):
+        options = options_of(group, launch, *args, **kwargs)
+        seen.append((launch, options))
         return options
 
     monkeypatch.setattr(decode4, "decode4_options", recorded)
     return seen
+
+
+@pytest.fixture
+def head_dim_64(monkeypatch):
+    """Head_dim 64, where ``value_quads`` applies (parts of D/4 channels, the product's M of 16 at
+    least); `_at_head_dim`'s record of the launches, for the test to check that the quads path ran."""
+    return _at_head_dim(monkeypatch, 64)
 
 
 @pytest.mark.parametrize("launch", list(QUAD_LAUNCHES))
@@ -325,7 +330,7 @@ def test_decode4_value_quads_float32(codec, launch, monkeypatch, head_dim_64):
     cache = make_cache(codec, DEVICE, sinks=True)
     assert check_steps(cache, [9, 70, 300], steps=2, n_new=1, tol=2e-5, splits=3) == 6
     assert grids and all(g[2] == 3 for g in grids)
-    assert head_dim_64 and all(head_dim_64)
+    assert head_dim_64 and all(options["VALUE_QUADS"] for _, options in head_dim_64)
 
 
 @pytest.mark.parametrize("launch", list(QUAD_LAUNCHES))
@@ -339,7 +344,7 @@ def test_decode4_value_quads_bfloat16(codec, asm, launch, monkeypatch, head_dim_
     grids = _use(monkeypatch, QUAD_LAUNCHES[launch], asm)
     cache = make_cache(codec, DEVICE, dtype=torch.bfloat16)
     check_steps(cache, [12, 50, 299], steps=2, n_new=1, tol=1.5e-2, dtype=torch.bfloat16)
-    assert grids and head_dim_64 and all(head_dim_64)
+    assert grids and head_dim_64 and all(options["VALUE_QUADS"] for _, options in head_dim_64)
 
 
 @pytest.mark.parametrize(
@@ -350,24 +355,12 @@ def test_register_cap_by_head_dim(codec, head_dim, cap, monkeypatch):
     `attend.DECODE4_CAPPED_HEAD_DIM`; wider heads run uncapped (their capped loop spills), except int4,
     whose one-stage shape (`attend.INT4_DECODE`) keeps it. The default launch, float32 model, against the
     float64 reference at that head_dim."""
-    import test_kernels_attend
     from test_kernels_attend import check_steps, make_cache
 
-    from kvstrata.radix.kernels import decode4
-
-    monkeypatch.setattr(test_kernels_attend, "D", head_dim)
-    monkeypatch.setattr(test_kernels_attend, "SCALE", head_dim**-0.5)
-    caps: list = []
-    options_of = decode4.decode4_options
-
-    def recorded(group, launch, *args, **kwargs):
-        caps.append(launch.get("maxnreg"))
-        return options_of(group, launch, *args, **kwargs)
-
-    monkeypatch.setattr(decode4, "decode4_options", recorded)
+    seen = _at_head_dim(monkeypatch, head_dim)
     cache = make_cache(codec, DEVICE)
     assert check_steps(cache, [12, 40], steps=1, n_new=1, tol=2e-5) == 2
-    assert caps and all(c == cap for c in caps)
+    assert seen and all(launch.get("maxnreg") == cap for launch, _ in seen)
 
 
 def test_value_quads_options():

@@ -292,10 +292,10 @@ def _cold_tile4(
             vh = tl.load(v16 + rv[:, None] * (D // 4) + tl.arange(0, D // 4)[None, :])
             u0, u1, u2, u3 = nibble_quads(vh, 1.0, 5, ASM, CODE_DTYPE)
             vs = vx
-        v0 = tl.trans(tl.reshape(u0, [N, D // 4]))
-        v1 = tl.trans(tl.reshape(u1, [N, D // 4]))
-        v2 = tl.trans(tl.reshape(u2, [N, D // 4]))
-        v3 = tl.trans(tl.reshape(u3, [N, D // 4]))
+        v0 = tl.reshape(u0, [N, D // 4])
+        v1 = tl.reshape(u1, [N, D // 4])
+        v2 = tl.reshape(u2, [N, D // 4])
+        v3 = tl.reshape(u3, [N, D // 4])
     elif V_FMT == 6:  # [N, 32-channel blocks, 16 bytes]: a block's scale loads once per row
         g = tl.arange(0, HD // 16)[None, :, None]
         vb = tl.load(V0 + rv[:, None, None] * HD + g * 16 + tl.arange(0, 16)[None, None, :])
@@ -317,32 +317,30 @@ def _cold_tile4(
         carry = alpha
     if KEYS_AS_ROWS:  # the output transposed, [D/2, rows] halves (or [D/4, rows] parts): v^T . p
         w = (p * (vs * (1.0 / top))[:, None]).to(CODE_DTYPE)
-        if not VALUE_QUADS:
-            v0 = tl.trans(v0)
-            v1 = tl.trans(v1)
+        v0 = tl.trans(v0)
+        v1 = tl.trans(v1)
+        if VALUE_QUADS:
+            v2 = tl.trans(v2)
+            v3 = tl.trans(v3)
         carry = carry[None, :]
     else:
         w = (p * (vs * (1.0 / top))[None, :]).to(CODE_DTYPE)
         carry = carry[:, None]
-    if VALUE_QUADS and VALUE_REF:
+    if VALUE_REF and KEYS_AS_ROWS:  # (VALUE_QUADS comes with KEYS_AS_ROWS)
         acc0 = tl.dot(v0, w, acc0 * carry, input_precision=DOT_PREC)
         acc1 = tl.dot(v1, w, acc1 * carry, input_precision=DOT_PREC)
-        acc2 = tl.dot(v2, w, acc2 * carry, input_precision=DOT_PREC)
-        acc3 = tl.dot(v3, w, acc3 * carry, input_precision=DOT_PREC)
-    elif VALUE_QUADS:
-        acc0 = acc0 * carry + tl.dot(v0, w, input_precision=DOT_PREC) * top
-        acc1 = acc1 * carry + tl.dot(v1, w, input_precision=DOT_PREC) * top
-        acc2 = acc2 * carry + tl.dot(v2, w, input_precision=DOT_PREC) * top
-        acc3 = acc3 * carry + tl.dot(v3, w, input_precision=DOT_PREC) * top
-    elif VALUE_REF and KEYS_AS_ROWS:
-        acc0 = tl.dot(v0, w, acc0 * carry, input_precision=DOT_PREC)
-        acc1 = tl.dot(v1, w, acc1 * carry, input_precision=DOT_PREC)
+        if VALUE_QUADS:
+            acc2 = tl.dot(v2, w, acc2 * carry, input_precision=DOT_PREC)
+            acc3 = tl.dot(v3, w, acc3 * carry, input_precision=DOT_PREC)
     elif VALUE_REF:
         acc0 = tl.dot(w, v0, acc0 * carry, input_precision=DOT_PREC)
         acc1 = tl.dot(w, v1, acc1 * carry, input_precision=DOT_PREC)
     elif KEYS_AS_ROWS:
         acc0 = acc0 * carry + tl.dot(v0, w, input_precision=DOT_PREC) * top
         acc1 = acc1 * carry + tl.dot(v1, w, input_precision=DOT_PREC) * top
+        if VALUE_QUADS:
+            acc2 = acc2 * carry + tl.dot(v2, w, input_precision=DOT_PREC) * top
+            acc3 = acc3 * carry + tl.dot(v3, w, input_precision=DOT_PREC) * top
     else:
         acc0 = acc0 * carry + tl.dot(w, v0, input_precision=DOT_PREC) * top
         acc1 = acc1 * carry + tl.dot(w, v1, input_precision=DOT_PREC) * top
