@@ -103,7 +103,7 @@ def _ext(m: int, n: int, warps: int, stages: int, prefetch: bool = False, dequan
 # since: 0.77x SDPA), 2.634 / 6.425, 2.918 / 4.815, 2.734 / 4.868; int4 and the dequantize-first line
 # did not run (the sweep stopped at EXTEND_DEQUANT: `GroupPlan.kernel_lengths` copied host lengths to
 # the device inside the CUDA-graph capture of the timing; the dequantizing pass now keeps the plan's).
-EXTEND = [
+EXTEND_PASS9 = [
     shape(128, 128, 8, 3, False, programs=0, f16=True),
     shape(128, 64, 8, 4, False, prefetch=True, programs=0, f16=True),
     # The default's shape in the new kernel: 426 / 849 (215 / 252 registers, no spills): a few % from
@@ -124,6 +124,13 @@ EXTEND = [
     # One warp group for the default's 128 x 128 tiles (each warp 32 rows; not compiled offline).
     _ext(128, 128, 4, 3, prefetch=True),
 ]
+# Pass 13: BF16's default (`attend.EXTEND_LAUNCH["raw"]`, 2.315 ms = 1.304x SDPA BF16 in pass 9) with
+# ``late_blocks_first``: the 64 query blocks of a head start last block first, so that the causal
+# chunk's heaviest programs (240 cold tiles of 128 keys, a ring tile and up to 16 new-token tiles) run
+# in the first waves and the lightest fill the last (512 programs of one an SM: 3.9 waves on 132
+# SMs). For BF16 history: SWEEP_KINDS=extend SWEEP_CODECS=bf16.
+_RAW = _ext(128, 128, 8, 3, prefetch=True)
+EXTEND = [_RAW, dict(_RAW, late_blocks_first=True)]
 EXTEND_4BIT = [shape(128, 64, 8, 2, True, 4, programs=0)]
 # Coded history dequantized to BF16 first (`attend.dequantizes`, up to 1 GiB of K/V a pass: the case's
 # 30,592 cold keys make 125 MB), then the flash kernel's BF16 loop at the default's shape: each of the
@@ -218,10 +225,22 @@ _SWAP_FP8 = dict(_DEFAULT, wide_programs=10**9, block_n=64, swap_ab=True, maxnre
 # it is listed again over the new default (it takes `decode._fp8_tile`, which reads its scales in the
 # tile). Measured over the new default (H200, a later session, cases B=64 32K / B=256 2K): default
 # 1.160 / 0.327, ``codes_asm`` "values" 1.397 / 0.394, with ``lazy_rescale`` 1.367 / 0.389: both lose.
+# Pass 13 (prepared offline; docs/kernels-h200.md): ``value_pairs`` (`decode._fp8_pairs_tile`) reads
+# the value codes as uint16 channel pairs, so that P.V's operand loads by a transposing ldmatrix and
+# one byte permute and two conversions make four codes' even and odd FP16 pairs (the cold loop of the
+# wide shape, Triton 3.6 for sm_90: 968 -> 734 instructions a 32-key tile, LDS.U8 130 -> 2, no stack;
+# the 4-warp entry's 1,025 -> 841). ``keys_as_rows`` (the same function's ``ROWS``) turns the products
+# over (scores ``k . q^T``, 8 query rows instead of 16) with key and value codes both as channel pairs,
+# loaded transposed so that both come by async copies and ldmatrix: 567 a tile (HMMA 64 -> 32, the
+# softmax's FMUL 80 -> 40), 213 registers, 20.7 KB of shared memory (9 programs an SM by registers,
+# 10 by shared memory); capped at 200 registers 564 (10 programs); two stages and 168 registers 542
+# (11 programs by shared memory); the 4-warp entry 559 (from 1,025).
 DECODE = [
     _DEFAULT,
-    dict(_DEFAULT, wide=dict(codes_asm="values")),
-    dict(_DEFAULT, wide=dict(codes_asm="values", lazy_rescale=True)),
+    dict(_DEFAULT, value_pairs=True),
+    dict(_DEFAULT, keys_as_rows=True),
+    dict(_DEFAULT, keys_as_rows=True, wide=dict(maxnreg=200)),
+    dict(_DEFAULT, keys_as_rows=True, wide=dict(num_stages=2, maxnreg=168)),
 ]
 # int8 keys (per-channel scales) by keys or by 16-token blocks; not part of the fastest-shape pick
 # (it would set the entry FP8 shares).

@@ -53,6 +53,8 @@ def compile_case(codec: str, batch: int, context: int, arch: str | None = None):
     ):
         entry.update(attend.FP8_WIDE_DECODE)
     options.update(decode.fp8_options(entry, options, options["SWAP"], options["HALVES"]))
+    pairs = options["VALUE_PAIRS"] or options["KEYS_AS_ROWS"]
+    options["PAIRS_ASM"] = pairs and options["CODE_DTYPE"] == tl.float16
     args = launch_args(cache, plan, q, k, v, launch)
     return launch, options, compile_sm90(decode._decode_kernel, args, dict(options, arch=arch))
 

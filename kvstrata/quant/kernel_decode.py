@@ -90,6 +90,38 @@ def fp8_f16(codes, E5M2: tl.constexpr):
     return x
 
 
+# Two 16-bit elements of FP8 code pairs (one 32-bit register: bytes e0, o0, e1, o1) to their even codes'
+# FP16 pair (e0, e1) and their odd codes' (o0, o1): one byte permute, two conversions (sm_89+).
+_FP8_PAIRS_PTX = (
+    "{{ .reg .b32 t; .reg .b16 lo, hi; prmt.b32 t, $2, 0, 0x3120; mov.b32 {{lo, hi}}, t; "
+    "cvt.rn.f16x2.{0}x2 $0, lo; cvt.rn.f16x2.{0}x2 $1, hi; }}"
+)
+E4M3_PAIRS_ASM = tl.constexpr(_FP8_PAIRS_PTX.format("e4m3"))
+E5M2_PAIRS_ASM = tl.constexpr(_FP8_PAIRS_PTX.format("e5m2"))
+
+
+@triton.jit
+def fp8_pairs(pair, E5M2: tl.constexpr, ASM: tl.constexpr, OUT: tl.constexpr):
+    """uint16 ``pair`` of FP8 codes (E4M3FN or E5M2; low byte an even channel, high byte the next odd
+    one) as ``OUT`` ``(even, odd)``, exact. ``ASM``: `E4M3_PAIRS_ASM` / `E5M2_PAIRS_ASM` (FP16 ``OUT``,
+    GPU only). Pure and 16 bits in, 16 bits out, so that Triton keeps the element's layout from the
+    load to a dot operand: P.V's value operand then loads by a transposing ``ldmatrix`` of the 16-bit
+    pairs (Triton 3.6, sm_90), not byte by byte as `fp8_value`'s 8-bit codes do there."""
+    if ASM:
+        if E5M2:
+            even, odd = tl.inline_asm_elementwise(
+                E5M2_PAIRS_ASM, "=r,=r,r", [pair], (tl.float16, tl.float16), True, 2
+            )
+        else:
+            even, odd = tl.inline_asm_elementwise(
+                E4M3_PAIRS_ASM, "=r,=r,r", [pair], (tl.float16, tl.float16), True, 2
+            )
+    else:
+        even = fp8_value((pair & 255).to(tl.uint8), E5M2)
+        odd = fp8_value((pair >> 8).to(tl.uint8), E5M2)
+    return even.to(OUT), odd.to(OUT)
+
+
 F32_F16_ASM = tl.constexpr("cvt.rn.f16x2.f32 $0, $2, $1;")  # two float32 to an FP16 pair, the first low
 
 

@@ -273,14 +273,15 @@ def test_groups_in_one_run_are_sliced_not_gathered(device, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("prefetch", [False, True, "late blocks first"])
 @pytest.mark.parametrize("block_n", [None, 16])
 @pytest.mark.parametrize("codec", ["fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "int8_asym/fp8_e4m3"])
 def test_flash_extend_kernel(codec, block_n, prefetch, device, monkeypatch):
     """``module`` "extend" (`kvstrata.radix.kernels.extend`): chunks of 9 and 20 tokens (several query
     blocks; with 16-key tiles new-token tiles both before and on each block's diagonal) over whole and
-    partial cold tiles, sinks and ring, with and without forced splits; BF16 with FP16 code operands.
-    int8 keys are not its layout: they keep the attend kernel."""
+    partial cold tiles, sinks and ring, with and without forced splits; BF16 with FP16 code operands;
+    with ``prefetch``, also with ``late_blocks_first`` (query blocks started in reverse; 16-row blocks,
+    two to four a sequence). int8 keys are not its layout: they keep the attend kernel."""
     from kvstrata.radix.kernels import attend, extend
 
     launched = []
@@ -291,10 +292,23 @@ def test_flash_extend_kernel(codec, block_n, prefetch, device, monkeypatch):
             launched.append(grid)
             return kernel[grid]
 
+    late = prefetch == "late blocks first"
+    options = extend.extend_options
+    seen_late = set()
+
+    def recorded(*args):
+        got = options(*args)
+        seen_late.add(got["LATE_FIRST"])
+        return got
+
     monkeypatch.setattr(extend, "_flash_extend_kernel", Counted())
+    monkeypatch.setattr(extend, "extend_options", recorded)
     for kind in ("raw", "8bit"):
         monkeypatch.setitem(attend.EXTEND_LAUNCH[kind], "module", "extend")
-        monkeypatch.setitem(attend.EXTEND_LAUNCH[kind], "prefetch", prefetch)
+        monkeypatch.setitem(attend.EXTEND_LAUNCH[kind], "prefetch", bool(prefetch))
+        monkeypatch.setitem(attend.EXTEND_LAUNCH[kind], "late_blocks_first", late)
+        if late:  # 16-row query blocks: two to four a sequence
+            monkeypatch.setitem(attend.EXTEND_LAUNCH[kind], "block_m", 16)
         if block_n is not None:
             monkeypatch.setitem(attend.EXTEND_LAUNCH[kind], "block_n", block_n)
     cache = make_cache(codec, device, sinks=True)
@@ -304,6 +318,7 @@ def test_flash_extend_kernel(codec, block_n, prefetch, device, monkeypatch):
     cache = make_cache(codec, device, dtype=torch.bfloat16)
     assert check_steps(cache, [30, 140], steps=1, n_new=9, tol=1.5e-2, dtype=torch.bfloat16) == 2
     assert bool(launched) == ("int8" not in codec)
+    assert seen_late == ({late} if launched else set())
 
 
 @pytest.mark.parametrize("device", DEVICES)

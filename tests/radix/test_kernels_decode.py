@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from kvstrata.quant.fp4 import _table
-from kvstrata.quant.kernel_decode import e2m1_value, fp4_value_codes, nibble_value
+from kvstrata.quant.kernel_decode import e2m1_value, fp4_value_codes, fp8_pairs, nibble_value
 from kvstrata.quant.nibbles import unpack
 from kvstrata.radix.kernels.decode import fp8_operand_scale, fp8_split
 
@@ -37,6 +37,33 @@ def _fp4_rows_kernel(CODES, SCALES, ROWS, OK, X0, X1, D: tl.constexpr, BLOCK_C: 
     at = n[:, None] * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
     tl.store(X0 + at, x0)
     tl.store(X1 + at, x1)
+
+
+@triton.jit
+def _fp8_pairs_kernel(X, EVEN, ODD, E5M2: tl.constexpr, ASM: tl.constexpr):
+    i = tl.program_id(0) * 1024 + tl.arange(0, 1024)
+    even, odd = fp8_pairs(tl.load(X + i), E5M2, ASM, tl.float16 if ASM else tl.float32)
+    tl.store(EVEN + i, even.to(tl.float32))
+    tl.store(ODD + i, odd.to(tl.float32))
+
+
+@pytest.mark.parametrize("device", kernel_helpers.DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_every_fp8_pair_decodes_as_torch_does(dtype, device):
+    """`kernel_decode.fp8_pairs` (``value_pairs``' value codes) over all 65,536 16-bit elements: the low
+    byte is the even channel's FP8 code, the high byte the odd one's, each equal to torch's FP8 value:
+    on CUDA by the PTX (`E4M3_PAIRS_ASM` / `E5M2_PAIRS_ASM`), NaNs and infinities included; else by the
+    float32 path, finite codes only (Triton's interpreter converts FP8 NaN and infinity codes to finite
+    numbers; the codecs saturate, so they never write those codes)."""
+    x = torch.arange(1 << 16, dtype=torch.int32).to(torch.uint16)
+    even, odd = (torch.full((1 << 16,), -1.0, device=device) for _ in range(2))
+    _fp8_pairs_kernel[(64,)](x.to(device), even, odd, dtype == torch.float8_e5m2, device == "cuda")
+    as_bytes = x.view(torch.uint8).view(-1, 2)  # little-endian: the low byte first
+    for got, column in ((even, 0), (odd, 1)):
+        want = as_bytes[:, column].contiguous().view(dtype).float()
+        kept = torch.ones_like(want, dtype=torch.bool) if device == "cuda" else want.isfinite()
+        assert kept.sum() >= (1 << 16) - (1 << 11)  # E5M2: 8 of 256 codes are infinite or NaN
+        assert torch.allclose(got.cpu()[kept], want[kept], rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("device", kernel_helpers.DEVICES)
@@ -213,6 +240,9 @@ PASS9 = {
     "fp8 dot, lazy rescale": dict(fp8_dot=True, lazy_rescale=True),
     "fp8 dot, swap_ab, 4 warps": dict(fp8_dot=True, swap_ab=True, num_warps=4, block_n=64),
     "fp8 dot keys, swap_ab, 4 warps": dict(fp8_dot="keys", swap_ab=True, num_warps=4, block_n=64),
+    # pass 13 (`decode._fp8_pairs_tile`): codes as uint16 channel pairs
+    "value pairs": dict(value_pairs=True),
+    "keys as rows": dict(keys_as_rows=True),
 }
 
 
@@ -363,6 +393,42 @@ def test_fp8_pass9_options(codec, options, device, monkeypatch):
     swap = launch.get("swap_ab", False)
     want = (asm if fp8 and device == "cuda" else 0, fp8 and not swap and "lazy_rescale" in launch, dot)
     assert set(got) == {want}
+
+
+@pytest.mark.parametrize("device", kernel_helpers.DEVICES)
+@pytest.mark.parametrize("option", ["value_pairs", "keys_as_rows"])
+@pytest.mark.parametrize("wide", [True, False])
+@pytest.mark.parametrize("codec", ["fp8_e4m3", "fp8_e5m2", "bf16"])
+def test_fp8_value_pairs(codec, wide, option, device, monkeypatch):
+    """Pass 13's ``value_pairs`` (`decode._fp8_pairs_tile`) and ``keys_as_rows`` (its ``ROWS``:
+    key and value codes as channel pairs, the products turned over, 8 query rows) on the one-warp wide
+    shape (scale exponents a tile ahead) and on the 4-warp entry (loaded in the tile), BF16 model,
+    sinks on: the split heuristic, 3 forced splits, and 5 over short sequences (splits of one masked
+    tile, splits past the cold pages), at BF16-level error against the float64 reference. FP8 keys
+    and values take the option (by PTX on CUDA), BF16 history never does."""
+    from test_kernels_attend import check_steps, make_cache
+
+    from kvstrata.radix.kernels import attend
+
+    monkeypatch.setattr(attend, "FP8_WIDE_PROGRAMS", 1 if wide else 10**9)
+    monkeypatch.setitem(attend.DECODE_LAUNCH[False], option, True)
+    monkeypatch.setitem(attend.DECODE_LAUNCH[False], "min_pages", 2)
+    got = []  # (VALUE_PAIRS, KEYS_AS_ROWS, PAIRS_ASM, BITS_AHEAD, BLOCK_H) of each decode launch
+    pass_launch = attend.pass_launch
+
+    def recorded(*args, **kwargs):
+        out = pass_launch(*args, **kwargs)
+        o = out.options
+        got.append((o["VALUE_PAIRS"], o["KEYS_AS_ROWS"], o["PAIRS_ASM"], o["BITS_AHEAD"], o["BLOCK_H"]))
+        return out
+
+    monkeypatch.setattr(attend, "pass_launch", recorded)
+    for lengths, splits in (([9, 70, 300], None), ([9, 70, 300], 3), ([17, 40, 300], 5)):
+        cache = make_cache(codec, device, sinks=True, dtype=torch.bfloat16)
+        check_steps(cache, lengths, steps=2, n_new=1, tol=1.5e-2, dtype=torch.bfloat16, splits=splits)
+    fp8 = codec != "bf16"
+    pairs, rows = fp8 and option == "value_pairs", fp8 and option == "keys_as_rows"
+    assert set(got) == {(pairs, rows, fp8 and device == "cuda", fp8 and wide, 8 if rows else 16)}
 
 
 @triton.jit

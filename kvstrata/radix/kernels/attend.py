@@ -261,7 +261,7 @@ def _online(s, m_i, l_i):
 
 
 @triton.jit
-def _online_pow2_scaled(s, e_bits, m_i, l_i):
+def _online_pow2_scaled(s, e_bits, m_i, l_i, KEYS_AXIS: tl.constexpr = 1):
     """`_online` for FP8 values with one power-of-two scale ``2**e`` per key (``e_bits``: its uint8
     biased exponent, ``e + 127``): the scale joins the exponent, so the returned weights
     ``2**(s + e - m)`` (``m`` the running max of ``s + e``) multiply the raw codes and stay at most 1
@@ -269,13 +269,15 @@ def _online_pow2_scaled(s, e_bits, m_i, l_i):
     ``acc / sum`` as with `_online`). ``e`` is clamped at -100 (scales below ``2**-100``, the all-zero
     tokens' ``2**-127`` among them), so each ``2**(s - m) <= 2**-e`` stays below ``2**100``. The sum
     takes ``2**(s - m)`` itself, not the weight times ``2**-e``: a weight that underflows float32 (a
-    key far below the tile's largest ``s + e``) would drop its key from the sum."""
+    key far below the tile's largest ``s + e``) would drop its key from the sum. ``KEYS_AXIS``: the
+    scores' axis of the keys (1: ``[rows, keys]``; 0: transposed, ``[keys, rows]``)."""
     eb = tl.maximum(e_bits.to(tl.int32), 27)  # e = eb - 127 >= -100
-    m_new = tl.maximum(m_i, tl.max(s + (eb - 127).to(tl.float32)[None, :], 1))
-    p = tl.exp2(s - m_new[:, None])
-    w = p * (eb << 23).to(tl.float32, bitcast=True)[None, :]  # 2**e from its bits
+    e = tl.expand_dims((eb - 127).to(tl.float32), 1 - KEYS_AXIS)
+    m_new = tl.maximum(m_i, tl.max(s + e, KEYS_AXIS))
+    p = tl.exp2(s - tl.expand_dims(m_new, KEYS_AXIS))
+    w = p * tl.expand_dims((eb << 23).to(tl.float32, bitcast=True), 1 - KEYS_AXIS)  # 2**e from its bits
     alpha = tl.exp2(m_i - m_new)
-    return w, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+    return w, alpha, m_new, l_i * alpha + tl.sum(p, KEYS_AXIS)
 
 
 @triton.jit

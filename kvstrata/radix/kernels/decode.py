@@ -19,7 +19,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvstrata.quant.kernel_decode import f16_opaque, fp8_f16, load_decoded, pow2_scale, value_tile_scales
+from kvstrata.quant.kernel_decode import (
+    f16_opaque,
+    fp8_f16,
+    fp8_pairs,
+    load_decoded,
+    pow2_scale,
+    value_tile_scales,
+)
 from kvstrata.radix.kernels.attend import (
     STEP_INTS,
     STEP_POINTERS,
@@ -367,14 +374,7 @@ def _fp8_dot_tile(
         s = tl.dot(k, ql, tl.dot(k, qh, input_precision=DOT_PREC), input_precision=DOT_PREC)
         if MASKED:
             s = tl.where(ok[:, None], s, float("-inf"))
-        s = s * ks[:, None]  # `_online_pow2_scaled` along the keys' axis 0
-        eb = tl.maximum(e_bits.to(tl.int32), 27)
-        m_new = tl.maximum(m_i, tl.max(s + (eb - 127).to(tl.float32)[:, None], 0))
-        p = tl.exp2(s - m_new[None, :])
-        w = p * (eb << 23).to(tl.float32, bitcast=True)[:, None]
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 0)
-        m_i = m_new
+        w, alpha, m_i, l_i = _online_pow2_scaled(s * ks[:, None], e_bits, m_i, l_i, 0)
         acc = acc * alpha[None, :]
         if FP8_DOT == 2:
             wh, wl = fp8_split(w, W_UNIT, V_FMT)
@@ -401,13 +401,70 @@ def _fp8_dot_tile(
 
 
 @triton.jit
+def _fp8_pairs_tile(
+    qa, qb, acc, acc1, m_i, l_i, page, K0, K1, V0, V1, j, end, d, h, H,
+    P: tl.constexpr, D: tl.constexpr, K_FMT: tl.constexpr, V_FMT: tl.constexpr, MASKED: tl.constexpr,
+    DOT_PREC: tl.constexpr, CODE_DTYPE: tl.constexpr, ASM: tl.constexpr, BITS_GIVEN: tl.constexpr,
+    k_bits, v_bits, ROWS: tl.constexpr,
+):  # fmt: skip
+    """`attend._cold_tile`'s FP8 path (a BF16 model: FP16 code operands, ``POW2_W`` weights) with the
+    value codes read as uint16 channel pairs (``value_pairs``): `fp8_pairs` turns them into the even
+    and the odd channels' operands, the output accumulating in the halves ``acc`` (even channels) and
+    ``acc1`` (odd), ``[rows, D/2]`` each; keys as `_cold_tile` reads them, against ``qa`` (q in
+    ``CODE_DTYPE``). ``BITS_GIVEN``: the scale exponents were loaded a tile ahead (`_fp8_scale_bits`).
+
+    ``ROWS`` (``keys_as_rows``): the products turned over, scores ``k . q^T`` ``[N, rows]`` over the
+    even and odd channel halves (``qa``/``qb``: q's halves transposed, ``[D/2, rows]``), so that the
+    query side is the products' N (8 columns for a group of 4, not 16 padded rows), the softmax along
+    the keys (axis 0), the output ``v^T . w`` in transposed halves ``[D/2, rows]``. Key and value codes
+    are then both read as channel pairs in ``[D/2, N]`` tiles, already the products' operand shape: so
+    read, Triton 3.6 copies both ahead asynchronously and loads them by ldmatrix (sm_90: 567
+    instructions a 32-key tile); read ``[N, D/2]`` and turned, one of them was loaded to registers,
+    stored to shared memory and loaded again (645-712)."""
+    ok = j < end
+    row = (page * P + (j % P).to(tl.int64)) * H + h
+    c = tl.arange(0, D // 2)
+    u16 = tl.pointer_type(tl.uint16)
+    keys: tl.constexpr = 0 if ROWS else 1  # the scores' axis of the keys
+    if ROWS:
+        at = row[None, :] * (D // 2) + c[:, None]  # [D/2, N]
+        k0, k1 = fp8_pairs(tl.load(K0.to(u16) + at), K_FMT == 2, ASM, CODE_DTYPE)
+        s = tl.dot(tl.trans(k0), qa, input_precision=DOT_PREC)
+        s = tl.dot(tl.trans(k1), qb, s, input_precision=DOT_PREC)
+        vt = tl.load(V0.to(u16) + at)
+    else:
+        k = _codes(K0, row[:, None], d[None, :], (d < D)[None, :], D, D, K_FMT, CODE_DTYPE, True)
+        s = tl.dot(qa, tl.trans(k), input_precision=DOT_PREC)
+        vt = tl.load(V0.to(u16) + row[:, None] * (D // 2) + c[None, :])
+    if not BITS_GIVEN:
+        k_bits = tl.load(K1 + page * H + h)
+        v_bits = tl.load(V1 + row)
+    s = s * tl.expand_dims(pow2_scale(k_bits), 1 - keys)
+    if MASKED:
+        s = tl.where(tl.expand_dims(ok, 1 - keys), s, float("-inf"))
+    v0, v1 = fp8_pairs(vt, V_FMT == 2, ASM, CODE_DTYPE)
+    w, alpha, m_i, l_i = _online_pow2_scaled(s, v_bits, m_i, l_i, keys)
+    w = w.to(CODE_DTYPE)
+    if ROWS:
+        acc = tl.dot(v0, w, acc * alpha[None, :], input_precision=DOT_PREC)
+        acc1 = tl.dot(v1, w, acc1 * alpha[None, :], input_precision=DOT_PREC)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(w, v0, input_precision=DOT_PREC)
+        acc1 = acc1 * alpha[:, None] + tl.dot(w, v1, input_precision=DOT_PREC)
+    return acc, acc1, m_i, l_i
+
+
+@triton.jit
 def _decode_cold_tile(
     qd,
     qc,
     qh,
     ql,
     kq,
+    q0t,
+    q1t,
     acc,
+    acc1,
     m_i,
     l_i,
     page,
@@ -441,14 +498,24 @@ def _decode_cold_tile(
     BITS_AHEAD: tl.constexpr,
     k_bits,
     v_bits,
+    VALUE_PAIRS: tl.constexpr,
+    KEYS_AS_ROWS: tl.constexpr,
+    PAIRS_ASM: tl.constexpr,
 ):
     """One cold tile of the decode loop: `_fp8_dot_tile` with ``FP8_DOT`` (``fp8_dot``), `_fp8_tile`
     where pass 9's options apply (``CODES_ASM`` or
     ``LAZY``, set by `decode_options` for FP8 keys and values only), `_cold_tile_t` (``SWAP``) or
     `_cold_tile` with the decode module's value scales (``POW2_W``), so the full tiles and the masked
     last one share a call. ``BITS_AHEAD``: `_cold_tile`'s scale exponents ``k_bits`` / ``v_bits`` were
-    loaded a tile ahead (`_fp8_scale_bits`)."""
-    if FP8_DOT > 0:
+    loaded a tile ahead (`_fp8_scale_bits`). Pass 13: `_fp8_pairs_tile` (``VALUE_PAIRS``, against ``q0t``,
+    q in ``CODE_DTYPE``; ``KEYS_AS_ROWS``, against q's transposed halves ``q0t``/``q1t``), which alone
+    uses ``acc1``."""
+    if VALUE_PAIRS or KEYS_AS_ROWS:
+        acc, acc1, m_i, l_i = _fp8_pairs_tile(
+            q0t, q1t, acc, acc1, m_i, l_i, page, K0, K1, V0, V1, j, end, d, h, H, P, D, K_FMT, V_FMT,
+            MASKED, DOT_PREC, CODE_DTYPE, PAIRS_ASM, BITS_AHEAD, k_bits, v_bits, KEYS_AS_ROWS,
+        )  # fmt: skip
+    elif FP8_DOT > 0:
         acc, m_i, l_i = _fp8_dot_tile(
             qh, ql, kq, acc, m_i, l_i, page, K0, K1, V0, V1, j, end, d, h,
             H, P, D, BLOCK_D, K_FMT, V_FMT, MASKED, DOT_PREC, CODE_DTYPE, FP8_DOT, W_UNIT, LAZY, SWAP,
@@ -469,7 +536,7 @@ def _decode_cold_tile(
             H, P, D, BLOCK_D, K_FMT, V_FMT, MASKED, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES, True,
             BITS_AHEAD, k_bits, v_bits,
         )  # fmt: skip
-    return acc, m_i, l_i
+    return acc, acc1, m_i, l_i
 
 
 @triton.jit
@@ -537,6 +604,9 @@ def _decode_kernel(
     FP8_DOT: tl.constexpr,
     W_UNIT: tl.constexpr,
     BITS_AHEAD: tl.constexpr,
+    VALUE_PAIRS: tl.constexpr,
+    PAIRS_ASM: tl.constexpr,
+    KEYS_AS_ROWS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -566,8 +636,24 @@ def _decode_kernel(
         qh = tl.trans(qh)
         ql = tl.trans(ql)
         acc = tl.zeros([BLOCK_D, BLOCK_H], dtype=tl.float32)
+    elif KEYS_AS_ROWS:  # the cold tiles' output in transposed channel halves (odd ones in acc1)
+        acc = tl.zeros([BLOCK_D // 2, BLOCK_H], dtype=tl.float32)
+    elif VALUE_PAIRS:  # the cold tiles' output in channel halves: even channels here, odd in acc1
+        acc = tl.zeros([BLOCK_H, BLOCK_D // 2], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    if KEYS_AS_ROWS:
+        acc1 = tl.zeros([BLOCK_D // 2, BLOCK_H], dtype=tl.float32)
+        c0 = 2 * tl.arange(0, BLOCK_D // 2)  # q's even channels, then its odd ones: k . q^T's operands
+        q_at = Q + q_row[None, :] * D
+        q0t = tl.load(q_at + c0[:, None], mask=row_ok[None, :], other=0.0).to(tl.float32) * qk_scale
+        q1t = tl.load(q_at + c0[:, None] + 1, mask=row_ok[None, :], other=0.0).to(tl.float32) * qk_scale
+        q0t = q0t.to(CODE_DTYPE)
+        q1t = q1t.to(CODE_DTYPE)
+    else:
+        acc1 = tl.zeros([BLOCK_H, BLOCK_D // 2], dtype=tl.float32)  # VALUE_PAIRS' odd channels
+        q0t = qc
+        q1t = qc
 
     # Cold keys of this split: full tiles unmasked, then the partial last one masked.
     n_cold = tl.load(COLD_LEN + b)
@@ -591,10 +677,11 @@ def _decode_kernel(
                 k_ahead, v_ahead = _fp8_scale_bits(K1, V1, page_ahead, ahead, h, H, P)
         else:
             page = tl.load(pt + (j0 + n) // P).to(tl.int64)
-        acc, m_i, l_i = _decode_cold_tile(
-            qd, qc, qh, ql, kq, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, j0 + n, end, d, h,
-            H, P, D, BLOCK_D, K_FMT, V_FMT, False, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES, SWAP,
-            CODES_ASM, LAZY_RESCALE, FP8_DOT, W_UNIT, BITS_AHEAD, k_bits, v_bits,
+        acc, acc1, m_i, l_i = _decode_cold_tile(
+            qd, qc, qh, ql, kq, q0t, q1t, acc, acc1, m_i, l_i, page, K0, K1, K2, V0, V1, V2, j0 + n, end, d,
+            h, H, P, D, BLOCK_D, K_FMT, V_FMT, False, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES, SWAP,
+            CODES_ASM, LAZY_RESCALE, FP8_DOT, W_UNIT, BITS_AHEAD, k_bits, v_bits, VALUE_PAIRS, KEYS_AS_ROWS,
+            PAIRS_ASM,
         )  # fmt: skip
         if PREFETCH:
             page = page_ahead
@@ -604,13 +691,19 @@ def _decode_kernel(
     if full < end:
         if not PREFETCH:
             page = tl.load(pt + (full + n) // P, mask=full + n < end, other=0).to(tl.int64)
-        acc, m_i, l_i = _decode_cold_tile(
-            qd, qc, qh, ql, kq, acc, m_i, l_i, page, K0, K1, K2, V0, V1, V2, full + n, end, d, h,
-            H, P, D, BLOCK_D, K_FMT, V_FMT, True, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES, SWAP,
-            CODES_ASM, LAZY_RESCALE, FP8_DOT, W_UNIT, BITS_AHEAD, k_bits, v_bits,
+        acc, acc1, m_i, l_i = _decode_cold_tile(
+            qd, qc, qh, ql, kq, q0t, q1t, acc, acc1, m_i, l_i, page, K0, K1, K2, V0, V1, V2, full + n, end, d,
+            h, H, P, D, BLOCK_D, K_FMT, V_FMT, True, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES, SWAP,
+            CODES_ASM, LAZY_RESCALE, FP8_DOT, W_UNIT, BITS_AHEAD, k_bits, v_bits, VALUE_PAIRS, KEYS_AS_ROWS,
+            PAIRS_ASM,
         )  # fmt: skip
     if FP8_DOT == 2:  # the weights' operands were in units of W_UNIT
         acc = acc * (1.0 / W_UNIT)
+    if KEYS_AS_ROWS:
+        acc = tl.trans(acc)
+        acc1 = tl.trans(acc1)
+    if VALUE_PAIRS or KEYS_AS_ROWS:  # channel 2i from the even half, 2i + 1 from the odd one
+        acc = tl.reshape(tl.join(acc, acc1), [BLOCK_H, BLOCK_D])
     if SWAP:
         acc = tl.trans(acc)
         qd = tl.trans(qd)
@@ -679,17 +772,23 @@ def decode_options(group: int, launch: dict, one_dtype: bool, meta: dict) -> dic
     ``bits_ahead`` (absent: on): with ``prefetch``, FP8 scale exponents a tile ahead too (`bits_ahead`);
     ``merged_tail``: the sink page, ring rows and new key as one run of tiles, where ``one_dtype``:
     the step's K/V, the ring and the sinks share a dtype). Pass 9, FP8 keys and values of a BF16 model
-    only (`fp8_options`): ``codes_asm`` and ``lazy_rescale``. The kernel's runtime arguments are
+    only (`fp8_options`): ``codes_asm`` and ``lazy_rescale``; pass 13, where `pairs_apply`:
+    ``value_pairs``, value codes as uint16 channel pairs (`_fp8_pairs_tile`), and ``keys_as_rows``, key
+    and value codes so, the products turned over (`_fp8_pairs_tile`; the query rows padded to 8, not
+    16). The runtime arguments are
     `_attend_kernel`'s without ``T``, its grid (sequences, KV heads, splits)."""
     swap = launch.get("swap_ab", False)
     halves = bool(launch.get("halves")) and halves_apply(meta)
     fp8 = fp8_options(launch, meta, swap, halves)
     wanted = bool(launch["prefetch"] and launch.get("bits_ahead", True))
     ahead = wanted and bits_ahead(meta, fp8, swap, halves)
+    pairs_ok = pairs_apply(meta, fp8, swap, halves)
+    pairs = bool(launch.get("value_pairs")) and pairs_ok
+    rows = bool(launch.get("keys_as_rows")) and pairs_ok
     options = dict(
         meta,
         GROUP=group,
-        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_H=max(8 if rows else 16, triton.next_power_of_2(group)),
         BLOCK_N=launch["block_n"],
         PREFETCH=launch["prefetch"],
         SWAP=swap,
@@ -697,12 +796,21 @@ def decode_options(group: int, launch: dict, one_dtype: bool, meta: dict) -> dic
         MERGED_TAIL=launch.get("merged_tail", True) and one_dtype,
         **fp8,
         BITS_AHEAD=ahead,
+        VALUE_PAIRS=pairs,
+        PAIRS_ASM=(pairs or rows) and meta["CODE_DTYPE"] == tl.float16,
+        KEYS_AS_ROWS=rows,
         num_warps=launch["num_warps"],
         num_stages=launch["num_stages"],
     )
     if launch.get("maxnreg") and (meta["K_FMT"], meta["V_FMT"]) != (0, 0):  # coded history only
         options["maxnreg"] = launch["maxnreg"]
     return options
+
+
+def pairs_apply(meta: dict, fp8: dict, swap: bool, halves: bool) -> bool:
+    """Whether ``value_pairs`` applies: `bits_ahead`'s tile (FP8 keys and values of a BF16 model, plain
+    layout) at a power-of-two head_dim of 32 or more (halves of 16 channels or more: a product's N)."""
+    return bits_ahead(meta, fp8, swap, halves) and meta["BLOCK_D"] == meta["D"] >= 32
 
 
 def bits_ahead(meta: dict, fp8: dict, swap: bool, halves: bool) -> bool:

@@ -46,13 +46,16 @@ def applies(k_fmt: int, v_fmt: int) -> bool:
 def extend_options(group: int, block_m: int, launch: dict, meta: dict) -> dict:
     """`_flash_extend_kernel`'s keyword arguments: ``meta`` the constexprs it shares with
     `attend._attend_kernel`, ``launch`` the `EXTEND_LAUNCH` entry (``block_n``, ``num_warps``,
-    ``num_stages``, ``prefetch``). Its runtime arguments and grid are `attend._extend_kernel`'s."""
+    ``num_stages``, ``prefetch``; ``late_blocks_first``: a sequence's query blocks start last block
+    first, the causal chunk's heaviest programs (most new-token tiles) before its lightest, so that
+    the light ones fill the last wave). Its runtime arguments and grid are `attend._extend_kernel`'s."""
     return dict(
         meta,
         GROUP=group,
         BLOCK_M=block_m,
         BLOCK_N=launch["block_n"],
         PREFETCH=launch["prefetch"],
+        LATE_FIRST=bool(launch.get("late_blocks_first")),
         num_warps=launch["num_warps"],
         num_stages=launch["num_stages"],
     )
@@ -232,10 +235,13 @@ def _flash_extend_kernel(
     DOT_DTYPE: tl.constexpr,
     CODE_DTYPE: tl.constexpr,
     NORM_W: tl.constexpr,
+    LATE_FIRST: tl.constexpr,
 ):
     m_blocks = tl.cdiv(T * GROUP, BLOCK_M)
     b = tl.program_id(0) // m_blocks
     mb = tl.program_id(0) % m_blocks
+    if LATE_FIRST:
+        mb = m_blocks - 1 - mb
     h = tl.program_id(1)
     split = tl.program_id(2)
 
