@@ -128,7 +128,9 @@ EXTEND_PASS9 = [
 # ``late_blocks_first``: the 64 query blocks of a head start last block first, so that the causal
 # chunk's heaviest programs (240 cold tiles of 128 keys, a ring tile and up to 16 new-token tiles) run
 # in the first waves and the lightest fill the last (512 programs of one an SM: 3.9 waves on 132
-# SMs). For BF16 history: SWEEP_KINDS=extend SWEEP_CODECS=bf16.
+# SMs). For BF16 history: SWEEP_KINDS=extend SWEEP_CODECS=bf16. Measured (H200, two runs; SDPA BF16
+# 1.781 / 1.769 ms): the default 2.304 / 2.296 ms (1.29x / 1.30x SDPA), ``late_blocks_first`` 2.495 /
+# 2.482: slower, left off.
 _RAW = _ext(128, 128, 8, 3, prefetch=True)
 EXTEND = [_RAW, dict(_RAW, late_blocks_first=True)]
 EXTEND_4BIT = [shape(128, 64, 8, 2, True, 4, programs=0)]
@@ -192,7 +194,14 @@ _FP8 = dict(_NEW, blocks=8, scaled_keys_by_blocks=True, programs=1024, maxnreg=1
 # the 4-warp entry's 0.498 / 0.254 / 1.878 (4.3-4.6 TB/s, SDPA's 0.96-0.99x: BF16 is at the bandwidth
 # already), so BF16 stays on the entry; values asm + lazy rescale FP8 0.352 / 0.193 / 1.309 against
 # 0.354 / 0.197 / 1.292 (a second run of the table above's option).
-_DEFAULT = dict(shape(64, 128, 4, 2, False, **_FP8), wide_programs=512, wide_formats=(1, 2))
+# Pass 13's options are named in every variant: a launch table entry keeps the keys a variant leaves out.
+_DEFAULT = dict(
+    shape(64, 128, 4, 2, False, **_FP8),
+    wide_programs=512,
+    wide_formats=(1, 2),
+    keys_as_rows=True,
+    value_pairs=False,
+)
 # ``fp8_dot`` (prepared offline, `decode._fp8_dot_tile`): q.K^T on FP8 operands (q split in two FP8
 # parts), True P.V too (weights split). On the one-warp wide shape Triton 3.6 promotes FP8 dots to FP16
 # for sm_90 (MMAv2: 1,120 / 1,521 instructions a 32-key tile against 920, spills); FP8 tensor cores on
@@ -235,12 +244,16 @@ _SWAP_FP8 = dict(_DEFAULT, wide_programs=10**9, block_n=64, swap_ab=True, maxnre
 # softmax's FMUL 80 -> 40), 213 registers, 20.7 KB of shared memory (9 programs an SM by registers,
 # 10 by shared memory); capped at 200 registers 564 (10 programs); two stages and 168 registers 542
 # (11 programs by shared memory); the 4-warp entry 559 (from 1,025).
+# Measured (H200, one run; ms at B=64 32K / B=256 2K / B=1,024 2K / B=1 32K; SDPA BF16 1.862 / 0.479 /
+# 1.860 / 0.046): pass 11's default 1.155 / 0.289 / 1.094 / 0.037; ``value_pairs`` 1.011 / 0.289 / 1.095
+# / 0.037; ``keys_as_rows`` 1.008 / 0.289 / 1.094 / 0.037 (the default since); capped at 200 registers
+# 1.020 / 0.295 / 1.124 / 0.037 (22 spills); two stages and 168 registers 1.004 / 0.300 / 1.120 / 0.037
+# (34 spills). The 2K cases move their bytes at 4.0-4.2 TB/s with every variant.
 DECODE = [
     _DEFAULT,
-    dict(_DEFAULT, value_pairs=True),
-    dict(_DEFAULT, keys_as_rows=True),
-    dict(_DEFAULT, keys_as_rows=True, wide=dict(maxnreg=200)),
-    dict(_DEFAULT, keys_as_rows=True, wide=dict(num_stages=2, maxnreg=168)),
+    dict(_DEFAULT, keys_as_rows=False),  # pass 11's default
+    dict(_DEFAULT, keys_as_rows=False, value_pairs=True),
+    dict(_DEFAULT, wide=dict(num_stages=2, maxnreg=168)),
 ]
 # int8 keys (per-channel scales) by keys or by 16-token blocks; not part of the fastest-shape pick
 # (it would set the entry FP8 shares).

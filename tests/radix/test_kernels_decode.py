@@ -260,7 +260,7 @@ def test_fp8_value_scales_far_apart(codec, options, device, monkeypatch):
 
     from kvstrata.radix.kernels import attend
 
-    for key, value in {"block_n": 32, **PASS9[options]}.items():
+    for key, value in {"block_n": 32, "keys_as_rows": False, **PASS9[options]}.items():
         monkeypatch.setitem(attend.DECODE_LAUNCH[False], key, value)
     cache = make_cache(codec, device, dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(11)
@@ -411,7 +411,8 @@ def test_fp8_value_pairs(codec, wide, option, device, monkeypatch):
     from kvstrata.radix.kernels import attend
 
     monkeypatch.setattr(attend, "FP8_WIDE_PROGRAMS", 1 if wide else 10**9)
-    monkeypatch.setitem(attend.DECODE_LAUNCH[False], option, True)
+    for name in ("value_pairs", "keys_as_rows"):  # the option alone (the entry's default may name both)
+        monkeypatch.setitem(attend.DECODE_LAUNCH[False], name, name == option)
     monkeypatch.setitem(attend.DECODE_LAUNCH[False], "min_pages", 2)
     got = []  # (VALUE_PAIRS, KEYS_AS_ROWS, PAIRS_ASM, BITS_AHEAD, BLOCK_H) of each decode launch
     pass_launch = attend.pass_launch

@@ -105,6 +105,13 @@ DECODE_LAUNCH = {
         merged_tail=True,
         scaled_keys_by_blocks=True,
         tail_apart=True,
+        # Pass 13 (`decode.decode_options`, FP8 keys and values of a BF16 model only): key and value
+        # codes read as uint16 channel pairs, the products turned over (k . q^T over 8 query rows), so
+        # both operands load by ldmatrix (cold loop a 32-key tile on the wide shape, Triton 3.6 for
+        # sm_90: 968 -> 567 instructions). H200, FP8: B=64 at 32K 1.008 ms against 1.155, B=256 at 2K
+        # 0.289 and B=1,024 at 2K 1.094 both unchanged, B=1 at 32K 0.037 unchanged; value codes alone
+        # so (``value_pairs``) 1.011 / 0.289 / 1.095 / 0.037 (attention_sweep.py, one run; docs pass 13).
+        keys_as_rows=True,
     ),
     # 4-bit layers (int4/fp4 keys and values) decode by `kvstrata.radix.kernels.decode4` (``module``
     # "decode4"; `decode4.applies`; other 4-bit layers by blocks in this module's kernel): ``blocks``

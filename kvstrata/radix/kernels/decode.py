@@ -783,8 +783,8 @@ def decode_options(group: int, launch: dict, one_dtype: bool, meta: dict) -> dic
     wanted = bool(launch["prefetch"] and launch.get("bits_ahead", True))
     ahead = wanted and bits_ahead(meta, fp8, swap, halves)
     pairs_ok = pairs_apply(meta, fp8, swap, halves)
-    pairs = bool(launch.get("value_pairs")) and pairs_ok
     rows = bool(launch.get("keys_as_rows")) and pairs_ok
+    pairs = bool(launch.get("value_pairs")) and pairs_ok and not rows  # rows read values so already
     options = dict(
         meta,
         GROUP=group,
