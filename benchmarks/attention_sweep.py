@@ -254,6 +254,11 @@ DECODE = [
     dict(_DEFAULT, keys_as_rows=False),  # pass 11's default
     dict(_DEFAULT, keys_as_rows=False, value_pairs=True),
     dict(_DEFAULT, wide=dict(num_stages=2, maxnreg=168)),
+    # The wide shape at every batch (B=16 at 8 KV heads has 128 programs before splitting): for the
+    # small-batch cases, SWEEP_CASES=16x32768,16x4096,64x4096,1x32768,1x4096. Measured (H200, one run):
+    # 0.268 / 0.049 / 0.156 / 0.031 / 0.022 ms against the 4-warp entry's 0.307 / 0.057 / 0.156 / 0.037 /
+    # 0.015, hence `attend.takes_wide_decode` (programs counted once split; B=1 at 4K keeps the entry).
+    dict(_DEFAULT, wide_programs=1),
 ]
 # int8 keys (per-channel scales) by keys or by 16-token blocks; not part of the fastest-shape pick
 # (it would set the entry FP8 shares).

@@ -30,7 +30,7 @@ from kvstrata.engine.request import Request
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.engine.stats import EngineEvent, EngineStats
 from kvstrata.engine.trace import WARMUP_DONE
-from kvstrata.engine.warmup import IMAGE_WARMUP_BATCH, image_rounds, warmup_rounds
+from kvstrata.engine.warmup import IMAGE_WARMUP_BATCH, image_rounds, merge_splits, warmup_rounds
 
 log = logging.getLogger("kvstrata.engine")
 
@@ -111,6 +111,7 @@ class Engine:
             if drift is not None:
                 drift.policy.level = 0  # images at the level served nearly always: text pages unraised
             images = self._warm_up_images()
+            self._warm_up_merges()
         finally:
             if drift is not None:
                 drift.policy.level = 0
@@ -123,6 +124,19 @@ class Engine:
             len(levels) * sum(len(r.prompts) for r in rounds) + images,
             time.perf_counter() - start,
         )
+
+    def _warm_up_merges(self) -> None:
+        """Compile the Triton split merge for every split block a decode step can reach
+        (`attend.warm_merges`, `warmup.merge_splits`): the rounds meet only those of their own steps."""
+        if self.runner.backend.name != "triton":
+            return
+        from kvstrata.radix.kernels.attend import warm_merges
+
+        cfg, cache = self.config, self.cache
+        passes = 1 + (cache.image_pool is not None) + (cache.raised_pool is not None)
+        pages = -(-self.max_context // self.args.page_size)
+        most = merge_splits(cfg.kv_heads, pages, passes)
+        warm_merges(most, cfg.q_heads, cfg.head_dim, self.dtype, self.device)
 
     def _warm_up_images(self) -> int:
         """A vision-language model's warm-up rounds (`warmup.image_rounds`) over one synthetic image;

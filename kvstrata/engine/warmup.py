@@ -27,6 +27,10 @@ measured run. The warm-up meets the same shapes through the engine itself, with 
    of 2 splits (B=48 over 1,200 tokens, BF16 and FP8), of 4 (int4) and FP8's wide shape split (B=64
    over 1,536 tokens at 8 KV heads) (`tests/engine/test_warmup_variants.py`).
 
+After every round (the raised pool's and the image rounds below too), the engine compiles the split
+merge for every block a step can reach (`merge_splits`, `attend.warm_merges`): which blocks the rounds
+meet depends on their batches and histories.
+
 With a raised pool (the drift fallback's), the engine runs the rounds twice, the second time at fallback
 level 1 (`Engine._warm_up`). A vision-language model then runs `image_rounds` over one synthetic
 image, at fallback level 0: the image in a first page (written with its sink) and behind two cached
@@ -133,13 +137,25 @@ def most_splits(batch: int, kv_heads: int) -> int:
     return -(-split_target_programs() // (batch * kv_heads)) + 1
 
 
+def merge_splits(kv_heads: int, max_pages: int, passes: int) -> int:
+    """The most split partials one decode step merges: each of its ``passes`` kernel passes (the text
+    pool's, and the image or raised pool's where the engine has one) split as far as a single sequence
+    allows (`most_splits`, its tail split included) over ``max_pages`` cold pages in splits of at least
+    the launch tables' fewest ``min_pages``."""
+    from kvstrata.radix.kernels.attend import DECODE_LAUNCH
+
+    least = min(launch["min_pages"] for launch in DECODE_LAUNCH.values())
+    return passes * (min(most_splits(1, kv_heads) - 1, max(1, max_pages // least)) + 1)
+
+
 def decode_batches(batch: int, kv_heads: int) -> list[int]:
     """Round 4's batch sizes. A decode step's split count is ``min(cdiv(target, programs), cold pages
     // min_pages)`` (`attend._num_splits`; programs: sequences x KV heads), one more for the tail
     where the programs allow, and the merge compiles one variant per power-of-two split block: as
     the batch halves, the programs' bound doubles. FP8 history decodes in a shape of its own (one
-    warp, 32-key tiles, another target) from ``FP8_WIDE_PROGRAMS`` programs: the batches at and just
-    below that bound join the halvings."""
+    warp, 32-key tiles, another target) from ``FP8_WIDE_PROGRAMS`` programs once split
+    (`attend.takes_wide_decode`; smaller batches over longer histories too): the batches at and just
+    below that bound unsplit join the halvings."""
     from kvstrata.radix.kernels.attend import FP8_WIDE_PROGRAMS
 
     wide = -(-FP8_WIDE_PROGRAMS // kv_heads)

@@ -11,7 +11,7 @@ from prompt_texts import PROMPT_TEXTS
 from kvstrata.engine.engine import Engine
 from kvstrata.engine.options import EngineArgs
 from kvstrata.engine.trace import TRACE_ENV, WARMUP_DONE, read_trace, summarize
-from kvstrata.engine.warmup import EXTEND_TOKENS, decode_batches, history_tokens, warmup_rounds
+from kvstrata.engine.warmup import EXTEND_TOKENS, decode_batches, history_tokens, merge_splits, warmup_rounds
 from kvstrata.radix import StratifiedKVCache
 from kvstrata.server.config import ServerConfig
 
@@ -46,11 +46,22 @@ def test_rounds_cover_batch_extends_and_long_histories() -> None:
 
 
 def test_shared_history_batches_meet_the_wide_fp8_bound() -> None:
-    """With 8 KV heads, FP8 decode takes its wide shape from 64 sequences (`attend.FP8_WIDE_PROGRAMS`
-    512): round 4 decodes at 64 and 63 besides the halvings of the batch."""
+    """With 8 KV heads, FP8 decode takes its wide shape unsplit from 64 sequences (`attend.FP8_WIDE_PROGRAMS`
+    512 programs; fewer sequences over longer histories once split): round 4 decodes at 64 and 63
+    besides the halvings of the batch."""
     assert decode_batches(256, 8) == [256, 128, 64, 63, 32, 16, 8, 4, 2, 1]
     assert decode_batches(48, 8) == [48, 24, 12, 6, 3, 1]  # the wide shape out of reach
     assert history_tokens(16)[:3] == [16 * 33, 16 * 65, 16 * 129]
+
+
+def test_merge_splits_bound_a_steps_partials() -> None:
+    """`merge_splits`: per pass, one sequence's splits under the largest programs target (4,096: 512 at
+    8 KV heads, 1,366 at 3) or its history's (pages over the launch tables' fewest 16 pages a split),
+    whichever is fewer, one more for the tail; times the step's passes."""
+    assert merge_splits(8, 128, 1) == 9 and merge_splits(8, 128, 2) == 18
+    assert merge_splits(8, 8192, 1) == 513 and merge_splits(8, 65536, 3) == 3 * 513
+    assert merge_splits(3, 512, 1) == 33 and merge_splits(3, 65536, 1) == 1367
+    assert merge_splits(8, 10, 1) == 2  # a history shorter than one split still gets a tail split
 
 
 @pytest.mark.parametrize("group", [1, 2, 4, 8, 16])

@@ -24,6 +24,7 @@ from kernel_variants import record_variants  # noqa: E402
 
 from kvstrata.engine.engine import Engine  # noqa: E402
 from kvstrata.engine.loader import load_model  # noqa: E402
+from kvstrata.engine.warmup import merge_splits  # noqa: E402
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
@@ -50,6 +51,13 @@ def _serve(engine: Engine) -> None:
         engine.generate(input_ids=[prompt], sampling_params=dict(GREEDY, max_new_tokens=3))
 
 
+def _warm_blocks_cover(warm, engine: Engine, passes: int) -> None:
+    """The warm-up compiled the split merge for every block up to `warmup.merge_splits`'s bound."""
+    most = merge_splits(8, -(-engine.max_context // 16), passes)
+    blocks = {int(dict(parts)["BLOCK_S"]) for name, parts in warm if name.endswith("_merge_kernel")}
+    assert {2**i for i in range(most.bit_length() + 1) if 2 ** (i - 1) < most} <= blocks, (most, blocks)
+
+
 @pytest.mark.parametrize("codec", ["fp8_e4m3", "int4", "auto"])
 def test_warmup_meets_every_served_variant(eight_kv_heads, codec: str) -> None:
     with record_variants(execute=False) as warm:
@@ -58,6 +66,7 @@ def test_warmup_meets_every_served_variant(eight_kv_heads, codec: str) -> None:
             max_running_requests=80, page_size=16, max_total_tokens=150_000,
         )  # fmt: skip
     try:
+        _warm_blocks_cover(warm, engine, passes=1)
         with record_variants(execute=False) as served:
             _serve(engine)
     finally:
@@ -65,9 +74,10 @@ def test_warmup_meets_every_served_variant(eight_kv_heads, codec: str) -> None:
     kernels = {name.rsplit(".", 1)[1] for name, _ in served}
     assert {"_merge_kernel", "_decode4_kernel" if codec == "int4" else "_decode_kernel"} <= kernels
     # the workload meets what the warm-up's rounds 1-3 alone missed (recorded before round 4 was added):
-    # merges of 2 (FP8, BF16) or 4 (int4) splits, FP8's wide shape split
+    # merges of 2 (BF16) or 4 (int4) splits, FP8's wide shape split; FP8 merges 4 and 8 since pass 13
+    # (batches of 43 to 63 over 64 pages or more take the wide shape and its tail split: 3, not 2)
     merges = {dict(parts)["BLOCK_S"] for name, parts in served if name.endswith("_merge_kernel")}
-    assert ("4" if codec == "int4" else "2") in merges
+    assert {"int4": "4", "auto": "2", "fp8_e4m3": "4"}[codec] in merges
     decodes = [dict(parts) for name, parts in served if name.endswith("_decode_kernel")]
     wide_split = {"num_warps": "1", "SPLIT": "True"}
     assert any(wide_split.items() <= d.items() for d in decodes) is (codec == "fp8_e4m3")
@@ -87,6 +97,7 @@ def test_warmup_meets_the_raised_pools_variants(eight_kv_heads) -> None:
         )  # fmt: skip
     assert engine.cache.raised_pool is not None and engine.drift is not None
     try:
+        _warm_blocks_cover(warm, engine, passes=2)
         rng = random.Random(2)
         cached = [[rng.randrange(300) for _ in range(700 + 9 * i)] for i in range(24)]
         with record_variants(execute=False) as served:
@@ -105,3 +116,14 @@ def test_warmup_meets_the_raised_pools_variants(eight_kv_heads) -> None:
     assert raised_pass  # the raised pool's pass: no sink page, split partials
     missing = [name for name, _ in served - warm]
     assert not missing, f"{len(missing)} served variants the warm-up did not compile: {sorted(missing)}"
+
+
+def test_warm_merges_compiles_every_split_block() -> None:
+    """`attend.warm_merges` launches the split merge once for each block up to the power of two at or
+    above the most splits: 5 splits, blocks 1, 2, 4 and 8."""
+    from kvstrata.radix.kernels.attend import warm_merges
+
+    with record_variants() as seen:
+        assert warm_merges(5, 4, 32, torch.float32, torch.device("cpu")) == 8
+    blocks = sorted(int(dict(parts)["BLOCK_S"]) for name, parts in seen if name.endswith("_merge_kernel"))
+    assert blocks == [1, 2, 4, 8]

@@ -316,12 +316,33 @@ def test_decode_few_warps(codec, shape, device, monkeypatch):
     assert max(seen) > 3
 
 
+def test_fp8_wide_decode_counts_programs_once_split():
+    """`attend.takes_wide_decode` at 8 KV heads, 16-token pages, splits of at least 32 pages (the
+    8/16-bit entry's): B=64 takes the wide shape over any history (512 programs unsplit); B=1 from
+    2,048 cold pages (32K tokens: 64 splits, 512 programs), not at 1,024 (32 splits) nor at 256 (4K);
+    B=16 from 128 pages (4 splits under the wide target, 512 programs). Forced splits count as given.
+    Never for BF16, int8 or 4-bit history, nor one side FP8 only."""
+    from kvstrata.radix.kernels import attend
+
+    def wide(batch: int, pages: int, fmts=(1, 1), splits=None) -> bool:
+        return attend.takes_wide_decode(*fmts, batch * 8, pages, splits, 32)
+
+    assert attend.FP8_WIDE_PROGRAMS == 512 and attend.FP8_WIDE_DECODE["programs"] == 4096
+    assert wide(64, 1) and wide(64, 4096) and wide(256, 128)
+    assert wide(1, 2048) and wide(1, 4096, fmts=(2, 2)) and wide(1, 2048, fmts=(1, 2))
+    assert not wide(1, 2047) and not wide(1, 1024) and not wide(1, 256)
+    assert wide(16, 128) and wide(16, 256) and not wide(16, 127) and not wide(63, 63)
+    assert wide(1, 256, splits=64) and not wide(16, 4096, splits=3) and not wide(63, 4096, splits=1)
+    for fmts in ((0, 0), (3, 3), (1, 0), (0, 1), (4, 4), (5, 5), (6, 6)):
+        assert not wide(64, 4096, fmts=fmts), fmts
+
+
 @pytest.mark.parametrize("device", kernel_helpers.DEVICES)
 @pytest.mark.parametrize("wide", [True, False])
 def test_fp8_decode_shape_by_batch(wide, device, monkeypatch):
     """FP8 history decodes by `attend.FP8_WIDE_DECODE` (one warp, 32-key tiles, three stages, page-table
     entries and scale exponents a tile ahead) where the step has at least `FP8_WIDE_PROGRAMS`
-    (sequence, KV head) programs, by the 4-warp entry below that; both at BF16-level error against the
+    (sequence, KV head, split) programs, by the 4-warp entry below that; both at BF16-level error against the
     float64 reference. BF16 history keeps the entry either way."""
     from test_kernels_attend import check_steps, make_cache
 

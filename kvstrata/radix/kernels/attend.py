@@ -167,18 +167,17 @@ DECODE_LAUNCH = {
 # 4-bit decode layers `decode4` does not read (one side 8/16-bit, or head_dim not a power of two): the
 # shape this kernel had by blocks before pass 7 (4 warps, 128 registers; one warp is tuned for decode4).
 OTHER_4BIT_DECODE = dict(blocks=4, num_warps=4, programs=1024, maxnreg=128, tail_apart=False)
-# FP8 history (keys and values E4M3/E5M2) where a step has at least ``FP8_WIDE_PROGRAMS`` programs before
-# splitting: one warp a program, 32-key tiles, four times the programs, no register cap (255 registers,
-# no spills, 8 programs an SM). H200, B=64 at 32K 1.300 ms against 1.573 for the 4-warp shape, B=256
-# at 2K 0.355 against 0.430, B=1,024 at 2K 1.416 against 1.580 (attention_sweep.py, one run; docs pass
-# 8). Smaller batches (B=1 at 32K reads 16 one-warp tiles a split instead of 4 of 4 warps) keep the
-# 4-warp shape: they were not measured with it. Pass 11: three stages with the page-table entries a
-# tile ahead (``prefetch``): at two stages Nsight Compute put 30% of the warps' stall samples on the
-# wait for the tile's own copies; H200, B=64 at 32K 1.192 ms against 1.299, B=256 at 2K 0.337 against
-# 0.356, B=1,024 at 2K 1.275 against 1.418 (three stages alone were slower: 1.502 / 0.404 / 1.663;
-# attention_sweep.py, one run; docs pass 11). With ``prefetch`` the FP8 scale exponents come a tile
-# ahead too (`decode.bits_ahead`; launch key ``bits_ahead``, absent: on): 1.202 / 0.333 / 1.303 against
-# 1.246 / 0.341 / 1.316 without, in a second run.
+# FP8 history (keys and values E4M3/E5M2) where a step has at least ``FP8_WIDE_PROGRAMS`` programs once split
+# as this shape splits them (`takes_wide_decode`; before pass 13: before splitting): one warp a program,
+# 32-key tiles, four times the programs, no register cap (255 registers, no spills, 8 programs an SM). H200,
+# B=64 at 32K 1.300 ms against 1.573 for the 4-warp shape, B=256 at 2K 0.355 against 0.430, B=1,024 at 2K
+# 1.416 against 1.580 (attention_sweep.py, one run; docs pass 8). Pass 11: three stages with the page-table
+# entries a tile ahead (``prefetch``): at two stages Nsight Compute put 30% of the warps' stall samples on the
+# wait for the tile's own copies; H200, B=64 at 32K 1.192 ms against 1.299, B=256 at 2K 0.337 against 0.356,
+# B=1,024 at 2K 1.275 against 1.418 (three stages alone were slower: 1.502 / 0.404 / 1.663;
+# attention_sweep.py, one run; docs pass 11). With ``prefetch`` the FP8 scale exponents come a tile ahead too
+# (`decode.bits_ahead`; launch key ``bits_ahead``, absent: on): 1.202 / 0.333 / 1.303 against 1.246 / 0.341 /
+# 1.316 without, in a second run.
 FP8_WIDE_DECODE = dict(block_n=32, num_warps=1, num_stages=3, prefetch=True, programs=4096, maxnreg=None)
 # int4 keys and values (`decode4`): one pipeline stage (and 168 registers, as ``DECODE_LAUNCH[True]``
 # since pass 12). Pass 9, H200: B=64 at 32K 1.326 ms against 1.689 with fp4's 2 stages and no cap, B=256
@@ -192,6 +191,11 @@ INT4_DECODE = dict(num_stages=1, maxnreg=168)
 # heads run uncapped.
 DECODE4_CAPPED_HEAD_DIM = 128
 INT4_FORMAT = 5
+# Pass 13, counted after splitting: B=16 and B=1 at 32K take the wide shape now (8 KV heads: 64 splits
+# of 32 pages at B=1), B=1 at 4K not (8 splits, 64 programs). H200, FP8 with ``keys_as_rows``: B=16 at
+# 32K 0.268 ms against 0.307 with the 4-warp shape, B=16 at 4K 0.049 against 0.057, B=1 at 32K 0.031
+# against 0.037, B=64 at 4K 0.156 both; B=1 at 4K 0.022 against 0.015 (attention_sweep.py, one run, the
+# wide shape at every batch; this rule itself not timed).
 FP8_WIDE_PROGRAMS = 512
 WIDE_DECODE_FORMATS = (1, 2)  # the history formats (keys and values) that take `FP8_WIDE_DECODE`
 # Extend, by the layer's codes (`extend_kind`): 128 query rows a tile. BF16/FP32 history ("raw"): the
@@ -786,6 +790,21 @@ def query_block(rows: int, block_m: int) -> int:
     return max(16, min(block_m, triton.next_power_of_2(rows)))
 
 
+def takes_wide_decode(
+    k_fmt: int, v_fmt: int, programs: int, n_pages: int, splits: int | None, min_pages: int
+) -> bool:
+    """Whether a decode pass of ``programs`` (sequences x KV heads) over ``n_pages`` cold pages takes
+    `FP8_WIDE_DECODE`: FP8 keys and values, and at least `FP8_WIDE_PROGRAMS` programs once split, by
+    ``splits`` where given, else as the wide shape's programs target splits them (splits of at least
+    ``min_pages`` pages, or the wide shape's own)."""
+    if k_fmt not in WIDE_DECODE_FORMATS or v_fmt not in WIDE_DECODE_FORMATS:
+        return False
+    if splits is None:
+        least = FP8_WIDE_DECODE.get("min_pages", min_pages)
+        splits = _num_splits(programs, n_pages, FP8_WIDE_DECODE["programs"], least)
+    return programs * splits >= FP8_WIDE_PROGRAMS
+
+
 def _num_splits(programs: int, max_pages: int, target: int, min_pages: int = MIN_PAGES_PER_SPLIT) -> int:
     """Splits of the cold pages so that about ``target`` programs run, each with at least
     ``min_pages`` pages."""
@@ -826,6 +845,27 @@ def merge_partials(parts: list[Partials], out: torch.Tensor) -> torch.Tensor:
         po, pl, out, splits, D=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits)
     )
     return out
+
+
+def warm_merges(
+    most_splits: int, q_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> int:
+    """Launch `merge_partials` once for each split block (``BLOCK_S``) from 1 up to the power of two at
+    or above ``most_splits`` (the partials of all of a step's passes together), so that each variant
+    is compiled; returns the largest block. Which blocks serving meets depends on its batch sizes, its
+    histories and how many of a step's pages sit in the image or raised pool (each pass adds its own
+    partials), so a warm-up workload alone can miss one: on CPU, a served drift-fallback run met a
+    merge block that the engine's warm-up rounds had not (`tests/engine/test_warmup_variants.py`)."""
+    block = 1
+    while True:
+        parts = Partials(
+            torch.zeros(1, q_heads, block, head_dim, device=device),
+            torch.zeros(1, q_heads, block, device=device),
+        )
+        merge_partials([parts], torch.empty(1, q_heads, head_dim, dtype=dtype, device=device))
+        if block >= most_splits:
+            return block
+        block *= 2
 
 
 LaunchCache = dict[tuple, "PassLaunch"]
@@ -1008,8 +1048,7 @@ def pass_launch(
             launch = {**launch, **INT4_DECODE}
         elif d > DECODE4_CAPPED_HEAD_DIM:
             launch = {**launch, "maxnreg": None}
-    wide = k_fmt in WIDE_DECODE_FORMATS and v_fmt in WIDE_DECODE_FORMATS
-    if T == 1 and wide and B * h >= FP8_WIDE_PROGRAMS:
+    if T == 1 and takes_wide_decode(k_fmt, v_fmt, B * h, n_pages, splits, launch.get("min_pages", 1)):
         launch = {**launch, **FP8_WIDE_DECODE}
     by_blocks = launch["by_blocks"] or (k_fmt in SCALED_KEY_FORMATS and launch.get("scaled_keys_by_blocks"))
     fold = page % 16 == 0 and bool(by_blocks)
