@@ -244,11 +244,12 @@ _SWAP_FP8 = dict(_DEFAULT, wide_programs=10**9, block_n=64, swap_ab=True, maxnre
 # softmax's FMUL 80 -> 40), 213 registers, 20.7 KB of shared memory (9 programs an SM by registers,
 # 10 by shared memory); capped at 200 registers 564 (10 programs); two stages and 168 registers 542
 # (11 programs by shared memory); the 4-warp entry 559 (from 1,025).
-# Measured (H200, one run; ms at B=64 32K / B=256 2K / B=1,024 2K / B=1 32K; SDPA BF16 1.862 / 0.479 /
-# 1.860 / 0.046): pass 11's default 1.155 / 0.289 / 1.094 / 0.037; ``value_pairs`` 1.011 / 0.289 / 1.095
-# / 0.037; ``keys_as_rows`` 1.008 / 0.289 / 1.094 / 0.037 (the default since); capped at 200 registers
-# 1.020 / 0.295 / 1.124 / 0.037 (22 spills); two stages and 168 registers 1.004 / 0.300 / 1.120 / 0.037
-# (34 spills). The 2K cases move their bytes at 4.0-4.2 TB/s with every variant.
+# Measured (H200, one run of this list; ms at B=64 32K / B=256 2K / B=1,024 2K / B=1 32K; SDPA BF16
+# 1.859 / 0.478 / 1.857 / 0.046): pass 11's default 1.160 / 0.325 / 1.244 / 0.046; ``value_pairs`` 1.008 /
+# 0.291 / 1.099 / 0.041; ``keys_as_rows`` 1.006 / 0.288 / 1.093 / 0.037 (the default since); two stages
+# and 168 registers 1.001 / 0.299 / 1.117 / 0.037 (34 spills). An earlier run (B=64 32K only: the list then
+# left the options out of variants that did not set them, so its later cases ran the last one's): capped
+# at 200 registers 1.020 (22 spills).
 DECODE = [
     _DEFAULT,
     dict(_DEFAULT, keys_as_rows=False),  # pass 11's default

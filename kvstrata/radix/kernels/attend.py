@@ -108,9 +108,10 @@ DECODE_LAUNCH = {
         # Pass 13 (`decode.decode_options`, FP8 keys and values of a BF16 model only): key and value
         # codes read as uint16 channel pairs, the products turned over (k . q^T over 8 query rows), so
         # both operands load by ldmatrix (cold loop a 32-key tile on the wide shape, Triton 3.6 for
-        # sm_90: 968 -> 567 instructions). H200, FP8: B=64 at 32K 1.008 ms against 1.155, B=256 at 2K
-        # 0.289 and B=1,024 at 2K 1.094 both unchanged, B=1 at 32K 0.037 unchanged; value codes alone
-        # so (``value_pairs``) 1.011 / 0.289 / 1.095 / 0.037 (attention_sweep.py, one run; docs pass 13).
+        # sm_90: 968 -> 567 instructions). H200, FP8: B=64 at 32K 1.006 ms against 1.160, B=256 at 2K
+        # 0.288 against 0.325, B=1,024 at 2K 1.093 against 1.244, B=1 at 32K 0.037 against 0.046; value
+        # codes alone so (``value_pairs``) 1.008 / 0.291 / 1.099 / 0.041 (attention_sweep.py, one run;
+        # docs pass 13).
         keys_as_rows=True,
     ),
     # 4-bit layers (int4/fp4 keys and values) decode by `kvstrata.radix.kernels.decode4` (``module``
@@ -1048,7 +1049,9 @@ def pass_launch(
             launch = {**launch, **INT4_DECODE}
         elif d > DECODE4_CAPPED_HEAD_DIM:
             launch = {**launch, "maxnreg": None}
-    if T == 1 and takes_wide_decode(k_fmt, v_fmt, B * h, n_pages, splits, launch.get("min_pages", 1)):
+    if T == 1 and takes_wide_decode(
+        k_fmt, v_fmt, B * h, n_pages, splits, launch.get("min_pages", MIN_PAGES_PER_SPLIT)
+    ):
         launch = {**launch, **FP8_WIDE_DECODE}
     by_blocks = launch["by_blocks"] or (k_fmt in SCALED_KEY_FORMATS and launch.get("scaled_keys_by_blocks"))
     fold = page % 16 == 0 and bool(by_blocks)
