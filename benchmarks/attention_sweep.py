@@ -416,15 +416,14 @@ def warm(index: int) -> None:
     if kind == "decode" and batch >= 64:
         plan = args[1]
         launch = dict(kernels.DECODE_LAUNCH[codec in FOUR_BIT])
-        hkv = bench.GEOMETRIES["8b"][1]
-        if (
-            kernel_format(get_codec(codec))[0] in kernels.WIDE_DECODE_FORMATS
-            and batch * hkv >= kernels.FP8_WIDE_PROGRAMS
-        ):
+        hkv, n_pages = bench.GEOMETRIES["8b"][1], plan.page_table.shape[1]
+        fmt = kernel_format(get_codec(codec))[0]
+        least = launch.get("min_pages", kernels.MIN_PAGES_PER_SPLIT)
+        if kernels.takes_wide_decode(fmt, fmt, batch * hkv, n_pages, None, least):
             launch.update(kernels.FP8_WIDE_DECODE)  # the shape `batch` gets, at B=4 too
             kernels.FP8_WIDE_PROGRAMS = 0
-        least = launch.get("min_pages", kernels.MIN_PAGES_PER_SPLIT)
-        splits = kernels._num_splits(batch * hkv, plan.page_table.shape[1], launch["programs"], least)
+            least = launch.get("min_pages", least)
+        splits = kernels._num_splits(batch * hkv, n_pages, launch["programs"], least)
     kernels.attend_group(*args, splits=splits)
     torch.cuda.synchronize()
 

@@ -142,10 +142,7 @@ def merge_splits(kv_heads: int, max_pages: int, passes: int) -> int:
     pool's, and the image or raised pool's where the engine has one) split as far as a single sequence
     allows (`most_splits`, its tail split included) over ``max_pages`` cold pages in splits of at least
     the launch tables' fewest ``min_pages``."""
-    from kvstrata.radix.kernels.attend import DECODE_LAUNCH
-
-    least = min(launch["min_pages"] for launch in DECODE_LAUNCH.values())
-    return passes * (min(most_splits(1, kv_heads) - 1, max(1, max_pages // least)) + 1)
+    return passes * (min(most_splits(1, kv_heads) - 1, max(1, max_pages // fewest_split_pages())) + 1)
 
 
 def decode_batches(batch: int, kv_heads: int) -> list[int]:
@@ -167,10 +164,15 @@ def history_tokens(page_size: int) -> list[int]:
     """Round 4's shared histories: whole pages, ``2**j * 2 * min_pages`` of them cold (the fewest
     pages a decode split reads, `attend.DECODE_LAUNCH`) and one more (the request's ring), so the
     history's bound on the split count is each power of two from 2 on."""
+    least = fewest_split_pages()
+    return [(least * 2 ** (j + 1) + 1) * page_size for j in range(32)]
+
+
+def fewest_split_pages() -> int:
+    """The fewest cold pages a decode split reads under any launch table entry (``min_pages``)."""
     from kvstrata.radix.kernels.attend import DECODE_LAUNCH
 
-    least = min(launch["min_pages"] for launch in DECODE_LAUNCH.values())
-    return [(least * 2 ** (j + 1) + 1) * page_size for j in range(32)]
+    return min(launch["min_pages"] for launch in DECODE_LAUNCH.values())
 
 
 def image_rounds(
