@@ -4,7 +4,8 @@
     python benchmarks/attention_sweep.py --warm I   # compile variant I only (run several in parallel)
 
 Times `kvstrata.radix.kernels.attend.attend_group` at the 8B layer geometry (32 query / 8 KV heads,
-head_dim 128) on the same strata as `benchmarks/attention_gpu.py` builds, for several launch shapes:
+head_dim 128; SWEEP_GEOMETRY=default: the default model's) on the same strata as
+`benchmarks/attention_gpu.py` builds, for several launch shapes:
 extend (a 2,048-token chunk over 30,720 cached tokens) and decode at B=64 and B=1, context 32K. Each
 line gives milliseconds and the ratio to SDPA BF16 measured in the same run. ``--warm`` compiles one
 variant into Triton's on-disk cache (same specializations as the timed run), so that a GPU call can
@@ -260,6 +261,25 @@ DECODE = [
     # 0.268 / 0.049 / 0.156 / 0.031 / 0.022 ms against the 4-warp entry's 0.307 / 0.057 / 0.156 / 0.037 /
     # 0.015, hence `attend.takes_wide_decode` (programs counted once split; B=1 at 4K keeps the entry).
     dict(_DEFAULT, wide_programs=1),
+    # Small batches on the wide shape (same SWEEP_CASES): splits of at least 16 or 8 pages (the wide
+    # shape takes the 4-warp entry's 32; more programs at B=1 and B=16, fewer tiles each) and a fourth
+    # pipeline stage (fewer warps an SM to keep loads in flight at B=1). Measured (H200, one run; ms at
+    # B=16 4K / B=1 32K / B=16 32K / B=64 4K / B=1 4K): the default 0.049 / 0.037 / 0.267 / 0.155 / 0.015
+    # (B=1 32K then missed the wide rule, since counted by whole tiles: 0.031); >= 16 pages 0.056 / 0.030 /
+    # 0.268 / 0.162 / 0.015; >= 8 pages 0.057 / 0.036 / 0.267 / 0.162; 4 stages 0.055 / 0.037 / 0.287 /
+    # 0.163; both 0.059 / 0.038 / 0.286 / 0.177. The default stays.
+    dict(_DEFAULT, wide=dict(min_pages=16)),
+    dict(_DEFAULT, wide=dict(min_pages=8)),
+    dict(_DEFAULT, wide=dict(num_stages=4)),
+    dict(_DEFAULT, wide=dict(min_pages=16, num_stages=4)),
+    # The default model's geometry (SWEEP_GEOMETRY=default: 3 KV heads, head_dim 64): a 32-key tile is
+    # half the 8B layer's bytes; 64 keys a tile keep them. Measured (H200, one run, SWEEP_CASES=16x4096,
+    # 16x32768,64x4096,64x32768,256x4096): the default 0.021 / 0.073 / 0.044 / 0.261 / 0.143 ms; 64-key
+    # tiles 0.021 / 0.074 / 0.049 / 0.266 / 0.153; with splits of >= 64 pages 0.021 / 0.079 / 0.046 /
+    # 0.266 / 0.147; every variant within 0.019-0.025 / 0.073-0.079 / 0.044-0.057 / 0.255-0.271 /
+    # 0.136-0.160 (two stages at 168 registers: 0.255 at B=64 32K, 0.136 at B=256 4K). No change.
+    dict(_DEFAULT, wide=dict(block_n=64)),
+    dict(_DEFAULT, wide=dict(block_n=64, min_pages=64)),
 ]
 # int8 keys (per-channel scales) by keys or by 16-token blocks; not part of the fastest-shape pick
 # (it would set the entry FP8 shares).
@@ -332,6 +352,8 @@ DECODE_4BIT: list[dict] = [
     dict(_D4_ROWS_1, maxnreg=168, value_quads=True),
     dict(_D4_ROWS, maxnreg=168, value_quads=True),
 ]
+# SWEEP_GEOMETRY (environment): an `attention_gpu.GEOMETRIES` key, the 8B layer ("8b") by default.
+GEOMETRY = os.environ.get("SWEEP_GEOMETRY", "8b")
 # SWEEP_KINDS (environment): the kinds swept, "decode,extend" by default.
 KINDS = os.environ.get("SWEEP_KINDS", "decode,extend").split(",")
 # Decode cases (batch, context): the 32K long-context pair and the serving step (B=256, 2K).
@@ -364,7 +386,7 @@ if os.environ.get("SWEEP_CODECS"):  # e.g. "int4,fp4_e2m1": only these codecs' v
 
 
 def case(kind: str, codec: str, batch: int, context: int = CONTEXT):
-    hq, hkv, d = bench.GEOMETRIES["8b"]
+    hq, hkv, d = bench.GEOMETRIES[GEOMETRY]
     tokens = CHUNK if kind == "extend" else 1
     cache, plan, q, k, v, moved = bench.build(codec, batch, context, hq, hkv, d, tokens=tokens)
     return (0, plan, q, k, v, 1 / math.sqrt(d), cache.pool, cache.ring, None), moved
@@ -416,10 +438,10 @@ def warm(index: int) -> None:
     if kind == "decode" and batch >= 64:
         plan = args[1]
         launch = dict(kernels.DECODE_LAUNCH[codec in FOUR_BIT])
-        hkv, n_pages = bench.GEOMETRIES["8b"][1], plan.page_table.shape[1]
+        hkv, n_pages = bench.GEOMETRIES[GEOMETRY][1], plan.page_table.shape[1]
         fmt = kernel_format(get_codec(codec))[0]
         least = launch.get("min_pages", kernels.MIN_PAGES_PER_SPLIT)
-        if kernels.takes_wide_decode(fmt, fmt, batch * hkv, n_pages, None, least):
+        if kernels.takes_wide_decode(fmt, fmt, batch * hkv, n_pages, None, least, bench.P):
             launch.update(kernels.FP8_WIDE_DECODE)  # the shape `batch` gets, at B=4 too
             kernels.FP8_WIDE_PROGRAMS = 0
             least = launch.get("min_pages", least)
@@ -454,7 +476,7 @@ def compiled_report() -> str:
 
 
 def sdpa(kind: str, batch: int, context: int) -> float:
-    hq, hkv, d = bench.GEOMETRIES["8b"]
+    hq, hkv, d = bench.GEOMETRIES[GEOMETRY]
     fn, _ = bench.sdpa_case(batch, context, hq, hkv, d, tokens=CHUNK if kind == "extend" else 1)
     return bench.bench(fn)
 

@@ -47,7 +47,7 @@ def compile_case(codec: str, batch: int, context: int, arch: str | None = None):
     options.update(DOT_PREC="tf32", DOT_DTYPE=tl.bfloat16, CODE_DTYPE=tl.float16 if k_fmt else tl.bfloat16)
     entry = dict(attend.DECODE_LAUNCH[False])
     n_pages, least = plan.page_table.shape[1], entry.get("min_pages", attend.MIN_PAGES_PER_SPLIT)
-    if attend.takes_wide_decode(k_fmt, v_fmt, plan.batch * k.shape[1], n_pages, None, least):
+    if attend.takes_wide_decode(k_fmt, v_fmt, plan.batch * k.shape[1], n_pages, None, least, plan.page_size):
         entry.update(attend.FP8_WIDE_DECODE)
     options.update(decode.fp8_options(entry, options, options["SWAP"], options["HALVES"]))
     pairs = options["VALUE_PAIRS"] or options["KEYS_AS_ROWS"]

@@ -319,22 +319,59 @@ def test_decode_few_warps(codec, shape, device, monkeypatch):
 def test_fp8_wide_decode_counts_programs_once_split():
     """`attend.takes_wide_decode` at 8 KV heads, 16-token pages, splits of at least 32 pages (the
     8/16-bit entry's): B=64 takes the wide shape over any history (512 programs unsplit); B=1 from
-    2,048 cold pages (32K tokens: 64 splits, 512 programs), not at 1,024 (32 splits) nor at 256 (4K);
-    B=16 from 128 pages (4 splits under the wide target, 512 programs). Forced splits count as given.
-    Never for BF16, int8 or 4-bit history, nor one side FP8 only."""
+    2,017 cold pages, as the launch splits them: 63 splits of 33 pages, rounded to whole 32-key tiles,
+    are 64 of 32 (512 programs; 2,040 is the 32K benchmark step's), not at 2,016 (63 splits of 32) nor
+    at 1,024 or 256 (4K). B=16 from 97 pages (3 splits of 33, rounded: 4 of 32, 512 programs), not at 96
+    (3 of 32). Pages of
+    64 tokens (a tile holds part of one) are not rounded. Forced splits count as given. Never for BF16,
+    int8 or 4-bit history, nor one side FP8 only."""
     from kvstrata.radix.kernels import attend
 
-    def wide(batch: int, pages: int, fmts=(1, 1), splits=None) -> bool:
-        return attend.takes_wide_decode(*fmts, batch * 8, pages, splits, 32)
+    def wide(batch: int, pages: int, fmts=(1, 1), splits=None, page_size=16) -> bool:
+        return attend.takes_wide_decode(*fmts, batch * 8, pages, splits, 32, page_size)
 
     assert attend.FP8_WIDE_PROGRAMS == 512 and attend.FP8_WIDE_DECODE["programs"] == 4096
+    assert attend.FP8_WIDE_DECODE["block_n"] == 32
     assert wide(64, 1) and wide(64, 4096) and wide(256, 128)
-    assert wide(1, 2048) and wide(1, 4096, fmts=(2, 2)) and wide(1, 2048, fmts=(1, 2))
-    assert not wide(1, 2047) and not wide(1, 1024) and not wide(1, 256)
-    assert wide(16, 128) and wide(16, 256) and not wide(16, 127) and not wide(63, 63)
+    assert wide(1, 2040) and wide(1, 2017) and wide(1, 4096, fmts=(2, 2)) and wide(1, 2048, fmts=(1, 2))
+    assert not wide(1, 2016) and not wide(1, 1024) and not wide(1, 256)
+    assert not wide(1, 2040, page_size=64) and wide(1, 2048, page_size=64)
+    assert wide(16, 128) and wide(16, 97) and not wide(16, 96) and not wide(63, 63)
     assert wide(1, 256, splits=64) and not wide(16, 4096, splits=3) and not wide(63, 4096, splits=1)
     for fmts in ((0, 0), (3, 3), (1, 0), (0, 1), (4, 4), (5, 5), (6, 6)):
         assert not wide(64, 4096, fmts=fmts), fmts
+
+
+@pytest.mark.parametrize(("pages", "warps", "splits"), [(2040, 1, 65), (2016, 4, 64), (256, 4, 9)])
+def test_fp8_decode_launch_at_one_sequence(pages, warps, splits):
+    """The launch `pass_launch` gives one FP8 sequence at 8 KV heads over ``pages`` 16-token cold pages
+    (BF16 model; no kernel runs): the 32K benchmark step's 2,040 take the wide shape (one warp) in 64
+    cold splits of 32 pages and the tail's own, as `takes_wide_decode` counts them (`cold_splits`);
+    2,016 (63 splits) and 256 (4K) keep the 4-warp entry."""
+    from radix_helpers import small_cache
+
+    from kvstrata.radix.kernels import attend
+    from kvstrata.radix.plan import GroupPlan
+
+    cache = small_cache(
+        num_layers=1,
+        kv_heads=8,
+        head_dim=32,
+        page_size=16,
+        recent_window=16,
+        layer_codecs=["fp8_e4m3"],
+        ring_dtype=torch.bfloat16,
+        num_pages=4,
+        max_running=1,
+    )
+    table = torch.zeros(1, pages, dtype=torch.long)
+    g = GroupPlan(None, 1, 1, table, [pages], None, [False], torch.zeros(1, 8, dtype=torch.long), [8], 16)
+    q, k, v = (torch.zeros(1, h, 32, dtype=torch.bfloat16) for h in (32, 8, 8))
+    launch = attend.pass_launch(g, 1, 1, q, k, v, 0.1, cache.ring, None, None, True, True)
+    assert (launch.options["num_warps"], launch.splits) == (warps, splits)
+    whole = attend.tile_pages(attend.FP8_WIDE_DECODE["block_n"], 16)
+    wide = dict(attend.DECODE_LAUNCH[False], **attend.FP8_WIDE_DECODE)
+    assert attend.cold_splits(8, pages, wide, whole)[0] * 8 >= attend.FP8_WIDE_PROGRAMS or warps == 4
 
 
 @pytest.mark.parametrize("device", kernel_helpers.DEVICES)

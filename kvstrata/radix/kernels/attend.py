@@ -192,11 +192,13 @@ INT4_DECODE = dict(num_stages=1, maxnreg=168)
 # heads run uncapped.
 DECODE4_CAPPED_HEAD_DIM = 128
 INT4_FORMAT = 5
-# Pass 13, counted after splitting: B=16 and B=1 at 32K take the wide shape now (8 KV heads: 64 splits
-# of 32 pages at B=1), B=1 at 4K not (8 splits, 64 programs). H200, FP8 with ``keys_as_rows``: B=16 at
-# 32K 0.268 ms against 0.307 with the 4-warp shape, B=16 at 4K 0.049 against 0.057, B=1 at 32K 0.031
-# against 0.037, B=64 at 4K 0.156 both; B=1 at 4K 0.022 against 0.015 (attention_sweep.py, one run, the
-# wide shape at every batch; this rule itself not timed).
+# Pass 13, counted after splitting (`cold_splits`, as the wide launch splits: whole 32-key tiles): at 8 KV
+# heads B=16 takes the wide shape from 97 cold pages, B=1 from 2,017 (the 32K step's 2,040: 63 splits of
+# 33 pages, 64 of 32 once rounded, 512 programs), B=1 at 4K not (7 splits, 56 programs). H200, FP8 with
+# ``keys_as_rows``, attention_gpu.py: B=16 at 32K 0.268 ms against 0.307 with the 4-warp shape, B=16 at
+# 4K 0.049 against 0.057, B=1 at 32K 0.031 against 0.037 (counted without the rounding it had missed
+# the rule), B=64 at 4K 0.155 both; the default model's geometry B=64 at 4K 0.044 against 0.065, B=16
+# and B=64 at 32K 0.074 / 0.265 against 0.109 / 0.347 (docs/kernels-h200.md).
 FP8_WIDE_PROGRAMS = 512
 WIDE_DECODE_FORMATS = (1, 2)  # the history formats (keys and values) that take `FP8_WIDE_DECODE`
 # Extend, by the layer's codes (`extend_kind`): 128 query rows a tile. BF16/FP32 history ("raw"): the
@@ -770,15 +772,15 @@ def extend_kind(k_fmt: int, v_fmt: int) -> str:
 
 
 def _whole_tiles(
-    programs: int, n_pages: int, splits: int, tile_pages: int, target: int, min_pages: int
+    programs: int, n_pages: int, splits: int, whole_pages: int, target: int, min_pages: int
 ) -> tuple[int, int]:
     """``(splits, pages per split)``: ``cdiv(n_pages, splits)`` pages a split, rounded down to whole
-    tiles of ``tile_pages`` pages (0: tiles do not hold whole pages) when the extra splits keep the
+    tiles of ``whole_pages`` pages (0: tiles do not hold whole pages) when the extra splits keep the
     launch within ``target`` programs and each split keeps ``min_pages``. A split of 33 pages reads 5
     tiles of 8 pages, the last for one page; 32 pages read 4 (B=1 at 32K: 64 splits instead of 63)."""
     per = triton.cdiv(max(n_pages, 1), splits)
-    if splits > 1 and tile_pages and per > tile_pages and per % tile_pages:
-        down = per // tile_pages * tile_pages
+    if splits > 1 and whole_pages and per > whole_pages and per % whole_pages:
+        down = per // whole_pages * whole_pages
         more = triton.cdiv(n_pages, down)
         if down >= min_pages and programs * more <= target:
             return more, down
@@ -792,18 +794,34 @@ def query_block(rows: int, block_m: int) -> int:
 
 
 def takes_wide_decode(
-    k_fmt: int, v_fmt: int, programs: int, n_pages: int, splits: int | None, min_pages: int
+    k_fmt: int, v_fmt: int, programs: int, n_pages: int, splits: int | None, min_pages: int, page_size: int
 ) -> bool:
-    """Whether a decode pass of ``programs`` (sequences x KV heads) over ``n_pages`` cold pages takes
-    `FP8_WIDE_DECODE`: FP8 keys and values, and at least `FP8_WIDE_PROGRAMS` programs once split, by
-    ``splits`` where given, else as the wide shape's programs target splits them (splits of at least
-    ``min_pages`` pages, or the wide shape's own)."""
+    """Whether a decode pass of ``programs`` (sequences x KV heads) over ``n_pages`` cold pages of
+    ``page_size`` tokens takes `FP8_WIDE_DECODE`: FP8 keys and values, and at least
+    `FP8_WIDE_PROGRAMS` programs once split, by ``splits`` where given, else as the launch would split
+    them in the wide shape (`cold_splits`: its programs target, splits of at least ``min_pages`` pages
+    or the wide shape's own, rounded to whole 32-key tiles)."""
     if k_fmt not in WIDE_DECODE_FORMATS or v_fmt not in WIDE_DECODE_FORMATS:
         return False
     if splits is None:
-        least = FP8_WIDE_DECODE.get("min_pages", min_pages)
-        splits = _num_splits(programs, n_pages, FP8_WIDE_DECODE["programs"], least)
+        wide = {"min_pages": min_pages, **FP8_WIDE_DECODE}
+        splits, _ = cold_splits(programs, n_pages, wide, tile_pages(wide["block_n"], page_size))
     return programs * splits >= FP8_WIDE_PROGRAMS
+
+
+def tile_pages(tile: int, page_size: int) -> int:
+    """Whole pages in a cold tile of ``tile`` keys; 0 where a tile holds part of a page or pages and a
+    part."""
+    return tile // page_size if tile % page_size == 0 else 0
+
+
+def cold_splits(programs: int, n_pages: int, launch: dict, whole_pages: int) -> tuple[int, int]:
+    """``(splits, pages per split)`` of a decode launch's cold pages: about ``launch``'s programs target
+    (`_num_splits`, splits of at least its ``min_pages``), then rounded to tiles of ``whole_pages``
+    pages (`_whole_tiles`)."""
+    least = launch.get("min_pages", MIN_PAGES_PER_SPLIT)
+    splits = _num_splits(programs, n_pages, launch["programs"], least)
+    return _whole_tiles(programs, n_pages, splits, whole_pages, launch["programs"], least)
 
 
 def _num_splits(programs: int, max_pages: int, target: int, min_pages: int = MIN_PAGES_PER_SPLIT) -> int:
@@ -1050,7 +1068,7 @@ def pass_launch(
         elif d > DECODE4_CAPPED_HEAD_DIM:
             launch = {**launch, "maxnreg": None}
     if T == 1 and takes_wide_decode(
-        k_fmt, v_fmt, B * h, n_pages, splits, launch.get("min_pages", MIN_PAGES_PER_SPLIT)
+        k_fmt, v_fmt, B * h, n_pages, splits, launch.get("min_pages", MIN_PAGES_PER_SPLIT), page
     ):
         launch = {**launch, **FP8_WIDE_DECODE}
     by_blocks = launch["by_blocks"] or (k_fmt in SCALED_KEY_FORMATS and launch.get("scaled_keys_by_blocks"))
@@ -1060,13 +1078,8 @@ def pass_launch(
     m_blocks = triton.cdiv(T * group, block_m)
     pages_per_split = triton.cdiv(max(n_pages, 1), splits or 1)
     if splits is None and T == 1:
-        least = launch.get("min_pages", MIN_PAGES_PER_SPLIT)
-        splits = _num_splits(B * h * m_blocks, n_pages, launch["programs"], least)
         tile = launch["blocks"] * 16 if fold else launch["block_n"]
-        tile_pages = tile // page if tile % page == 0 else 0
-        splits, pages_per_split = _whole_tiles(
-            B * h * m_blocks, n_pages, splits, tile_pages, launch["programs"], least
-        )
+        splits, pages_per_split = cold_splits(B * h * m_blocks, n_pages, launch, tile_pages(tile, page))
         if (
             tail
             and launch.get("tail_apart")
