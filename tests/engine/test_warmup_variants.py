@@ -52,10 +52,13 @@ def _serve(engine: Engine) -> None:
 
 
 def _warm_blocks_cover(warm, engine: Engine, passes: int) -> None:
-    """The warm-up compiled the split merge for every block up to `warmup.merge_splits`'s bound."""
+    """The warm-up compiled the split merge for every block up to `warmup.merge_splits`'s bound (its
+    `attend.merge_block`)."""
+    from kvstrata.radix.kernels.attend import merge_block
+
     most = merge_splits(8, -(-engine.max_context // 16), passes)
     blocks = {int(dict(parts)["BLOCK_S"]) for name, parts in warm if name.endswith("_merge_kernel")}
-    assert {2**i for i in range(most.bit_length() + 1) if 2 ** (i - 1) < most} <= blocks, (most, blocks)
+    assert {2**i for i in range(merge_block(most).bit_length())} <= blocks, (most, blocks)
 
 
 @pytest.mark.parametrize("codec", ["fp8_e4m3", "int4", "auto"])
@@ -120,10 +123,13 @@ def test_warmup_meets_the_raised_pools_variants(eight_kv_heads) -> None:
 
 def test_warm_merges_compiles_every_split_block() -> None:
     """`attend.warm_merges` launches the split merge once for each block up to the power of two at or
-    above the most splits: 5 splits, blocks 1, 2, 4 and 8."""
-    from kvstrata.radix.kernels.attend import warm_merges
+    above the most splits: 5 splits, blocks 1, 2, 4 and 8; 1,539 splits (three passes at 128K tokens),
+    blocks 1 to `attend.MERGE_BLOCK_S` (128), the most a merge program reads at once."""
+    from kvstrata.radix.kernels.attend import MERGE_BLOCK_S, warm_merges
 
-    with record_variants() as seen:
-        assert warm_merges(5, 4, 32, torch.float32, torch.device("cpu")) == 8
-    blocks = sorted(int(dict(parts)["BLOCK_S"]) for name, parts in seen if name.endswith("_merge_kernel"))
-    assert blocks == [1, 2, 4, 8]
+    for most, top in ((5, 8), (1539, MERGE_BLOCK_S)):
+        with record_variants() as seen:
+            assert warm_merges(most, 4, 32, torch.float32, torch.device("cpu")) == top
+        blocks = sorted(int(dict(parts)["BLOCK_S"]) for name, parts in seen if name.endswith("_merge_kernel"))
+        assert blocks == [2**i for i in range(top.bit_length())]
+    assert MERGE_BLOCK_S == 128

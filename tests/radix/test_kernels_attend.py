@@ -107,6 +107,35 @@ def test_split_kv_merge(splits, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("splits", [1, 3, 128, 129, 300])
+def test_merge_partials_in_blocks(splits, device):
+    """The split merge reads at most `attend.MERGE_BLOCK_S` partials at once and rescales what earlier
+    blocks added by the running maximum: equal to the log-sum-exp weighted mean over all splits, also
+    where a whole first block (row 0) or scattered splits (row 1) saw no key (lse -inf), and where the
+    largest lse comes last (row 2)."""
+    from kvstrata.radix.kernels import attend
+
+    g = torch.Generator().manual_seed(splits)
+    out = torch.randn(3, 2, splits, D, generator=g)
+    lse = torch.randn(3, 2, splits, generator=g) * 8
+    if splits > 1:
+        lse[0, :, : min(splits - 1, attend.MERGE_BLOCK_S)] = -math.inf
+        lse[1, :, 1::3] = -math.inf
+    lse[2, :, -1] = 60.0
+    weights = torch.softmax(lse.double() * math.log(2), dim=2)
+    ref = (out.double() * weights[..., None]).sum(2)
+    got = attend.merge_partials(
+        [attend.Partials(out.to(device), lse.to(device))], torch.empty(3, 2, D, device=device)
+    )
+    assert attend.merge_block(splits) == min(triton_pow2(splits), 128)
+    assert torch.allclose(got.cpu().double(), ref, rtol=1e-5, atol=1e-5), (got.cpu() - ref).abs().max()
+
+
+def triton_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("codec", ["bf16", "fp8_e4m3", "int4", "fp4_e2m1"])
 def test_bfloat16_compute(codec, device):
     """BF16 q/k/v and ring (tensor cores in BF16, float32 accumulate): BF16-level error."""

@@ -261,6 +261,16 @@ HALF_FORMATS = (5, 6)  # 4-bit codes: the decode kernel splits q and the output 
 SCALED_KEY_FORMATS = (3, 4)  # int8 keys: per-channel scales (and offsets) over each page
 FP8_FORMATS = (1, 2)  # FP8 E4M3 / E5M2 codes
 MIN_PAGES_PER_SPLIT = 16
+# The most split partials a merge program reads at once (`merge_block`); more are merged in blocks of
+# this many. A [BLOCK_S, head_dim] float32 tile in one program: Triton 3.9 for sm_90 at head_dim 128 and 4
+# warps, 148 registers at 128 splits, spills from 256 (80 bytes of stack), 5.5 KB of stack a thread
+# at 1,024 (a B=1 step of 4-bit history at 128K tokens: 513 splits) and 16 KB at 2,048 (12.6 s to
+# compile); H200 warm-up of blocks 1 to 1,024 8.2 s, block 2,048 alone 8.4 s (docs/engine.md). H200,
+# 32 query heads, head_dim 128, one block against blocks of 64: 65 splits (B=1 at 32K) 3.6 against 6.9
+# us, 513 splits 146 against 35 us, 1,539 407 against 97 us; hence 128, one unlooped block up to 128
+# splits: 3 / 9 / 65 splits (B=256 at 2K, B=16 at 4K, B=1 at 32K) 23.9 / 3.9 / 3.5 us against 23.7 / 3.7 /
+# 3.3, 129 splits 4.6 against 13.0, 513 splits 5.7 against 151, 1,539 29.8 against 406 (one run each).
+MERGE_BLOCK_S = 128
 _DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -747,21 +757,43 @@ _extend_kernel = jit_unspecialized(ints=(*STEP_INTS, "T"), pointers=STEP_POINTER
 
 
 @jit_unspecialized(ints=("num_splits",))
-def _merge_kernel(PO, PL, OUT, num_splits, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Combine the splits of one (token, query head) row by their base-2 log-sum-exp."""
+def _merge_kernel(
+    PO,
+    PL,
+    OUT,
+    num_splits,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    LOOPED: tl.constexpr,
+):
+    """Combine the splits of one (token, query head) row by their base-2 log-sum-exp, ``BLOCK_S``
+    splits at a time: the running maximum rescales what the blocks before added. Without ``LOOPED``
+    (``num_splits`` <= ``BLOCK_S``) the loop has one iteration of constant bounds."""
     row = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    s_ok = s < num_splits
-    lse = tl.load(PL + row * num_splits + s, mask=s_ok, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, 0))
-    o = tl.load(
-        PO + (row * num_splits + s)[:, None] * D + d[None, :],
-        mask=s_ok[:, None] & (d < D)[None, :],
-        other=0.0,
-    )
-    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(OUT + row * D + d, out.to(OUT.dtype.element_ty), mask=d < D)
+    m = tl.full([], float("-inf"), tl.float32)
+    total = tl.zeros([], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for start in range(0, num_splits if LOOPED else BLOCK_S, BLOCK_S):
+        split = start + s
+        s_ok = split < num_splits
+        lse = tl.load(PL + row * num_splits + split, mask=s_ok, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        # -inf while no split so far saw a key: weights and rescale then 0, not NaN
+        ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - ref)
+        w = tl.exp2(lse - ref)
+        o = tl.load(
+            PO + (row * num_splits + split)[:, None] * D + d[None, :],
+            mask=s_ok[:, None] & (d < D)[None, :],
+            other=0.0,
+        )
+        acc = acc * alpha + tl.sum(o * w[:, None], 0)
+        total = total * alpha + tl.sum(w, 0)
+        m = m_new
+    tl.store(OUT + row * D + d, (acc / total).to(OUT.dtype.element_ty), mask=d < D)
 
 
 def extend_kind(k_fmt: int, v_fmt: int) -> str:
@@ -860,29 +892,36 @@ def merge_partials(parts: list[Partials], out: torch.Tensor) -> torch.Tensor:
     pl = parts[0].lse if len(parts) == 1 else torch.cat([p.lse for p in parts], dim=2)
     rows, hq, splits, d = po.shape
     block_d = triton.next_power_of_2(d)
+    block = merge_block(splits)
     _merge_kernel[(rows * hq,)](
-        po, pl, out, splits, D=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits)
+        po, pl, out, splits, D=d, BLOCK_D=block_d, BLOCK_S=block, LOOPED=splits > block
     )
     return out
+
+
+def merge_block(splits: int) -> int:
+    """The split merge's ``BLOCK_S`` for ``splits`` partials a row: the power of two at or above, at most
+    `MERGE_BLOCK_S`."""
+    return min(triton.next_power_of_2(splits), MERGE_BLOCK_S)
 
 
 def warm_merges(
     most_splits: int, q_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
 ) -> int:
-    """Launch `merge_partials` once for each split block (``BLOCK_S``) from 1 up to the power of two at
-    or above ``most_splits`` (the partials of all of a step's passes together), so that each variant
+    """Launch `merge_partials` once for each split block (``BLOCK_S``, `merge_block`) from 1 up to the
+    block of ``most_splits`` (the partials of all of a step's passes together), so that each variant
     is compiled; returns the largest block. Which blocks serving meets depends on its batch sizes, its
     histories and how many of a step's pages sit in the image or raised pool (each pass adds its own
     partials), so a warm-up workload alone can miss one: on CPU, a served drift-fallback run met a
     merge block that the engine's warm-up rounds had not (`tests/engine/test_warmup_variants.py`)."""
-    block = 1
+    block, last = 1, merge_block(max(most_splits, 1))
     while True:
         parts = Partials(
             torch.zeros(1, q_heads, block, head_dim, device=device),
             torch.zeros(1, q_heads, block, device=device),
         )
         merge_partials([parts], torch.empty(1, q_heads, head_dim, dtype=dtype, device=device))
-        if block >= most_splits:
+        if block >= last:
             return block
         block *= 2
 
