@@ -57,8 +57,16 @@ def _warm_blocks_cover(warm, engine: Engine, passes: int) -> None:
     from kvstrata.radix.kernels.attend import merge_block
 
     most = merge_splits(8, -(-engine.max_context // 16), passes)
-    blocks = {int(dict(parts)["BLOCK_S"]) for name, parts in warm if name.endswith("_merge_kernel")}
-    assert {2**i for i in range(merge_block(most).bit_length())} <= blocks, (most, blocks)
+    merges = {(int(d["BLOCK_S"]), d["LOOPED"]) for d in _merges(warm)}
+    expected = {(2**i, "False") for i in range(merge_block(most).bit_length())}
+    assert expected | ({(merge_block(most), "True")} if most > merge_block(most) else set()) <= merges, (
+        most,
+        merges,
+    )
+
+
+def _merges(variants) -> list[dict]:
+    return [dict(parts) for name, parts in variants if name.endswith("_merge_kernel")]
 
 
 @pytest.mark.parametrize("codec", ["fp8_e4m3", "int4", "auto"])
@@ -124,12 +132,25 @@ def test_warmup_meets_the_raised_pools_variants(eight_kv_heads) -> None:
 def test_warm_merges_compiles_every_split_block() -> None:
     """`attend.warm_merges` launches the split merge once for each block up to the power of two at or
     above the most splits: 5 splits, blocks 1, 2, 4 and 8; 1,539 splits (three passes at 128K tokens),
-    blocks 1 to `attend.MERGE_BLOCK_S` (128), the most a merge program reads at once."""
+    blocks 1 to `attend.MERGE_BLOCK_S` (128), the most a merge program reads at once, and that block
+    looped (more splits than it holds), the variant such a step launches."""
     from kvstrata.radix.kernels.attend import MERGE_BLOCK_S, warm_merges
 
-    for most, top in ((5, 8), (1539, MERGE_BLOCK_S)):
+    for most, top in ((5, 8), (128, 128), (1539, MERGE_BLOCK_S)):
         with record_variants() as seen:
             assert warm_merges(most, 4, 32, torch.float32, torch.device("cpu")) == top
-        blocks = sorted(int(dict(parts)["BLOCK_S"]) for name, parts in seen if name.endswith("_merge_kernel"))
-        assert blocks == [2**i for i in range(top.bit_length())]
+        got = sorted((int(d["BLOCK_S"]), d["LOOPED"]) for d in _merges(seen))
+        looped = [(top, "True")] if most > top else []
+        assert got == sorted([(2**i, "False") for i in range(top.bit_length())] + looped)
     assert MERGE_BLOCK_S == 128
+    # every merge a step of at most that many splits launches is one the warm-up compiled
+    from kvstrata.radix.kernels.attend import Partials, merge_partials
+
+    with record_variants() as warm:
+        warm_merges(1539, 4, 32, torch.float32, torch.device("cpu"))
+    for splits in (1, 3, 100, 128, 129, 700, 1539):
+        with record_variants() as served:
+            merge_partials(
+                [Partials(torch.zeros(1, 4, splits, 32), torch.zeros(1, 4, splits))], torch.empty(1, 4, 32)
+            )
+        assert served <= warm, (splits, served - warm)

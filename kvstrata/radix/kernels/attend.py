@@ -192,9 +192,11 @@ INT4_DECODE = dict(num_stages=1, maxnreg=168)
 # heads run uncapped.
 DECODE4_CAPPED_HEAD_DIM = 128
 INT4_FORMAT = 5
-# Pass 13, counted after splitting (`cold_splits`, as the wide launch splits: whole 32-key tiles): at 8 KV
-# heads B=16 takes the wide shape from 97 cold pages, B=1 from 2,017 (the 32K step's 2,040: 63 splits of
-# 33 pages, 64 of 32 once rounded, 512 programs), B=1 at 4K not (7 splits, 56 programs). H200, FP8 with
+# Pass 13, counted after splitting (`cold_splits`, as the wide launch splits: whole 32-key tiles, so an
+# odd split size rounds down and adds a split): at 8 KV heads B=1 takes the wide shape from 2,017 cold
+# pages (the 32K step's 2,040: 63 splits of 33 pages, 64 of 32 once rounded, 512 programs), B=16 from 127
+# and at 97-99, 103-105, ... (3 splits of an odd size, 4 once rounded; 100 pages: 3 of 34), B=1 at 4K not
+# (7 splits, 56 programs). H200, FP8 with
 # ``keys_as_rows``, attention_gpu.py: B=16 at 32K 0.268 ms against 0.307 with the 4-warp shape, B=16 at
 # 4K 0.049 against 0.057, B=1 at 32K 0.031 against 0.037 (counted without the rounding it had missed
 # the rule), B=64 at 4K 0.155 both; the default model's geometry B=64 at 4K 0.044 against 0.065, B=16
@@ -909,21 +911,21 @@ def warm_merges(
     most_splits: int, q_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
 ) -> int:
     """Launch `merge_partials` once for each split block (``BLOCK_S``, `merge_block`) from 1 up to the
-    block of ``most_splits`` (the partials of all of a step's passes together), so that each variant
-    is compiled; returns the largest block. Which blocks serving meets depends on its batch sizes, its
-    histories and how many of a step's pages sit in the image or raised pool (each pass adds its own
-    partials), so a warm-up workload alone can miss one: on CPU, a served drift-fallback run met a
-    merge block that the engine's warm-up rounds had not (`tests/engine/test_warmup_variants.py`)."""
-    block, last = 1, merge_block(max(most_splits, 1))
-    while True:
+    block of ``most_splits`` (the partials of all of a step's passes together), and once looped where
+    ``most_splits`` is past `MERGE_BLOCK_S`, so that each variant is compiled; returns the largest
+    block. Which blocks serving meets depends on its batch sizes, its histories and how many of a step's
+    pages sit in the image or raised pool (each pass adds its own partials), so a warm-up workload alone
+    can miss one: on CPU, a served drift-fallback run met a merge block that the engine's warm-up rounds
+    had not (`tests/engine/test_warmup_variants.py`)."""
+    last = merge_block(max(most_splits, 1))
+    blocks = [1 << i for i in range(last.bit_length())]
+    for splits in blocks + ([MERGE_BLOCK_S + 1] if most_splits > MERGE_BLOCK_S else []):
         parts = Partials(
-            torch.zeros(1, q_heads, block, head_dim, device=device),
-            torch.zeros(1, q_heads, block, device=device),
+            torch.zeros(1, q_heads, splits, head_dim, device=device),
+            torch.zeros(1, q_heads, splits, device=device),
         )
         merge_partials([parts], torch.empty(1, q_heads, head_dim, dtype=dtype, device=device))
-        if block >= last:
-            return block
-        block *= 2
+    return last
 
 
 LaunchCache = dict[tuple, "PassLaunch"]
