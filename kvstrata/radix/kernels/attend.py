@@ -196,11 +196,11 @@ INT4_FORMAT = 5
 # odd split size rounds down and adds a split): at 8 KV heads B=1 takes the wide shape from 2,017 cold
 # pages (the 32K step's 2,040: 63 splits of 33 pages, 64 of 32 once rounded, 512 programs), B=16 from 127
 # and at 97-99, 103-105, ... (3 splits of an odd size, 4 once rounded; 100 pages: 3 of 34), B=1 at 4K not
-# (7 splits, 56 programs). H200, FP8 with
-# ``keys_as_rows``, attention_gpu.py: B=16 at 32K 0.268 ms against 0.307 with the 4-warp shape, B=16 at
-# 4K 0.049 against 0.057, B=1 at 32K 0.031 against 0.037 (counted without the rounding it had missed
-# the rule), B=64 at 4K 0.155 both; the default model's geometry B=64 at 4K 0.044 against 0.065, B=16
-# and B=64 at 32K 0.074 / 0.265 against 0.109 / 0.347 (docs/kernels-h200.md).
+# (7 splits, 56 programs). H200, FP8 with ``keys_as_rows``, attention_gpu.py: B=16 at 32K 0.268 ms
+# against 0.307 with the 4-warp shape, B=16 at 4K 0.049 against 0.057, B=1 at 32K 0.031 against 0.037
+# (counted without the rounding it had missed the rule), B=64 at 4K 0.155 both; the default model's
+# geometry B=64 at 4K 0.044 against 0.065, B=16 and B=64 at 32K 0.074 / 0.265 against 0.109 / 0.347
+# (docs/kernels-h200.md).
 FP8_WIDE_PROGRAMS = 512
 WIDE_DECODE_FORMATS = (1, 2)  # the history formats (keys and values) that take `FP8_WIDE_DECODE`
 # Extend, by the layer's codes (`extend_kind`): 128 query rows a tile. BF16/FP32 history ("raw"): the
