@@ -57,16 +57,20 @@ def _warm_blocks_cover(warm, engine: Engine, passes: int) -> None:
     from kvstrata.radix.kernels.attend import merge_block
 
     most = merge_splits(8, -(-engine.max_context // 16), passes)
-    merges = {(int(d["BLOCK_S"]), d["LOOPED"]) for d in _merges(warm)}
-    expected = {(2**i, "False") for i in range(merge_block(most).bit_length())}
-    assert expected | ({(merge_block(most), "True")} if most > merge_block(most) else set()) <= merges, (
-        most,
-        merges,
-    )
+    merges = set(_merges(warm))
+    assert _warmed_merges(most, merge_block(most)) <= merges, (most, merges)
 
 
-def _merges(variants) -> list[dict]:
-    return [dict(parts) for name, parts in variants if name.endswith("_merge_kernel")]
+def _merges(variants) -> list[tuple[int, str]]:
+    """(``BLOCK_S``, ``LOOPED``) of each recorded split-merge launch."""
+    merges = [dict(parts) for name, parts in variants if name.endswith("_merge_kernel")]
+    return [(int(d["BLOCK_S"]), d["LOOPED"]) for d in merges]
+
+
+def _warmed_merges(most: int, top: int) -> set[tuple[int, str]]:
+    """The merge variants a warm-up for ``most`` splits compiles, ``top`` its largest block: each
+    power-of-two block up to it, and it looped where ``most`` is past it."""
+    return {(2**i, "False") for i in range(top.bit_length())} | ({(top, "True")} if most > top else set())
 
 
 @pytest.mark.parametrize("codec", ["fp8_e4m3", "int4", "auto"])
@@ -134,18 +138,14 @@ def test_warm_merges_compiles_every_split_block() -> None:
     above the most splits: 5 splits, blocks 1, 2, 4 and 8; 1,539 splits (three passes at 128K tokens),
     blocks 1 to `attend.MERGE_BLOCK_S` (128), the most a merge program reads at once, and that block
     looped (more splits than it holds), the variant such a step launches."""
-    from kvstrata.radix.kernels.attend import MERGE_BLOCK_S, warm_merges
+    from kvstrata.radix.kernels.attend import MERGE_BLOCK_S, Partials, merge_partials, warm_merges
 
     for most, top in ((5, 8), (128, 128), (1539, MERGE_BLOCK_S)):
         with record_variants() as seen:
             assert warm_merges(most, 4, 32, torch.float32, torch.device("cpu")) == top
-        got = sorted((int(d["BLOCK_S"]), d["LOOPED"]) for d in _merges(seen))
-        looped = [(top, "True")] if most > top else []
-        assert got == sorted([(2**i, "False") for i in range(top.bit_length())] + looped)
+        assert sorted(_merges(seen)) == sorted(_warmed_merges(most, top))
     assert MERGE_BLOCK_S == 128
     # every merge a step of at most that many splits launches is one the warm-up compiled
-    from kvstrata.radix.kernels.attend import Partials, merge_partials
-
     with record_variants() as warm:
         warm_merges(1539, 4, 32, torch.float32, torch.device("cpu"))
     for splits in (1, 3, 100, 128, 129, 700, 1539):
