@@ -65,12 +65,16 @@ def compile_sm90(fn, args: list, options: dict):
     """``fn`` compiled for an H200 (sm_90) as a launch with runtime ``args`` (in order) and keyword
     ``options`` (its constexprs, ``num_warps``, ``num_stages``, ``maxnreg``; ``arch``: the compute
     capability Triton lowers for, e.g. "sm89", where PTX and SASS stay sm_90's) compiles it: tensors 16-byte
-    aligned except `jit_unspecialized`'s pointers."""
+    aligned except `jit_unspecialized`'s pointers. Tensors among ``options`` (a decode kernel's
+    ``COUNT``, `attend.merge_options`) are runtime arguments given by keyword, after ``args``."""
     names = fn.arg_names
+    by_keyword = [options[n] for n in names if isinstance(options.get(n), torch.Tensor)]
+    options = {n: value for n, value in options.items() if not isinstance(value, torch.Tensor)}
+    args = [*args, *by_keyword]
     runtime = [n for n in names if n not in options]
     assert len(runtime) == len(args), (runtime, len(args))
     sig = {n: _type(a) for n, a in zip(runtime, args, strict=True)}
-    unaligned = set(attend.STEP_POINTERS)  # `jit_unspecialized`'s pointers
+    unaligned = set(attend.DECODE_POINTERS)  # `jit_unspecialized`'s pointers
     attrs = {
         (i,): [["tt.divisibility", 16]]
         for i, n in enumerate(names)
@@ -104,6 +108,7 @@ def compile_case(codec: str, batch: int, context: int):
     }
     meta.update(DOT_PREC="tf32", DOT_DTYPE=tl.bfloat16, CODE_DTYPE=tl.bfloat16)  # a BF16 model on a GPU
     options = decode4.decode4_options(q.shape[1] // k.shape[1], attend.DECODE_LAUNCH[True], False, meta)
+    options.update({n: launch.options[n] for n in ("COUNT", "MERGE_S", "MERGE_G")})  # its split merge
     args = launch_args(cache, plan, q, k, v, launch)
     return launch, options, compile_sm90(decode4._decode4_kernel, args, options)
 

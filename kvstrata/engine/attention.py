@@ -54,6 +54,12 @@ class TritonCacheAttention(TorchCacheAttention):
     name = "triton"
     kernels = True
 
+    def __init__(self, cache: Any, scale: float) -> None:
+        super().__init__(cache, scale)
+        from kvstrata.radix.kernels.attend import split_counts
+
+        split_counts(cache.device)  # before any CUDA graph capture (the decode kernels' split merge)
+
 
 BACKENDS: dict[str, type[TorchCacheAttention]] = {
     "torch": TorchCacheAttention,

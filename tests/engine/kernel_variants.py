@@ -40,7 +40,12 @@ def variant(fn: InterpretedFunction, args: tuple, kwargs: dict[str, Any]) -> Var
     pointers = set(fn.kwargs.get("do_not_specialize_on_alignment") or ())
     named = zip(fn.arg_names, args, strict=False)
     parts = {name: _spec(a, name in ints, name in pointers) for name, a in named}
-    parts.update((name, repr(value)) for name, value in kwargs.items())
+    # keyword arguments: constexprs and launch options by value, tensors (a runtime argument given by
+    # keyword) by their specialization
+    parts.update(
+        (name, _spec(value, False, name in pointers) if isinstance(value, torch.Tensor) else repr(value))
+        for name, value in kwargs.items()
+    )
     return f"{fn.fn.__module__}.{fn.fn.__name__}", tuple(sorted(parts.items()))
 
 

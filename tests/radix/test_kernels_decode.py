@@ -6,6 +6,8 @@ their 32-channel E4M3 block scales at head_dims of one, three (padded to four) a
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import kernel_helpers  # first: sets TRITON_INTERPRET=1 on CPU before triton is imported
 import pytest
 import torch
@@ -202,6 +204,22 @@ def test_scaled_keys_by_blocks(codec, device, monkeypatch):
     assert check_steps(cache, [9, 70, 300], steps=2, n_new=1, tol=2e-5, splits=3) == 6
 
 
+def launches_made(monkeypatch) -> list:
+    """The `attend.PassLaunch` of every kernel pass launched from now on: their split counts, whether
+    their kernel merges its splits itself or `attend.merge_partials` does."""
+    from kvstrata.radix.kernels import attend
+
+    made = []
+    launch = attend.pass_launch
+
+    def recorded(*args):
+        made.append(launch(*args))
+        return made[-1]
+
+    monkeypatch.setattr(attend, "pass_launch", recorded)
+    return made
+
+
 @pytest.mark.parametrize("device", kernel_helpers.DEVICES)
 @pytest.mark.parametrize("apart", [True, False])
 @pytest.mark.parametrize("codec", ["fp8_e4m3", "int4/fp4_e2m1"])
@@ -216,14 +234,10 @@ def test_heuristic_splits_with_the_tail_apart(codec, apart, device, monkeypatch)
     for four_bit in (False, True):
         for key, value in (("min_pages", 2), ("programs", 4096), ("tail_apart", apart)):
             monkeypatch.setitem(attend.DECODE_LAUNCH[four_bit], key, value)
-    seen = []  # split counts of the text pass, from the partials the merge gets
-    merge = attend.merge_partials
-    monkeypatch.setattr(
-        attend, "merge_partials", lambda parts, out: seen.append(parts[0].lse.shape[2]) or merge(parts, out)
-    )
+    made = launches_made(monkeypatch)
     cache = make_cache(codec, device, sinks=True)
     assert check_steps(cache, [9, 70, 300], steps=2, n_new=1, tol=2e-5) == 6
-    assert seen and max(seen) > 2
+    assert made and max(m.splits for m in made) > 2
 
 
 # Pass 9's FP8 options of the decode module (`decode.fp8_options`): key and value codes converted by PTX
@@ -305,15 +319,135 @@ def test_decode_few_warps(codec, shape, device, monkeypatch):
     launch = dict(FEW_WARPS[shape], min_pages=2, tail_apart=True, f16_codes=True)
     for key, value in launch.items():
         monkeypatch.setitem(attend.DECODE_LAUNCH[False], key, value)
-    seen = []  # split counts of the text pass, from the partials the merge gets
-    merge = attend.merge_partials
-    monkeypatch.setattr(
-        attend, "merge_partials", lambda parts, out: seen.append(parts[0].lse.shape[2]) or merge(parts, out)
-    )
+    made = launches_made(monkeypatch)
     for splits in (None, 3):
         cache = make_cache(codec, device, sinks=True, dtype=torch.bfloat16)
         check_steps(cache, [9, 70, 300], steps=2, n_new=1, tol=1.5e-2, dtype=torch.bfloat16, splits=splits)
-    assert max(seen) > 3
+    assert max(m.splits for m in made) > 3
+
+
+@pytest.mark.parametrize("device", kernel_helpers.DEVICES)
+@pytest.mark.parametrize("floats", [2048, 64])
+@pytest.mark.parametrize("codec", ["fp8_e4m3", "bf16", "int4", "fp4_e2m1"])
+def test_decode_merges_its_own_splits(codec, floats, device, monkeypatch):
+    """The decode kernels merging their own splits (launch key ``merge_reads``, `attend.merge_if_last`:
+    the last program of a sequence and KV head merges them), 3 and 7 forced splits and the heuristic's,
+    sinks on, mixed lengths (the ring-only 5: its cold splits see no key), two steps: within the float64
+    reference's bound with no merge launched, and every counter back at 0 after each step (the second
+    step's launches count from there). With 64 partial floats a warp the merging program reads one or
+    two splits at a time (its loop), with 2,048 16 or 64 (all at once)."""
+    from test_kernels_attend import check_steps, make_cache
+
+    from kvstrata.radix.kernels import attend
+
+    monkeypatch.setattr(attend, "FUSED_MERGE_FLOATS", floats)
+    for four_bit in (False, True):
+        for key, value in (("min_pages", 2), ("programs", 4096), ("merge_reads", 64)):
+            monkeypatch.setitem(attend.DECODE_LAUNCH[four_bit], key, value)
+    monkeypatch.setitem(attend.INT4_DECODE, "merge_reads", 64)
+    merged_apart = []
+    monkeypatch.setattr(attend, "merge_partials", lambda parts, out: merged_apart.append(parts))
+    merging = launches_made(monkeypatch)
+    lengths, bf16 = [5, 37, 70, 101], torch.bfloat16
+    for splits in (3, 7, None):
+        cache = make_cache(codec, device, sinks=True, dtype=bf16)
+        check_steps(cache, lengths, steps=2, n_new=1, tol=1.5e-2, dtype=bf16, splits=splits)
+        assert not merged_apart
+        assert int(attend.split_counts(torch.device(device), 1).abs().sum()) == 0
+    assert all(m.merges and m.options["MERGE_S"] > 0 for m in merging)
+    assert {m.splits for m in merging} >= {3, 7} and max(m.splits for m in merging) > 2
+    reads = {m.options["MERGE_S"] for m in merging}
+    assert reads <= {16, 64} if floats == 2048 else reads <= {1, 2}
+
+
+def test_merge_chunk_and_options(monkeypatch):
+    """`attend.merge_chunk`: the merging program reads `FUSED_MERGE_FLOATS` floats a warp at a time or
+    fewer, a power of two of splits (the group padded); `attend.merge_options` gives the kernel the
+    counters and that chunk, or without counters the unused tensor and no merge."""
+    from kvstrata.radix.kernels import attend
+
+    monkeypatch.setattr(attend, "FUSED_MERGE_FLOATS", 2048)
+    assert attend.merge_chunk(group=4, block_d=128, num_warps=1) == 4  # 4 x 4 x 128 = 2,048
+    assert attend.merge_chunk(group=4, block_d=128, num_warps=4) == 16
+    assert attend.merge_chunk(group=3, block_d=64, num_warps=1) == 8
+    assert attend.merge_chunk(group=6, block_d=128, num_warps=1) == 2  # 2,048 / (8 x 128)
+    assert attend.merge_chunk(group=16, block_d=256, num_warps=1) == 1
+    counts, unused = torch.zeros(8, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    got = attend.merge_options(counts, unused, group=3, chunk=8)
+    assert got["COUNT"] is counts and (got["MERGE_S"], got["MERGE_G"]) == (8, 4)
+    got = attend.merge_options(None, unused, group=3, chunk=8)
+    assert got["COUNT"] is unused and got["MERGE_S"] == 0
+
+
+@pytest.mark.parametrize("reads", [0, 1, 2])
+def test_merge_reads_picks_the_launches_that_merge(reads, monkeypatch):
+    """FP8 at the 8B layer's heads, B=16 over 4K tokens (the wide shape: 8 splits, read 4 at a time by
+    one warp) merges in the kernel with ``merge_reads`` 2, not 1 or 0; BF16 history of the same step
+    (4 warps: 8 splits, one read of 16) with 1 or 2; B=1 over 32K (FP8: 65 splits) with neither."""
+    from kvstrata.radix.kernels import attend
+
+    monkeypatch.setattr(attend, "FUSED_MERGE_FLOATS", 2048)
+    monkeypatch.setitem(attend.DECODE_LAUNCH[False], "merge_reads", reads)
+    for codec, batch, context, merges in (
+        ("fp8_e4m3", 16, 4096, reads >= 2),
+        ("bf16", 16, 4096, reads >= 1),
+        ("fp8_e4m3", 1, 32768, False),
+    ):
+        launch = _benchmark_launch(codec, batch, context, monkeypatch)
+        assert launch.splits > 1 and launch.merges is merges, (codec, batch, context, launch.splits)
+        assert (launch.options["MERGE_S"] > 0) is merges
+
+
+def test_shipped_tables_merge_int4_in_the_kernel_not_fp4(monkeypatch):
+    """The launch tables as shipped, B=64 over 4K tokens at the 8B layer's heads (8 splits, read 4 at a
+    time): int4 history merges in the kernel (``merge_reads`` 2, `attend.INT4_DECODE`), fp4 apart (0:
+    slower in the kernel at B=64 32K on the H200, docs pass 14)."""
+    for codec, merges in (("int4", True), ("fp4_e2m1", False)):
+        launch = _benchmark_launch(codec, 64, 4096, monkeypatch)
+        assert launch.splits == 8 and launch.merges is merges, codec
+
+
+def _benchmark_launch(codec: str, batch: int, context: int, monkeypatch):
+    """The `attend.PassLaunch` of `benchmarks/attention_gpu.py`'s decode step (8B layer), on CPU."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "benchmarks"))
+    from attention_gpu import GEOMETRIES, build
+
+    from kvstrata.radix.kernels import attend
+
+    cache, plan, q, k, v = build(codec, batch, context, *GEOMETRIES["8b"], device="cpu", fill=False)[:5]
+    k_fmt, _, v_fmt, _ = attend.layer_parts(cache.pool, 0)
+    return attend.pass_launch(plan, k_fmt, v_fmt, q, k, v, 0.088, cache.ring, None, None, True, True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="memory ordering between programs: CUDA only")
+def test_fused_merge_repeats_bitwise_on_cuda(monkeypatch):
+    """FP8 history at the 8B layer's heads (8 KV, 32 query, head_dim 128), 16 sequences of 2,000 to
+    4,000 tokens, BF16: the kernel merging its own splits gives the same bits in each of 200 launches
+    (a merge that read a partial before its program stored it would not), agrees with the merge
+    launched apart, and leaves every counter at 0."""
+    from radix_helpers import small_cache
+
+    from kvstrata.radix.kernels import attend
+
+    cache = small_cache(
+        num_layers=1, kv_heads=8, head_dim=128, page_size=16, recent_window=64, layer_codecs=["fp8_e4m3"],
+        ring_dtype=torch.bfloat16, num_pages=4200, max_running=16, device="cuda",
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(5)
+    lengths = torch.randint(2000, 4000, (16,), generator=g).tolist()
+    seqs = kernel_helpers.fill(cache, lengths, g, 32, 128**-0.5)
+    batch = cache.begin_step(seqs, [1] * 16)
+    q, k, v = (torch.randn(16, n, 128, generator=g).to("cuda", torch.bfloat16) for n in (32, 8, 8))
+
+    def run(fused: int) -> torch.Tensor:
+        monkeypatch.setitem(attend.DECODE_LAUNCH[False], "merge_reads", fused)
+        return kernel_helpers.kernel_attend(cache, batch, q, k, v, 128**-0.5, splits=9)
+
+    apart = run(0)
+    outs = torch.stack([run(64) for _ in range(200)])
+    assert (outs == outs[0]).all()
+    assert (outs[0].float() - apart.float()).abs().max() <= 2**-7
+    assert int(attend.split_counts(torch.device("cuda"), 1).abs().sum()) == 0
 
 
 def test_fp8_wide_decode_counts_programs_once_split():

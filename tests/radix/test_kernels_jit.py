@@ -54,8 +54,9 @@ def test_step_varying_arguments_are_not_specialized():
         # the extend launches' copy: T (new tokens a sequence) varies from chunk to chunk too
         "_extend_kernel": {**attention, "ints": sorted([*attention["ints"], "T"])},
         "_flash_extend_kernel": {**attention, "ints": sorted([*attention["ints"], "T"])},
-        "_decode_kernel": attention,
-        "_decode4_kernel": attention,
+        # and the split counters, or an index tensor of the step where the kernel does not merge
+        "_decode_kernel": {**attention, "pointers": sorted([*attention["pointers"], "COUNT"])},
+        "_decode4_kernel": {**attention, "pointers": sorted([*attention["pointers"], "COUNT"])},
         "_merge_kernel": {"ints": ["num_splits"], "pointers": []},
         "_dequant_kernel": {"ints": [], "pointers": ["PT"]},
         "_page_quantize_kernel": {"ints": [], "pointers": sorted(["SRC", "PAGE_IDS", "SINK_SLOTS"])},

@@ -17,7 +17,9 @@ even/odd channel halves (``HALF_K``/``HALF_V``) instead of interleaving codes.
 
 Split-KV: when a step has too few (sequence, head) pairs to fill the GPU (decode at small batch), the
 cold pages of each sequence are cut into ``splits`` ranges; each program writes its partial output
-and log-sum-exp, and `_merge` combines them. The last split also reads sink, ring and new tokens, so
+and log-sum-exp, and `merge_partials` (a second kernel) combines them, or, where the partials fit the
+launch's ``merge_reads`` chunks, the decode kernel itself: the last program of each sequence and KV
+head to finish merges them (`merge_if_last`). The last split also reads sink, ring and new tokens, so
 every row has at least one key in it.
 
 One pass per cold pool: image pages kept in a pool of their own (``image_pool``, the vision codec) are
@@ -105,6 +107,7 @@ DECODE_LAUNCH = {
         merged_tail=True,
         scaled_keys_by_blocks=True,
         tail_apart=True,
+        merge_reads=2,
         # Pass 13 (`decode.decode_options`, FP8 keys and values of a BF16 model only): key and value
         # codes read as uint16 channel pairs, the products turned over (k . q^T over 8 query rows), so
         # both operands load by ldmatrix (cold loop a 32-key tile on the wide shape, Triton 3.6 for
@@ -146,6 +149,7 @@ DECODE_LAUNCH = {
         min_pages=16,
         merged_tail=True,
         tail_apart=True,
+        merge_reads=0,  # fp4: merged apart (pass 14: B=64 32K 1.213 ms in the kernel against 1.197); int4 2
         asm=True,
         fold_key_scales=True,
         heads_together=True,
@@ -185,7 +189,7 @@ FP8_WIDE_DECODE = dict(block_n=32, num_warps=1, num_stages=3, prefetch=True, pro
 # at 2K 0.404 against 0.453, B=1,024 at 2K 1.434 against 1.700 (attention_sweep.py, one run). Pass 12,
 # with ``value_quads``: one stage 1.268 / 0.385 / 1.387 ms, two stages 1.502 / 0.403 / 1.474 uncapped,
 # 1.540 / 0.436 / 1.566 capped.
-INT4_DECODE = dict(num_stages=1, maxnreg=168)
+INT4_DECODE = dict(num_stages=1, maxnreg=168, merge_reads=2)
 # The 4-bit decode's register cap (`DECODE_LAUNCH[True]`'s ``maxnreg``, other than int4's) up to this
 # head_dim: measured at 128 (the 8B layer) and run at 64; at 256 the capped cold loop spills (an offline
 # compile for sm_90 with Triton 3.9, fp4: 70 reloads and 17 stores a tile, 2 reloads uncapped), so wider
@@ -273,6 +277,16 @@ MIN_PAGES_PER_SPLIT = 16
 # splits: 3 / 9 / 65 splits (B=256 at 2K, B=16 at 4K, B=1 at 32K) 23.9 / 3.9 / 3.5 us against 23.7 / 3.7 /
 # 3.3, 129 splits 4.6 against 13.0, 513 splits 5.7 against 151, 1,539 29.8 against 406 (one run each).
 MERGE_BLOCK_S = 128
+# A decode kernel that merges its own splits (`merge_if_last`) reads this many partial floats a warp
+# at a time, 64 a thread (`merge_chunk`). Launch key ``merge_reads``: it does so where the merging
+# program reads the partials in at most that many chunks (0: never), else `merge_partials` merges.
+# Against the merge launched apart (H200, attention_gpu.py, 8B layer; docs/kernels-h200.md pass 14):
+# FP8 at B=64 32K 0.994 ms against 1.019 (1.88x SDPA BF16 against 1.83x), B=16 4K 0.0487 against
+# 0.0492, B=1 4K (one chunk of 16 splits, 4 warps) 0.0148 against 0.0153; int4 at B=64 32K 1.256
+# against 1.273. Every split count merged in the kernel lost where one-warp programs read 5 chunks or
+# more (FP8 B=1 32K, 65 splits in chunks of 4: 0.042 ms against 0.031; fp4 and int4 B=16 4K, 17 splits:
+# 0.071 against 0.067), and chunks of 4,096 floats lost at the default model's B=64 4K (0.051 / 0.046).
+FUSED_MERGE_FLOATS = 2048
 _DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -543,6 +557,9 @@ def _out_rows(m_i, l_i, q_row, row_ok, split, num_splits, OUT, PO, PL, D: tl.con
 
 STEP_INTS = ("pt_stride", "rr_stride", "pages_per_split", "num_splits", "tail_split")
 STEP_POINTERS = ("PT", "COLD_LEN", "ST", "SINK_OK", "RR", "RING_LEN")
+# The decode kernels' too: ``COUNT``, when they do not merge their splits, is an index tensor of the
+# step (`merge_options`), at any offset of its buffer.
+DECODE_POINTERS = (*STEP_POINTERS, "COUNT")
 
 
 @jit_unspecialized(ints=STEP_INTS, pointers=STEP_POINTERS)
@@ -758,6 +775,81 @@ def _attend_kernel(
 _extend_kernel = jit_unspecialized(ints=(*STEP_INTS, "T"), pointers=STEP_POINTERS)(_attend_kernel.fn)
 
 
+@triton.jit
+def _merge_rows(
+    PO,
+    PL,
+    OUT,
+    row0,
+    n_rows,
+    num_splits,
+    D: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    LOOPED: tl.constexpr,
+):
+    """Combine the splits of the ``n_rows`` (token, query head) rows from ``row0`` by their base-2
+    log-sum-exp, ``BLOCK_S`` splits at a time: the running maximum rescales what the blocks before
+    added. Without ``LOOPED`` (``num_splits`` <= ``BLOCK_S``) the loop has one iteration of constant
+    bounds. The partials load from L2 (``.cg``): in a merge inside a decode kernel (`merge_if_last`)
+    other programs wrote them."""
+    row = row0 + tl.arange(0, BLOCK_G)
+    g_ok = tl.arange(0, BLOCK_G) < n_rows
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for start in range(0, num_splits if LOOPED else BLOCK_S, BLOCK_S):
+        at = row[:, None] * num_splits + (start + s)[None, :]
+        ok = g_ok[:, None] & (start + s < num_splits)[None, :]
+        lse = tl.load(PL + at, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse, 1))
+        # -inf while no split so far saw a key: weights and rescale then 0, not NaN
+        ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - ref)
+        w = tl.exp2(lse - ref[:, None])
+        o = tl.load(
+            PO + at[:, :, None] * D + d[None, None, :],
+            mask=ok[:, :, None] & (d < D)[None, None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], 1)
+        total = total * alpha + tl.sum(w, 1)
+        m = m_new
+    out = (acc / tl.where(total > 0, total, 1.0)[:, None]).to(OUT.dtype.element_ty)  # padding: 0 / 0
+    tl.store(OUT + row[:, None] * D + d[None, :], out, mask=g_ok[:, None] & (d < D)[None, :])
+
+
+@triton.jit
+def merge_if_last(
+    COUNT,
+    PO,
+    PL,
+    OUT,
+    row0,
+    n_rows,
+    num_splits,
+    D: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """The split merge inside a decode kernel, after a program stored its partials: the program that
+    finds it is the last of ``num_splits`` to count itself in ``COUNT`` (its sequence and KV head's
+    counter, 0 before the launch) merges the ``n_rows`` rows from ``row0`` into ``OUT`` and sets the
+    counter back to 0 for the next launch (a CUDA-graph replay too). The barrier orders every
+    thread's stores before the count's release (one thread counts; cooperative groups' grid sync is
+    built the same way), the acquire orders the merge's loads after the other programs' stores."""
+    tl.debug_barrier()
+    done = tl.atomic_add(COUNT, 1, sem="acq_rel", scope="gpu")
+    if done == num_splits - 1:
+        tl.store(COUNT, 0)
+        _merge_rows(PO, PL, OUT, row0, n_rows, num_splits, D, BLOCK_G, BLOCK_S, BLOCK_D, True)
+
+
 @jit_unspecialized(ints=("num_splits",))
 def _merge_kernel(
     PO,
@@ -769,33 +861,9 @@ def _merge_kernel(
     BLOCK_S: tl.constexpr,
     LOOPED: tl.constexpr,
 ):
-    """Combine the splits of one (token, query head) row by their base-2 log-sum-exp, ``BLOCK_S``
-    splits at a time: the running maximum rescales what the blocks before added. Without ``LOOPED``
-    (``num_splits`` <= ``BLOCK_S``) the loop has one iteration of constant bounds."""
+    """One (token, query head) row's splits a program (`_merge_rows`)."""
     row = tl.program_id(0).to(tl.int64)
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    m = tl.full([], float("-inf"), tl.float32)
-    total = tl.zeros([], tl.float32)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for start in range(0, num_splits if LOOPED else BLOCK_S, BLOCK_S):
-        split = start + s
-        s_ok = split < num_splits
-        lse = tl.load(PL + row * num_splits + split, mask=s_ok, other=float("-inf"))
-        m_new = tl.maximum(m, tl.max(lse, 0))
-        # -inf while no split so far saw a key: weights and rescale then 0, not NaN
-        ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - ref)
-        w = tl.exp2(lse - ref)
-        o = tl.load(
-            PO + (row * num_splits + split)[:, None] * D + d[None, :],
-            mask=s_ok[:, None] & (d < D)[None, :],
-            other=0.0,
-        )
-        acc = acc * alpha + tl.sum(o * w[:, None], 0)
-        total = total * alpha + tl.sum(w, 0)
-        m = m_new
-    tl.store(OUT + row * D + d, (acc / total).to(OUT.dtype.element_ty), mask=d < D)
+    _merge_rows(PO, PL, OUT, row, 1, num_splits, D, 1, BLOCK_S, BLOCK_D, LOOPED)
 
 
 def extend_kind(k_fmt: int, v_fmt: int) -> str:
@@ -1020,6 +1088,7 @@ class PassLaunch(NamedTuple):
     partial: bool
     sinks: bool
     dequant: bool = False  # `attend_group` gives it the pass's pages dequantized (`dequantized_parts`)
+    merges: bool = False  # its kernel merges its own splits into the output (`merge_if_last`)
 
     def run(
         self,
@@ -1051,7 +1120,7 @@ class PassLaunch(NamedTuple):
             q, k, v, out if self.direct else po, po, pl, g.page_table, cold_len, *kp, *vp,
             *sink_args, g.ring_rows, ring_len, ring_k, ring_v, *self.scalars, **self.options,
         )  # fmt: skip
-        return Partials(po, pl) if self.partial else None
+        return Partials(po, pl) if self.partial and not self.merges else None
 
 
 def pass_launch(
@@ -1171,7 +1240,8 @@ def pass_launch(
         if extend.applies(k_fmt, v_fmt):  # others: this module's kernel
             kernel = extend._flash_extend_kernel
             extend_options = extend.extend_options(group, block_m, launch, meta)
-    if options is not None:  # the decode kernels: one program per (sequence, KV head, split), no T
+    decode_module = options is not None
+    if decode_module:  # the decode kernels: one program per (sequence, KV head, split), no T
         grid, scalars = (B, h, splits), (scale * LOG2E, h, *strides)
     elif extend_options is not None:  # the extend kernel: this kernel's grid and arguments
         options = extend_options
@@ -1192,7 +1262,68 @@ def pass_launch(
             num_stages=launch["num_stages"],
         )
     lengths = tuple(g.kernel_lengths.unbind(0))
-    return PassLaunch(kernel, grid, scalars, options, g, lengths, splits, direct, partial, has_sinks, dequant)
+    merges = False
+    if decode_module:
+        chunk = merge_chunk(group, block_d, options["num_warps"])
+        counts = None
+        if direct and 1 < splits <= chunk * launch.get("merge_reads", 0):
+            counts = split_counts(q.device, B * h)
+        merges = counts is not None
+        options = {**options, **merge_options(counts, lengths[0], group, chunk)}
+    return PassLaunch(
+        kernel, grid, scalars, options, g, lengths, splits, direct, partial, has_sinks, dequant, merges
+    )
+
+
+def merge_chunk(group: int, block_d: int, num_warps: int) -> int:
+    """The splits a decode kernel's merging program reads at a time (`merge_if_last`): partials of
+    `FUSED_MERGE_FLOATS` floats a warp or fewer (the group's rows padded to a power of two, ``block_d``
+    channels each), a power of two; the same for every split count, so that a launch shape compiles
+    one merging variant."""
+    rows = triton.next_power_of_2(group)
+    most = max(1, FUSED_MERGE_FLOATS * num_warps // (rows * block_d))
+    return 1 << (most.bit_length() - 1)
+
+
+def merge_options(
+    counts: torch.Tensor | None, unused: torch.Tensor, group: int, chunk: int
+) -> dict[str, Any]:
+    """A decode kernel's split-merge arguments: ``COUNT``, the counters of `split_counts` where the
+    kernel merges its own splits (`merge_if_last`), else ``unused`` (an int32 tensor it never reads,
+    so both launches compile the same argument types); ``MERGE_S``: ``chunk``, the splits its merging
+    program reads at a time (`merge_chunk`; 0: no merge); ``MERGE_G``: the group's rows padded to a
+    power of two."""
+    return dict(
+        COUNT=unused if counts is None else counts,
+        MERGE_S=0 if counts is None else chunk,
+        MERGE_G=triton.next_power_of_2(group),
+    )
+
+
+_SPLIT_COUNTS: dict[torch.device, list[torch.Tensor]] = {}
+# Counters `split_counts` allocates at least: a decode launch splits only below its ``programs``
+# target (4,096 at most), so its sequences x KV heads are fewer (forced splits can ask for more).
+SPLIT_COUNTS_LEAST = 4096
+
+
+def split_counts(device: torch.device | str, n: int = 0) -> torch.Tensor | None:
+    """``n`` or more int32 counters on ``device``, zero between launches, that the decode kernels
+    merging their own splits count in (one per sequence and KV head; each launch's last programs set
+    theirs back to 0). One set a device, shared by every such launch: launches on one stream run one
+    after another (the engine and SGLang's model runner decode on one stream). The Triton attention
+    backends call this when they are made, before any CUDA graph is captured. A larger set is
+    allocated when needed, never during a capture (None then: the launch merges apart), and the sets
+    before stay allocated, since graphs captured with them keep their addresses."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    have = _SPLIT_COUNTS.setdefault(device, [])
+    if have and have[-1].numel() >= n:
+        return have[-1]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    have.append(torch.zeros(max(n, SPLIT_COUNTS_LEAST), dtype=torch.int32, device=device))
+    return have[-1]
 
 
 def dequantizes(

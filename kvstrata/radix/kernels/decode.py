@@ -28,8 +28,8 @@ from kvstrata.quant.kernel_decode import (
     value_tile_scales,
 )
 from kvstrata.radix.kernels.attend import (
+    DECODE_POINTERS,
     STEP_INTS,
-    STEP_POINTERS,
     _accumulate,
     _codes,
     _cold_tile,
@@ -37,6 +37,7 @@ from kvstrata.radix.kernels.attend import (
     _online_pow2_scaled,
     _raw_tile,
     _scores,
+    merge_if_last,
 )
 from kvstrata.radix.kernels.jit import jit_unspecialized
 
@@ -550,7 +551,7 @@ def _fp8_scale_bits(K1, V1, page, j, h, H, P: tl.constexpr):
     return tl.load(K1 + page * H + h), tl.load(V1 + row)
 
 
-@jit_unspecialized(ints=STEP_INTS, pointers=STEP_POINTERS)  # as `attend._attend_kernel`'s
+@jit_unspecialized(ints=STEP_INTS, pointers=DECODE_POINTERS)  # as `attend._attend_kernel`'s
 def _decode_kernel(
     Q,
     KN,
@@ -607,6 +608,9 @@ def _decode_kernel(
     VALUE_PAIRS: tl.constexpr,
     PAIRS_ASM: tl.constexpr,
     KEYS_AS_ROWS: tl.constexpr,
+    COUNT,
+    MERGE_S: tl.constexpr,
+    MERGE_G: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -756,6 +760,9 @@ def _decode_kernel(
         o_at = OUT + q_row[:, None] * D
     tl.store(o_at + d[None, :], (acc * inv[:, None]).to(o_at.dtype.element_ty),
              mask=row_ok[:, None] & d_ok[None, :])  # fmt: skip
+    if MERGE_S > 0:  # the last split of this sequence and KV head merges them all into OUT
+        row0 = (b * H + h).to(tl.int64) * GROUP
+        merge_if_last(COUNT + b * H + h, PO, PL, OUT, row0, GROUP, num_splits, D, MERGE_G, MERGE_S, BLOCK_D)
 
 
 def halves_apply(meta: dict) -> bool:

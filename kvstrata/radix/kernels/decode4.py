@@ -63,7 +63,16 @@ from kvstrata.quant.kernel_decode import (
     nibble_quads,
     value_tile_scales,
 )
-from kvstrata.radix.kernels.attend import HALF_FORMATS, _accumulate, _online, _raw_tile, _scores
+from kvstrata.radix.kernels.attend import (
+    DECODE_POINTERS,
+    HALF_FORMATS,
+    STEP_INTS,
+    _accumulate,
+    _online,
+    _raw_tile,
+    _scores,
+    merge_if_last,
+)
 from kvstrata.radix.kernels.jit import jit_unspecialized
 
 # Keys a tile of the sink page, ring rows and the new key (BF16 channel halves loaded element by
@@ -365,10 +374,7 @@ def _cold_tile4(
     return acc0, acc1, acc2, acc3, m_i, l_i, o_i, v_ref, v_hi
 
 
-@jit_unspecialized(  # the per-step arguments, as `attend._attend_kernel`'s
-    ints=("pt_stride", "rr_stride", "pages_per_split", "num_splits", "tail_split"),
-    pointers=("PT", "COLD_LEN", "ST", "SINK_OK", "RR", "RING_LEN"),
-)
+@jit_unspecialized(ints=STEP_INTS, pointers=DECODE_POINTERS)  # as `decode._decode_kernel`'s
 def _decode4_kernel(
     Q,
     KN,
@@ -423,6 +429,9 @@ def _decode4_kernel(
     KEYS_AS_ROWS: tl.constexpr,
     VALUE_REF: tl.constexpr,
     VALUE_QUADS: tl.constexpr,
+    COUNT,
+    MERGE_S: tl.constexpr,
+    MERGE_G: tl.constexpr,
 ):
     if HEADS_TOGETHER:  # consecutive programs: the KV heads of one sequence (same grid, ids remapped)
         pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
@@ -598,6 +607,9 @@ def _decode4_kernel(
         o_at = OUT + q_row[:, None] * D
     tl.store(o_at + c0[None, :], (acc0 * inv[:, None]).to(o_at.dtype.element_ty), mask=row_ok[:, None])
     tl.store(o_at + c1[None, :], (acc1 * inv[:, None]).to(o_at.dtype.element_ty), mask=row_ok[:, None])
+    if MERGE_S > 0:  # the last split of this sequence and KV head merges them all into OUT
+        row0 = (b * H + h).to(tl.int64) * GROUP
+        merge_if_last(COUNT + b * H + h, PO, PL, OUT, row0, GROUP, num_splits, D, MERGE_G, MERGE_S, BLOCK_D)
 
 
 def decode4_options(group: int, launch: dict, interpreted: bool, meta: dict) -> dict:
