@@ -422,9 +422,11 @@ def _benchmark_launch(codec: str, batch: int, context: int, monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="memory ordering between programs: CUDA only")
 def test_fused_merge_repeats_bitwise_on_cuda(monkeypatch):
     """FP8 history at the 8B layer's heads (8 KV, 32 query, head_dim 128), 16 sequences of 2,000 to
-    4,000 tokens, BF16: the kernel merging its own splits gives the same bits in each of 200 launches
-    (a merge that read a partial before its program stored it would not), agrees with the merge
-    launched apart, and leaves every counter at 0."""
+    4,000 tokens, BF16, 9 splits: 200 launches of the kernel merging its own splits, alternating two
+    queries, each after NaN was written to a freed 16 MB block (so partials the caching allocator hands
+    out again hold NaN, not the previous launch's): every output has the same bits as the first of its
+    query, agrees with the merge launched apart, and every counter is left at 0. A merge that read a
+    partial before its program stored it would read NaN or the other query's partial."""
     from radix_helpers import small_cache
 
     from kvstrata.radix.kernels import attend
@@ -437,16 +439,25 @@ def test_fused_merge_repeats_bitwise_on_cuda(monkeypatch):
     lengths = torch.randint(2000, 4000, (16,), generator=g).tolist()
     seqs = kernel_helpers.fill(cache, lengths, g, 32, 128**-0.5)
     batch = cache.begin_step(seqs, [1] * 16)
-    q, k, v = (torch.randn(16, n, 128, generator=g).to("cuda", torch.bfloat16) for n in (32, 8, 8))
+    qs = [torch.randn(16, 32, 128, generator=g).to("cuda", torch.bfloat16) for _ in range(2)]
+    k, v = (torch.randn(16, 8, 128, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    made = launches_made(monkeypatch)
 
-    def run(fused: int) -> torch.Tensor:
-        monkeypatch.setitem(attend.DECODE_LAUNCH[False], "merge_reads", fused)
+    def run(q: torch.Tensor, reads: int) -> torch.Tensor:
+        monkeypatch.setitem(attend.DECODE_LAUNCH[False], "merge_reads", reads)
         return kernel_helpers.kernel_attend(cache, batch, q, k, v, 128**-0.5, splits=9)
 
-    apart = run(0)
-    outs = torch.stack([run(64) for _ in range(200)])
-    assert (outs == outs[0]).all()
-    assert (outs[0].float() - apart.float()).abs().max() <= 2**-7
+    apart = [run(q, 0) for q in qs]
+    assert not any(m.merges for m in made)
+    made.clear()
+    first = [run(q, 64) for q in qs]
+    for i in range(200):
+        torch.full((1 << 22,), float("nan"), device="cuda")  # freed at once: its block holds NaN
+        assert torch.equal(run(qs[i % 2], 64), first[i % 2]), i
+    assert made and all(m.merges and m.splits == 9 for m in made)
+    for got, ref in zip(first, apart, strict=True):
+        assert torch.isfinite(got).all() and (got.float() - ref.float()).abs().max() <= 2**-7
+    assert not torch.equal(first[0], first[1])
     assert int(attend.split_counts(torch.device("cuda"), 1).abs().sum()) == 0
 
 

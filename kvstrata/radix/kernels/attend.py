@@ -1022,7 +1022,8 @@ def attend_group(
     ``out``: where the outputs go (a new tensor if None).
 
     One kernel pass per cold pool (`_cold_passes`); a single pass without splits writes the output
-    directly, otherwise every pass writes split partials and `merge_partials` combines them."""
+    directly, as does a single split pass whose decode kernel merges its splits (`merge_if_last`);
+    otherwise every pass writes split partials and `merge_partials` combines them."""
     passes = _cold_passes(g, pool, image_pool, raised_pool)
     if out is None:
         out = torch.empty_like(q)
@@ -1075,7 +1076,8 @@ class PassLaunch(NamedTuple):
     layers share codecs, so a decode step works it out once and each layer only launches.
     ``scalars``: the runtime arguments after the tensors; ``options`` the constexprs and launch options;
     ``sinks``: the pass reads the sink page; ``partial``: it writes split partials; ``dequant``: it reads
-    its cold pages dequantized first, through the identity page table ``g.page_table``."""
+    its cold pages dequantized first, through the identity page table ``g.page_table``; ``merges``: its
+    kernel merges the split partials into the output itself (`merge_if_last`)."""
 
     kernel: Any
     grid: tuple[int, int, int]
@@ -1102,8 +1104,8 @@ class PassLaunch(NamedTuple):
         sinks: SinkStore | None,
         out: torch.Tensor,
     ) -> Partials | None:
-        """Launch over ``layer``'s tensors; writes ``out`` when the pass does not split (returns None),
-        else returns the split partials."""
+        """Launch over ``layer``'s tensors; writes ``out`` when the pass does not split or its kernel
+        merges the splits (returns None), else returns the split partials."""
         g, (cold_len, ring_len, sink_len) = self.g, self.lengths
         po = pl = out
         if self.partial:
@@ -1139,7 +1141,8 @@ def pass_launch(
 ) -> PassLaunch:
     """The launch of one pass over ``g.page_table``'s pages of a pool whose layer has formats ``k_fmt``/
     ``v_fmt``; ``tail``: it also reads the sink page, ring rows and new tokens (in the last split).
-    ``direct``: it writes the output itself when it has one split."""
+    ``direct``: it writes the output itself when it has one split, or a decode kernel merges its splits
+    into it where they fit the launch's ``merge_reads`` (`merge_chunk`)."""
     B, T = g.batch, g.tokens
     _, hq, d = q.shape
     h = k.shape[1]
@@ -1289,8 +1292,9 @@ def merge_options(
     counts: torch.Tensor | None, unused: torch.Tensor, group: int, chunk: int
 ) -> dict[str, Any]:
     """A decode kernel's split-merge arguments: ``COUNT``, the counters of `split_counts` where the
-    kernel merges its own splits (`merge_if_last`), else ``unused`` (an int32 tensor it never reads,
-    so both launches compile the same argument types); ``MERGE_S``: ``chunk``, the splits its merging
+    kernel merges its own splits (`merge_if_last`), else ``unused`` (an int32 tensor it never reads:
+    ``COUNT``'s dtype stays the same, its alignment is not specialized, so a launch that does not
+    merge compiles no more variants than before); ``MERGE_S``: ``chunk``, the splits its merging
     program reads at a time (`merge_chunk`; 0: no merge); ``MERGE_G``: the group's rows padded to a
     power of two."""
     return dict(
@@ -1310,7 +1314,9 @@ def split_counts(device: torch.device | str, n: int = 0) -> torch.Tensor | None:
     """``n`` or more int32 counters on ``device``, zero between launches, that the decode kernels
     merging their own splits count in (one per sequence and KV head; each launch's last programs set
     theirs back to 0). One set a device, shared by every such launch: launches on one stream run one
-    after another (the engine and SGLang's model runner decode on one stream). The Triton attention
+    after another (the engine and SGLang's model runner decode on one stream); two merging launches
+    running at once on different streams would count in the same counters and must not happen. An
+    unindexed CUDA device is the current one. The Triton attention
     backends call this when they are made, before any CUDA graph is captured. A larger set is
     allocated when needed, never during a capture (None then: the launch merges apart), and the sets
     before stay allocated, since graphs captured with them keep their addresses."""

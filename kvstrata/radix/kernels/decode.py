@@ -551,7 +551,7 @@ def _fp8_scale_bits(K1, V1, page, j, h, H, P: tl.constexpr):
     return tl.load(K1 + page * H + h), tl.load(V1 + row)
 
 
-@jit_unspecialized(ints=STEP_INTS, pointers=DECODE_POINTERS)  # as `attend._attend_kernel`'s
+@jit_unspecialized(ints=STEP_INTS, pointers=DECODE_POINTERS)  # `attend._attend_kernel`'s and COUNT
 def _decode_kernel(
     Q,
     KN,
@@ -783,7 +783,8 @@ def decode_options(group: int, launch: dict, one_dtype: bool, meta: dict) -> dic
     ``value_pairs``, value codes as uint16 channel pairs (`_fp8_pairs_tile`), and ``keys_as_rows``, key
     and value codes so, the products turned over (`_fp8_pairs_tile`; the query rows padded to 8, not
     16). The runtime arguments are
-    `_attend_kernel`'s without ``T``, its grid (sequences, KV heads, splits)."""
+    `_attend_kernel`'s without ``T``, its grid (sequences, KV heads, splits); `attend.merge_options`
+    adds the split merge's (``COUNT`` by keyword, ``MERGE_S``, ``MERGE_G``)."""
     swap = launch.get("swap_ab", False)
     halves = bool(launch.get("halves")) and halves_apply(meta)
     fp8 = fp8_options(launch, meta, swap, halves)
