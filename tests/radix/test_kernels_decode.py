@@ -419,6 +419,21 @@ def _benchmark_launch(codec: str, batch: int, context: int, monkeypatch):
     return attend.pass_launch(plan, k_fmt, v_fmt, q, k, v, 0.088, cache.ring, None, None, True, True)
 
 
+def test_split_counts_grow_and_keep_the_old_sets():
+    """`attend.split_counts`: at least `SPLIT_COUNTS_LEAST` zeroed counters a device, the same set while
+    it is large enough; a larger request allocates a larger set and keeps the one before allocated
+    (graphs captured with it keep its address)."""
+    from kvstrata.radix.kernels import attend
+
+    device = torch.device("cpu")
+    first = attend.split_counts(device, 1)
+    assert first is not None and first.numel() >= attend.SPLIT_COUNTS_LEAST and first.dtype == torch.int32
+    assert attend.split_counts("cpu", first.numel()) is first
+    larger = attend.split_counts(device, first.numel() + 1)
+    assert larger is not None and larger.numel() == first.numel() + 1 and not larger.any()
+    assert attend.split_counts(device) is larger and any(t is first for t in attend._SPLIT_COUNTS[device])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="memory ordering between programs: CUDA only")
 def test_fused_merge_repeats_bitwise_on_cuda(monkeypatch):
     """FP8 history at the 8B layer's heads (8 KV, 32 query, head_dim 128), 16 sequences of 2,000 to
