@@ -95,7 +95,8 @@ def make_kernels(name: str | None = None, device: torch.device | str = "cpu") ->
         raise ValueError(f"{ENV_KERNELS}={name!r} is not registered; registered: {sorted(_KERNELS)}")
     if name == "triton":
         require_triton_device(device)
-        from kvstrata.radix.kernels.attend import split_counts
+        if device.type != "cuda" or torch.cuda.is_available():  # choosing alone needs no device
+            from kvstrata.radix.kernels.attend import split_counts
 
-        split_counts(device)  # before SGLang captures its CUDA graphs (the decode kernels' split merge)
+            split_counts(device)  # before SGLang captures its CUDA graphs (the decode kernels' merge)
     return _KERNELS[name]()
