@@ -829,25 +829,30 @@ def merge_if_last(
     PO,
     PL,
     OUT,
-    row0,
-    n_rows,
+    b,
+    h,
+    H,
     num_splits,
+    GROUP,
     D: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """The split merge inside a decode kernel, after a program stored its partials: the program that
-    finds it is the last of ``num_splits`` to count itself in ``COUNT`` (its sequence and KV head's
-    counter, 0 before the launch) merges the ``n_rows`` rows from ``row0`` into ``OUT`` and sets the
-    counter back to 0 for the next launch (a CUDA-graph replay too). The barrier orders every
+    """The split merge inside a decode kernel, after the program of sequence ``b``, KV head ``h`` (of
+    ``H``) stored its partials: the program that finds it is the last of ``num_splits`` to count itself
+    in that pair's counter (``COUNT[b * H + h]``, 0 before the launch) merges the pair's ``GROUP``
+    query rows into ``OUT`` and sets the counter back to 0 for the next launch (a CUDA-graph replay
+    too). The barrier orders every
     thread's stores before the count's release (one thread counts; cooperative groups' grid sync is
     built the same way), the acquire orders the merge's loads after the other programs' stores."""
+    pair = b * H + h
     tl.debug_barrier()
-    done = tl.atomic_add(COUNT, 1, sem="acq_rel", scope="gpu")
+    done = tl.atomic_add(COUNT + pair, 1, sem="acq_rel", scope="gpu")
     if done == num_splits - 1:
-        tl.store(COUNT, 0)
-        _merge_rows(PO, PL, OUT, row0, n_rows, num_splits, D, BLOCK_G, BLOCK_S, BLOCK_D, True)
+        tl.store(COUNT + pair, 0)
+        row0 = pair.to(tl.int64) * GROUP
+        _merge_rows(PO, PL, OUT, row0, GROUP, num_splits, D, BLOCK_G, BLOCK_S, BLOCK_D, True)
 
 
 @jit_unspecialized(ints=("num_splits",))

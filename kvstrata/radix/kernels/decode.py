@@ -761,8 +761,7 @@ def _decode_kernel(
     tl.store(o_at + d[None, :], (acc * inv[:, None]).to(o_at.dtype.element_ty),
              mask=row_ok[:, None] & d_ok[None, :])  # fmt: skip
     if MERGE_S > 0:  # the last split of this sequence and KV head merges them all into OUT
-        row0 = (b * H + h).to(tl.int64) * GROUP
-        merge_if_last(COUNT + b * H + h, PO, PL, OUT, row0, GROUP, num_splits, D, MERGE_G, MERGE_S, BLOCK_D)
+        merge_if_last(COUNT, PO, PL, OUT, b, h, H, num_splits, GROUP, D, MERGE_G, MERGE_S, BLOCK_D)
 
 
 def halves_apply(meta: dict) -> bool:
