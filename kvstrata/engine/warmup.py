@@ -141,18 +141,18 @@ def merge_splits(kv_heads: int, max_pages: int, passes: int) -> int:
     """The most split partials one decode step merges: each of its ``passes`` kernel passes (the text
     pool's, and the image or raised pool's where the engine has one) split as far as a single sequence
     allows (`most_splits`, its tail split included) over ``max_pages`` cold pages in splits of at least
-    the launch tables' fewest ``min_pages``."""
+    the fewest pages a split reads (`fewest_split_pages`)."""
     return passes * (min(most_splits(1, kv_heads) - 1, max(1, max_pages // fewest_split_pages())) + 1)
 
 
 def decode_batches(batch: int, kv_heads: int) -> list[int]:
     """Round 4's batch sizes. A decode step's split count is ``min(cdiv(target, programs), cold pages
-    // min_pages)`` (`attend._num_splits`; programs: sequences x KV heads), one more for the tail
-    where the programs allow, and the merge compiles one variant per power-of-two split block: as
-    the batch halves, the programs' bound doubles. FP8 history decodes in a shape of its own (one
-    warp, 32-key tiles, another target) from ``FP8_WIDE_PROGRAMS`` programs once split
-    (`attend.takes_wide_decode`; smaller batches over longer histories too): the batches at and just
-    below that bound unsplit join the halvings."""
+    // least)`` (`attend._num_splits`; programs: sequences x KV heads; least: `attend.split_floor`),
+    one more for the tail where the programs allow, and the merge compiles one variant per
+    power-of-two split block: as the batch halves, the programs' bound doubles. FP8 history decodes
+    in a shape of its own (one warp, 32-key tiles, another target) from ``FP8_WIDE_PROGRAMS``
+    programs once split (`attend.takes_wide_decode`; smaller batches over longer histories too): the
+    batches at and just below that bound unsplit join the halvings."""
     from kvstrata.radix.kernels.attend import FP8_WIDE_PROGRAMS
 
     wide = -(-FP8_WIDE_PROGRAMS // kv_heads)
@@ -161,18 +161,22 @@ def decode_batches(batch: int, kv_heads: int) -> list[int]:
 
 
 def history_tokens(page_size: int) -> list[int]:
-    """Round 4's shared histories: whole pages, ``2**j * 2 * min_pages`` of them cold (the fewest
-    pages a decode split reads, `attend.DECODE_LAUNCH`) and one more (the request's ring), so the
+    """Round 4's shared histories: whole pages, ``2**j * 2 * least`` of them cold (the fewest pages a
+    decode split reads, `fewest_split_pages`) and one more (the request's ring), so the
     history's bound on the split count is each power of two from 2 on."""
     least = fewest_split_pages()
     return [(least * 2 ** (j + 1) + 1) * page_size for j in range(32)]
 
 
 def fewest_split_pages() -> int:
-    """The fewest cold pages a decode split reads under any launch table entry (``min_pages``)."""
+    """The fewest cold pages a decode split reads under any launch table entry (``min_pages``, or
+    ``fill_pages`` where a launch of few programs splits further: `attend.split_floor`)."""
     from kvstrata.radix.kernels.attend import DECODE_LAUNCH
 
-    return min(launch["min_pages"] for launch in DECODE_LAUNCH.values())
+    return min(
+        min(launch["min_pages"], launch.get("fill_pages", launch["min_pages"]))
+        for launch in DECODE_LAUNCH.values()
+    )
 
 
 def image_rounds(

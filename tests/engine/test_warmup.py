@@ -31,12 +31,12 @@ def test_rounds_cover_batch_extends_and_long_histories() -> None:
     assert [len(r.prompts[0]) for r in alone] == [512, 1024, 2048, 4096, 8172]
     assert all(len(r.prompts) == 1 and r.max_new == [2] for r in alone)
     assert all(0 <= t < 1000 for r in rounds for p in r.prompts for t in p)
-    # round 4: 64, 32, ... 1 requests behind 33, 65, 129, 257 whole pages of the last prompt (32 x 2**j
-    # cold, 2 x 16 min_pages of a 4-bit split), one new token each
+    # round 4: 64, 32, ... 1 requests behind 17, 33, 65, 129, 257 whole pages of the last prompt (16 x
+    # 2**j cold, 2 x the 8 pages a split of a launch with few programs reads), one new token each
     shared = rounds[7:]
     longest = alone[-1].prompts[0]
     assert [(len(r.prompts), len(r.prompts[0])) for r in shared] == [
-        (b, 16 * pages + 1) for pages in (33, 65, 129, 257) for b in (64, 32, 16, 8, 4, 2, 1)
+        (b, 16 * pages + 1) for pages in (17, 33, 65, 129, 257) for b in (64, 32, 16, 8, 4, 2, 1)
     ]
     assert all(
         p[:-1] == longest[: len(p) - 1] and r.max_new == [2] * len(r.prompts)
@@ -51,16 +51,17 @@ def test_shared_history_batches_meet_the_wide_fp8_bound() -> None:
     besides the halvings of the batch."""
     assert decode_batches(256, 8) == [256, 128, 64, 63, 32, 16, 8, 4, 2, 1]
     assert decode_batches(48, 8) == [48, 24, 12, 6, 3, 1]  # the wide shape out of reach
-    assert history_tokens(16)[:3] == [16 * 33, 16 * 65, 16 * 129]
+    assert history_tokens(16)[:3] == [16 * 17, 16 * 33, 16 * 65]
 
 
 def test_merge_splits_bound_a_steps_partials() -> None:
     """`merge_splits`: per pass, one sequence's splits under the largest programs target (4,096: 512 at
-    8 KV heads, 1,366 at 3) or its history's (pages over the launch tables' fewest 16 pages a split),
-    whichever is fewer, one more for the tail; times the step's passes."""
-    assert merge_splits(8, 128, 1) == 9 and merge_splits(8, 128, 2) == 18
+    8 KV heads, 1,366 at 3) or its history's (pages over the fewest a split reads: 8, where a launch
+    of few programs splits below its ``min_pages``, `attend.split_floor`), whichever is fewer, one
+    more for the tail; times the step's passes."""
+    assert merge_splits(8, 128, 1) == 17 and merge_splits(8, 128, 2) == 34
     assert merge_splits(8, 8192, 1) == 513 and merge_splits(8, 65536, 3) == 3 * 513
-    assert merge_splits(3, 512, 1) == 33 and merge_splits(3, 65536, 1) == 1367
+    assert merge_splits(3, 512, 1) == 65 and merge_splits(3, 65536, 1) == 1367
     assert merge_splits(8, 10, 1) == 2  # a history shorter than one split still gets a tail split
 
 

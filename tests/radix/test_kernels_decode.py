@@ -169,6 +169,31 @@ def test_split_counts_keep_min_pages():
     assert [_num_splits(b * 8, 2040, target, least) for b in (1, 64, 256)] == [2040 // least, 2, 1]
 
 
+def test_few_programs_split_below_min_pages():
+    """`attend.split_floor`: a decode launch whose splits of ``min_pages`` leave it under
+    ``fill_programs`` programs splits further, down to ``fill_pages``. 8B layer (8 KV heads), B=1 at 4K
+    (247 cold pages): 31 splits of 8 pages (248 programs) where 32 pages gave 7 and 16-page 4-bit
+    splits 15; B=1 at 32K and B=16 at 4K keep ``min_pages``; the default model's 3 KV heads at 32K
+    split 8-bit history in 23 pages (88 splits, 264 programs) and 4-bit in its 16 (381 programs)."""
+    from kvstrata.radix.kernels.attend import DECODE_LAUNCH, cold_splits, split_floor, tile_pages
+
+    for four_bit in (False, True):
+        launch = DECODE_LAUNCH[four_bit]
+        least, fill, floor = launch["min_pages"], launch["fill_programs"], launch["fill_pages"]
+        assert split_floor(8, 247, launch) == floor == 8
+        assert split_floor(8, 2040, launch) == least
+        assert split_floor(16 * 8, 247, launch) == least
+        for programs in (1, 3, 8, 24, 64, 512):
+            for pages in (0, 1, 7, 8, 17, 100, 247, 2040, 8191):
+                got = split_floor(programs, pages, launch)
+                assert floor <= got <= least
+                assert got == least or programs * (pages // least) < fill
+        whole = tile_pages(launch["blocks"] * 16 if four_bit else launch["block_n"], 16)
+        assert cold_splits(8, 247, launch, whole) == (31, 8)
+    assert split_floor(3, 2040, DECODE_LAUNCH[False]) == 23
+    assert split_floor(3, 2040, DECODE_LAUNCH[True]) == 16
+
+
 def test_splits_hold_whole_tiles():
     """Pages a split round down to whole 128-key tiles (8 pages of 16 tokens) when the launch stays
     within its programs target and each split keeps ``min_pages``: B=1 at 32K (2,040 cold pages) reads
@@ -502,12 +527,13 @@ def test_fp8_wide_decode_counts_programs_once_split():
         assert not wide(64, 4096, fmts=fmts), fmts
 
 
-@pytest.mark.parametrize(("pages", "warps", "splits"), [(2040, 1, 65), (2016, 4, 64), (256, 4, 9)])
+@pytest.mark.parametrize(("pages", "warps", "splits"), [(2040, 1, 65), (2016, 4, 64), (256, 4, 33)])
 def test_fp8_decode_launch_at_one_sequence(pages, warps, splits):
     """The launch `pass_launch` gives one FP8 sequence at 8 KV heads over ``pages`` 16-token cold pages
     (BF16 model; no kernel runs): the 32K benchmark step's 2,040 take the wide shape (one warp) in 64
     cold splits of 32 pages and the tail's own, as `takes_wide_decode` counts them (`cold_splits`);
-    2,016 (63 splits) and 256 (4K) keep the 4-warp entry."""
+    2,016 (63 splits) and 256 (4K) keep the 4-warp entry, 256 in 32 splits of 8 pages (`split_floor`:
+    splits of 32 pages would run 64 programs)."""
     from radix_helpers import small_cache
 
     from kvstrata.radix.kernels import attend

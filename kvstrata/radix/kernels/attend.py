@@ -104,6 +104,13 @@ DECODE_LAUNCH = {
         maxnreg=168,
         module="decode",
         min_pages=32,
+        # Pass 15 (`split_floor`): a launch that splits into fewer than ``fill_programs`` programs at
+        # ``min_pages`` splits further, down to ``fill_pages``. H200, 8B layer, B=1 at 4K (8 KV heads,
+        # 247 cold pages), FP8: splits of 32 pages (56 programs) 14.7 us, 16 pages 11.8, 8 pages 10.9
+        # (SDPA BF16 11.8-12.0); B=1 at 32K (the wide shape, 512 programs) and B=16 at 4K (1,024) slower
+        # with smaller splits (30.4-35.8 against 31.0 us, 55.5 against 48.9; attention_gpu.py, one run).
+        fill_programs=256,
+        fill_pages=8,
         merged_tail=True,
         scaled_keys_by_blocks=True,
         tail_apart=True,
@@ -147,6 +154,12 @@ DECODE_LAUNCH = {
         maxnreg=168,
         module="decode4",
         min_pages=16,
+        # Pass 15 (`split_floor`), H200, 8B layer, B=1 at 4K: int4 / fp4 splits of 16 pages (120
+        # programs) 28.5 / 26.7 us, of 8 pages 23.3 / 20.0, of 4 pages 24.4 / 21.3; splits of 8 pages
+        # slower at B=1 32K (1,016 programs at 16 pages: 50.0 against 40.5 us) and B=16 4K (76.3
+        # against 71.7; attention_gpu.py, one run).
+        fill_programs=256,
+        fill_pages=8,
         merged_tail=True,
         tail_apart=True,
         merge_reads=0,  # fp4: merged apart (pass 14: B=64 32K 1.213 ms in the kernel against 1.197); int4 2
@@ -924,11 +937,24 @@ def tile_pages(tile: int, page_size: int) -> int:
 
 def cold_splits(programs: int, n_pages: int, launch: dict, whole_pages: int) -> tuple[int, int]:
     """``(splits, pages per split)`` of a decode launch's cold pages: about ``launch``'s programs target
-    (`_num_splits`, splits of at least its ``min_pages``), then rounded to tiles of ``whole_pages``
+    (`_num_splits`, splits of at least `split_floor` pages), then rounded to tiles of ``whole_pages``
     pages (`_whole_tiles`)."""
-    least = launch.get("min_pages", MIN_PAGES_PER_SPLIT)
+    least = split_floor(programs, n_pages, launch)
     splits = _num_splits(programs, n_pages, launch["programs"], least)
     return _whole_tiles(programs, n_pages, splits, whole_pages, launch["programs"], least)
+
+
+def split_floor(programs: int, n_pages: int, launch: dict) -> int:
+    """The fewest cold pages a split of a decode launch of ``programs`` (sequences x KV heads) over
+    ``n_pages`` reads: the launch's ``min_pages``, or fewer where splits of ``min_pages`` would leave
+    it under ``fill_programs`` programs: as many as give it about that many, down to ``fill_pages``
+    (absent or larger: ``min_pages``). Batch 1 at 4K (8 KV heads, 247 cold pages) splits 56 programs at 32
+    pages, too few for the GPU's 132 SMs (see `DECODE_LAUNCH`)."""
+    least = launch.get("min_pages", MIN_PAGES_PER_SPLIT)
+    fill = launch.get("fill_programs", 0)
+    if programs * (n_pages // least) >= fill:
+        return least
+    return max(min(launch.get("fill_pages", least), least), min(least, n_pages * programs // fill))
 
 
 def _num_splits(programs: int, max_pages: int, target: int, min_pages: int = MIN_PAGES_PER_SPLIT) -> int:
