@@ -22,6 +22,8 @@ Llama-3-8B geometry with random BF16 weights (`dummy_model`; ``--config`` a mode
    default scheduling (prefill-only steps while prompts wait), ``mixed``: ``enable_mixed_chunk``.
    Decode steps run eager here (``disable_cuda_graph``: no capture time), as mixed steps always do.
 
+``--defer-fill``: the engine runs' ``prefill_defer_fill`` values (comma-separated; 1 cuts prompts at
+every step's end, as SGLang; the default 0.75 lets a prompt that would be cut wait for the next step).
 ``--profile-engine``: each engine run also in one profiler window (kernel time by kind over the whole
 run). ``--geometry tiny --device cpu`` runs the same code on a small model on the CPU (a smoke test;
 the torch attention backend, so the variants of part 1 are the same code there).
@@ -30,6 +32,7 @@ the torch attention backend, so the variants of part 1 are the same code there).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -191,9 +194,15 @@ def measure(label: str, stepper: Any, prompt_tokens: int, args: argparse.Namespa
     return row
 
 
-def engine_run(model: LoadedModel, policy: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Part 2: ``args.prompts`` prompts at once through the offline engine under ``policy``."""
+def engine_run(model: LoadedModel, policy: str, defer_fill: float, args: argparse.Namespace) -> dict:
+    """Part 2: ``args.prompts`` prompts at once through the offline engine under ``policy``, prompts cut
+    at a step's end only below ``defer_fill`` of the chunk (``prefill_defer_fill``)."""
     per_request = args.input_len + args.new
+    # A shut-down engine sits in a reference cycle until a collection: free the previous run's KV pool
+    # before this one sizes its own (a third 8B-sized run did not start without this).
+    gc.collect()
+    if model.net.device.type == "cuda":
+        torch.cuda.empty_cache()
     engine = Engine(
         model=model,
         kv_cache_dtype=args.kv,
@@ -202,6 +211,7 @@ def engine_run(model: LoadedModel, policy: str, args: argparse.Namespace) -> dic
         max_total_tokens=args.prompts * (per_request + 32),
         chunked_prefill_size=args.chunk,
         enable_mixed_chunk=policy == "mixed",
+        prefill_defer_fill=defer_fill,
         disable_cuda_graph=True,
     )
     gen = torch.Generator().manual_seed(3)
@@ -238,6 +248,7 @@ def engine_run(model: LoadedModel, policy: str, args: argparse.Namespace) -> dic
     assert len(ttft) == args.prompts, len(ttft)
     row = {
         "policy": policy,
+        "defer_fill": defer_fill,
         "prompts": args.prompts,
         "prompt_tokens": args.prompts * args.input_len,
         "prefill_tokens_per_s": args.prompts * args.input_len / ttft[-1],
@@ -250,7 +261,7 @@ def engine_run(model: LoadedModel, policy: str, args: argparse.Namespace) -> dic
         "kernel_variants_compiled": compiled_variants() - compiled if compiled >= 0 else -1,
         "profile": prof,
     }
-    print(f"engine {policy}: {json.dumps(row)}", flush=True)
+    print(f"engine {policy}, defer fill {defer_fill}: {json.dumps(row)}", flush=True)
     return row
 
 
@@ -281,18 +292,22 @@ def print_tables(steps: list[dict], engines: list[dict], args: argparse.Namespac
             "tokens each (greedy), decode eager\n"
         )
         print(
-            "| policy | prefill tokens/s | median TTFT s | p99 TTFT s | last TTFT s | total s | steps "
-            "| kernels compiled |"
+            "| policy | defer fill | prefill tokens/s | median TTFT s | p99 TTFT s | last TTFT s | total s "
+            "| steps | kernels compiled |"
         )
-        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in engines:
             print(
-                f"| {r['policy']} | {r['prefill_tokens_per_s']:,.0f} | {r['median_ttft_s']:.2f} "
+                f"| {r['policy']} | {r['defer_fill']} | {r['prefill_tokens_per_s']:,.0f} "
+                f"| {r['median_ttft_s']:.2f} "
                 f"| {r['p99_ttft_s']:.2f} | {r['last_ttft_s']:.2f} | {r['total_s']:.2f} | {r['steps']} "
                 f"| {r['kernel_variants_compiled']} |"
             )
     profiled = [(r["what"], r["profile"], "ms/step") for r in steps]
-    profiled += [(f"engine {r['policy']}, whole run", r.get("profile"), "ms in all") for r in engines]
+    profiled += [
+        (f"engine {r['policy']}, defer fill {r['defer_fill']}, whole run", r.get("profile"), "ms in all")
+        for r in engines
+    ]
     for what, p, unit in profiled:
         if not p:
             continue
@@ -317,6 +332,11 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=128, help="prompts of the engine runs")
     ap.add_argument("--new", type=int, default=16, help="tokens generated per prompt in the engine runs")
     ap.add_argument("--policy", default="prefill,mixed", help="engine runs: prefill, mixed (empty: none)")
+    ap.add_argument(
+        "--defer-fill",
+        default="0.75",
+        help="engine runs: prefill_defer_fill values, comma-separated (1: prompts always cut, as SGLang)",
+    )
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument(
         "--profile-engine", action="store_true", help="profile each engine run's kernels (CUDA, one window)"
@@ -329,7 +349,8 @@ def main() -> None:
     where = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     steps = step_variants(net, cfg, args)
     model = LoadedModel(net=net, config=cfg, tokenizer=None, name="dummy", path=Path(args.config or "dummy"))
-    engines = [engine_run(model, p, args) for p in args.policy.split(",") if p]
+    fills = [float(f) for f in args.defer_fill.split(",")]
+    engines = [engine_run(model, p, f, args) for p in args.policy.split(",") if p for f in fills]
     print_tables(steps, engines, args, where)
     if args.json:
         with open(args.json, "w") as f:

@@ -156,6 +156,7 @@ class EngineCore:
             OutOfSlots,
             self._finish,
             mixed_chunk=args.enable_mixed_chunk,
+            defer_fill=args.prefill_defer_fill,
         )
         self.stats = StatsCollector()
         self.drift: DriftMonitor | None = None

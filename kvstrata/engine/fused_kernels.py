@@ -56,36 +56,40 @@ def silu_mul_kernel(GU, OUT, stride_gu, stride_o, N, BLOCK: tl.constexpr):
 
 @triton.jit
 def rope_qkv_kernel(QK, V_IN, COS, SIN, Q, K, V, stride_qkt, stride_qkh, stride_vit, stride_vih, stride_ct,
-                    stride_st, stride_q, stride_k, stride_v, HQ, HKV, HALF,
-                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HV: tl.constexpr,
-                    BLOCK_DV: tl.constexpr):  # fmt: skip
-    """One token: its q and k heads (QK, HQ + HKV of them) rotated, x * cos + rotate_half(x) * sin,
-    into Q and K; its v heads copied into V. Outputs have unit head stride 2 * HALF, any row stride."""
-    t = tl.program_id(0).to(tl.int64)
-    D = 2 * HALF
-    heads = tl.arange(0, BLOCK_H)[:, None]
-    cols = tl.arange(0, BLOCK_D)[None, :]
-    c_ok = cols < HALF
-    ok = (heads < HQ + HKV) & c_ok
+                    stride_st, stride_q, stride_k, stride_v, T, HQ, HKV, HALF: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """``BLOCK_T`` tokens x ``BLOCK_H`` heads. The first ``cdiv(HQ + HKV, BLOCK_H)`` head blocks rotate q
+    and k heads of QK (x * cos + rotate_half(x) * sin) into Q and K; the rest copy v heads into V.
+    Outputs have unit head stride 2 * HALF, any row stride."""
+    tok = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)[:, None, None]
+    block = tl.program_id(1)
+    cols = tl.arange(0, BLOCK_D)[None, None, :]
+    D: tl.constexpr = 2 * HALF
     dt = Q.dtype.element_ty
-    src = QK + t * stride_qkt + heads * stride_qkh + cols
-    x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=ok, other=0.0).to(tl.float32)
-    c1 = tl.load(COS + t * stride_ct + cols, mask=c_ok, other=0.0).to(tl.float32)
-    c2 = tl.load(COS + t * stride_ct + HALF + cols, mask=c_ok, other=0.0).to(tl.float32)
-    s1 = tl.load(SIN + t * stride_st + cols, mask=c_ok, other=0.0).to(tl.float32)
-    s2 = tl.load(SIN + t * stride_st + HALF + cols, mask=c_ok, other=0.0).to(tl.float32)
-    lo = _round(_round(x1 * c1, dt) + _round(-x2 * s1, dt), dt).to(dt)
-    hi = _round(_round(x2 * c2, dt) + _round(x1 * s2, dt), dt).to(dt)
-    is_q = heads < HQ
-    q_dst = Q + t * stride_q + heads * D + cols
-    tl.store(q_dst, lo, mask=ok & is_q)
-    tl.store(q_dst + HALF, hi, mask=ok & is_q)
-    k_dst = K + t * stride_k + (heads - HQ) * D + cols
-    tl.store(k_dst, lo, mask=ok & (heads >= HQ))
-    tl.store(k_dst + HALF, hi, mask=ok & (heads >= HQ))
-    v_heads = tl.arange(0, BLOCK_HV)[:, None]
-    v_cols = tl.arange(0, BLOCK_DV)[None, :]
-    v_ok = (v_heads < HKV) & (v_cols < D)
-    v = tl.load(V_IN + t * stride_vit + v_heads * stride_vih + v_cols, mask=v_ok, other=0.0)
-    tl.store(V + t * stride_v + v_heads * D + v_cols, v, mask=v_ok)
+    qk_blocks = tl.cdiv(HQ + HKV, BLOCK_H)
+    if block < qk_blocks:
+        heads = block * BLOCK_H + tl.arange(0, BLOCK_H)[None, :, None]
+        c_ok = (tok < T) & (cols < HALF)
+        ok = c_ok & (heads < HQ + HKV)
+        src = QK + tok * stride_qkt + heads * stride_qkh + cols
+        x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF, mask=ok, other=0.0).to(tl.float32)
+        c1 = tl.load(COS + tok * stride_ct + cols, mask=c_ok, other=0.0).to(tl.float32)
+        c2 = tl.load(COS + tok * stride_ct + HALF + cols, mask=c_ok, other=0.0).to(tl.float32)
+        s1 = tl.load(SIN + tok * stride_st + cols, mask=c_ok, other=0.0).to(tl.float32)
+        s2 = tl.load(SIN + tok * stride_st + HALF + cols, mask=c_ok, other=0.0).to(tl.float32)
+        lo = _round(_round(x1 * c1, dt) + _round(-x2 * s1, dt), dt).to(dt)
+        hi = _round(_round(x2 * c2, dt) + _round(x1 * s2, dt), dt).to(dt)
+        is_q = heads < HQ
+        q_dst = Q + tok * stride_q + heads * D + cols
+        tl.store(q_dst, lo, mask=ok & is_q)
+        tl.store(q_dst + HALF, hi, mask=ok & is_q)
+        k_dst = K + tok * stride_k + (heads - HQ) * D + cols
+        tl.store(k_dst, lo, mask=ok & (heads >= HQ))
+        tl.store(k_dst + HALF, hi, mask=ok & (heads >= HQ))
+    else:
+        heads = (block - qk_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)[None, :, None]
+        for half in tl.static_range(2):
+            ok = (tok < T) & (cols < HALF) & (heads < HKV)
+            v = tl.load(V_IN + tok * stride_vit + heads * stride_vih + half * HALF + cols, mask=ok, other=0.0)
+            tl.store(V + tok * stride_v + heads * D + half * HALF + cols, v, mask=ok)

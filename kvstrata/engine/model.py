@@ -126,10 +126,6 @@ class Attention(nn.Module):
             dst.copy_(src)
         return out
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer_idx: int, attn: AttnFn) -> Tensor:
-        out = attn(layer_idx, *self.project(x, cos, sin))
-        return self.wo(out.reshape(x.shape[0], self.q_heads * self.head_dim))
-
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -153,11 +149,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer_idx: int, attn: AttnFn) -> Tensor:
-        x, h = self.mlp_norm.add_forward(x, self.attn(self.attn_norm(x), cos, sin, layer_idx, attn))
-        return x + self.mlp(h)
-
-    # The two halves of `forward` around attention, for the piecewise CUDA graphs (cuda_graph.py).
+    # A layer as two halves around attention, for `Transformer.forward` and the CUDA graphs' pieces
+    # (cuda_graph.py): the residual add of a layer's MLP output is the next layer's first kernel.
     def pre_attn(
         self,
         x: Tensor,
@@ -248,11 +241,17 @@ class Transformer(nn.Module):
         """
         x = self.embed(input_ids) if embeds is None else embeds
         cos, sin = self.rope(positions)
+        # Each layer's MLP output is added to the residual stream by the next norm's kernel (as in the
+        # CUDA graphs' pieces): the same sums, one pass over the stream fewer a layer.
+        delta: Tensor | None = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, i, attn)
+            x, q, k, v = layer.pre_attn(x, cos, sin, delta)
+            x, delta = layer.post_attn(x, attn(i, q, k, v))
         if logits_at is not None:
             x = x[logits_at]
-        return self.lm_head(self.norm(x)).float()
+            delta = None if delta is None else delta[logits_at]
+        h = self.norm(x) if delta is None else self.norm.add_forward(x, delta)[1]
+        return self.lm_head(h).float()
 
     # ------------------------------------------------------------------ reference paths, no cache
     @staticmethod

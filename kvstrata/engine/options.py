@@ -43,6 +43,10 @@ class EngineArgs:
     # Prefill chunks share a step with the running decodes (SGLang's flag); off: prefill-only steps
     # while prompt tokens can be scheduled, decode-only steps otherwise (scheduler.py).
     enable_mixed_chunk: bool = False
+    # A prompt that would be cut at the end of a prefill step waits for the next step when the step
+    # already holds this share of chunked_prefill_size and the prompt fits one step whole (its tail would
+    # read its head back as history); 1: always cut, as SGLang does (scheduler.py).
+    prefill_defer_fill: float = 0.75
     device: str = "auto"
     drift_sample_rate: float = 0.0  # share of finished requests re-scored without quantization
     drift_threshold: float = 0.05  # smoothed drift (|ppl ratio - 1| or KL) that triggers fallback
@@ -129,6 +133,8 @@ class EngineArgs:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.chunked_prefill_size < 1:
             raise ValueError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
+        if not 0.0 <= self.prefill_defer_fill <= 1.0:
+            raise ValueError(f"prefill_defer_fill must be in [0, 1], got {self.prefill_defer_fill}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError(f"max_total_tokens must be >= page_size, got {self.max_total_tokens}")
         if self.max_pinned_tokens is not None and self.max_pinned_tokens < 0:

@@ -52,8 +52,10 @@ class Scheduler:
         out_of_slots: type[Exception],
         end_request: Callable[[Request, dict[str, Any]], None],
         mixed_chunk: bool = False,
+        defer_fill: float = 0.75,
     ) -> None:
         self.cache = cache
+        self.defer_fill = defer_fill  # see `_waits_whole`; 1: prompts are always cut, as SGLang
         self.mixed_chunk = mixed_chunk  # decodes ride along in prefill steps
         self.max_running = max_running
         self.chunk_size = chunk_size
@@ -78,13 +80,19 @@ class Scheduler:
             req.seq = self.cache.admit(req.all_ids())
         except self.OutOfSlots:
             return False
-        if self.running and reserved + self.future_tokens(req) > self.available_tokens():
-            self.cache.finish(req.seq, insert=False)  # nothing computed: nothing to keep
-            req.seq = None
-            return False
         req.status = Status.RUNNING
         self.running.append(req)
+        if len(self.running) > 1 and reserved + self.future_tokens(req) > self.available_tokens():
+            self._withdraw(req)
+            return False
         return True
+
+    def _withdraw(self, req: Request) -> None:
+        """Undo an admission in the same step: nothing was computed, so nothing is kept."""
+        self.cache.finish(req.seq, insert=False)
+        req.seq = None
+        req.status = Status.WAITING
+        self.running.remove(req)
 
     def future_tokens(self, req: Request) -> float:
         """Tokens ``req`` is expected to add to the cold pool: those not yet in a full page (its
@@ -177,13 +185,26 @@ class Scheduler:
                 continue
             if not self._admit(r, reserved):
                 break
+            left = r.tokens_len - r.computed
+            if self._waits_whole(left, budget):
+                self._withdraw(r)
+                break
             reserved += self.future_tokens(r)
             self.waiting.remove(r)
             admitted.append(r)
-            n = min(r.tokens_len - r.computed, budget)
+            n = min(left, budget)
             chunks.append((r, n))
             budget -= n
         return decode, chunks, admitted
+
+    def _waits_whole(self, left: int, budget: int) -> bool:
+        """Whether a newly admitted prompt with ``left`` tokens to compute, of which ``budget`` would
+        fit this step, waits for the next step instead of being cut: it fits one step whole, and this
+        step already holds at least ``defer_fill`` of the chunk. A cut prompt's tail would read its
+        head back from the cache as history (the extend kernel, not the prompt-only path) and split the
+        step's attention in two groups."""
+        held = self.chunk_size - budget
+        return budget < left <= self.chunk_size and held >= self.defer_fill * self.chunk_size
 
     def _reserve(
         self, decode: list[Request], chunks: list[tuple[Request, int]], admitted: list[Request]

@@ -294,6 +294,15 @@ FLAGS: tuple[Flag, ...] = (
         True,
     ),
     Flag(
+        "prefill_defer_fill",
+        _fraction,
+        None,
+        "a prompt that would be cut at the end of a prefill step waits for the next step when the step "
+        "already holds this share of --chunked-prefill-size and the prompt fits a step whole "
+        "(engine default 0.75; 1: always cut, as SGLang)",
+        True,
+    ),
+    Flag(
         "drift_raise_dtype",
         str,
         None,
@@ -359,6 +368,7 @@ class ServerConfig:
     cuda_graph_max_bs: int | None = None
     chunked_prefill_size: int | None = None
     enable_mixed_chunk: bool | None = None
+    prefill_defer_fill: float | None = None
     drift_raise_dtype: str | None = None
     drift_raise_share: float | None = None
     switch_interval: float | None = None

@@ -94,3 +94,41 @@ def test_greedy_outputs_do_not_depend_on_the_policy(default_model) -> None:
             eng.shutdown()
     assert all(len(o) == 12 for o in outs[0])
     assert outs[0] == outs[1]
+
+
+def chunk_steps(prompt_lens: list[int], chunk: int, defer_fill: float) -> list[list[tuple[str, int]]]:
+    """Fresh prompts submitted at once and prefilled in chunks of ``chunk`` tokens (prefill-only
+    steps): each step's requests with the prompt tokens it computed for them, until every prompt is in."""
+    cache, sched, ended = make(num_pages=64, max_running=8)
+    sched.chunk_size, sched.defer_fill = chunk, defer_fill
+    reqs = [
+        request(f"p{i}", list(range(100 * i + 10, 100 * i + 10 + n)), max_new=4)
+        for i, n in enumerate(prompt_lens)
+    ]
+    for r in reqs:
+        sched.add(r)
+    steps = []
+    while any(not r.started or r.in_prefill for r in reqs):
+        before = {r.rid: r.computed for r in reqs}
+        stepped = run(cache, sched)
+        steps.append([(r.rid, r.computed - before[r.rid]) for r in stepped])
+        # a withdrawn admission keeps nothing: its ring slot is free again and it waits, unstarted
+        assert cache.ring.slots.num_free == cache.ring.slots.total - len(sched.running)
+        assert all(not r.started and r.seq is None for r in sched.waiting)
+    assert not ended
+    return steps
+
+
+def test_a_prompt_that_would_be_cut_waits_for_the_next_step() -> None:
+    """Chunks of 64 tokens: a step holding 60 (three 20-token prompts, >= 0.75 of the chunk) leaves the
+    fourth prompt whole for the next step instead of computing 4 of its tokens; at 1 (SGLang's way)
+    it is cut."""
+    assert chunk_steps([20] * 4, 64, 0.75) == [[("p0", 20), ("p1", 20), ("p2", 20)], [("p3", 20)]]
+    assert chunk_steps([20] * 4, 64, 1.0) == [[("p0", 20), ("p1", 20), ("p2", 20), ("p3", 4)], [("p3", 16)]]
+
+
+def test_prompts_are_still_cut_below_the_fill_or_when_longer_than_a_chunk() -> None:
+    # 40 of 64 held (< 48): the second prompt is cut as before
+    assert chunk_steps([40, 40], 64, 0.75) == [[("p0", 40), ("p1", 24)], [("p1", 16)]]
+    # a prompt longer than a chunk is cut whatever the fill (it can never run whole)
+    assert chunk_steps([50, 100], 64, 0.75) == [[("p0", 50), ("p1", 14)], [("p1", 64)], [("p1", 22)]]
