@@ -185,26 +185,28 @@ class Scheduler:
                 continue
             if not self._admit(r, reserved):
                 break
-            left = r.tokens_len - r.computed
-            if self._waits_whole(left, budget):
+            if self._waits_whole(r, budget):
                 self._withdraw(r)
                 break
             reserved += self.future_tokens(r)
             self.waiting.remove(r)
             admitted.append(r)
-            n = min(left, budget)
+            n = min(r.tokens_len - r.computed, budget)
             chunks.append((r, n))
             budget -= n
         return decode, chunks, admitted
 
-    def _waits_whole(self, left: int, budget: int) -> bool:
-        """Whether a newly admitted prompt with ``left`` tokens to compute, of which ``budget`` would
-        fit this step, waits for the next step instead of being cut: it fits one step whole, and this
-        step already holds at least ``defer_fill`` of the chunk. A cut prompt's tail would read its
-        head back from the cache as history (the extend kernel, not the prompt-only path) and split the
-        step's attention in two groups."""
+    def _waits_whole(self, req: Request, budget: int) -> bool:
+        """Whether a newly admitted ``req``, of whose prompt ``budget`` tokens would fit this step, waits
+        for the next step instead of being cut: nothing of it is cached or computed, its prompt fits one
+        step whole, and this step already holds at least ``defer_fill`` of the chunk. A cut prompt's tail
+        would read its head back from the cache as history (the extend kernel, not the prompt-only path)
+        and split the step's attention in two groups; a prompt with a cached prefix or computed tokens
+        takes the extend kernel anyway, so it is cut as before."""
+        left = req.tokens_len - req.computed
         held = self.chunk_size - budget
-        return budget < left <= self.chunk_size and held >= self.defer_fill * self.chunk_size
+        fresh = req.computed == 0
+        return fresh and budget < left <= self.chunk_size and held >= self.defer_fill * self.chunk_size
 
     def _reserve(
         self, decode: list[Request], chunks: list[tuple[Request, int]], admitted: list[Request]

@@ -100,11 +100,21 @@ def test_silu_mul(mode, dtype, rows, inter) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
-@pytest.mark.parametrize("tokens,q_heads,kv_heads,head_dim", [(1, 4, 2, 16), (6, 5, 1, 12)])
+@pytest.mark.parametrize(
+    "tokens,q_heads,kv_heads,head_dim,block",
+    [
+        (1, 4, 2, 16, None),
+        (6, 5, 1, 12, None),
+        (3, 14, 10, 8, None),  # 24 q/k heads in 3 blocks of 8, 10 v heads in 2
+        (5, 9, 3, 6, (2, 4)),  # tokens in blocks of 2 (the last one partial), heads in blocks of 4
+    ],
+)
 @pytest.mark.parametrize("into_buffers", [False, True])
 def test_rope_and_split_of_a_fused_projection(
-    mode, dtype, tokens, q_heads, kv_heads, head_dim, into_buffers
+    mode, monkeypatch, dtype, tokens, q_heads, kv_heads, head_dim, block, into_buffers
 ) -> None:
+    if block is not None:
+        monkeypatch.setattr(fused, "ROPE_BLOCK", block)
     heads = q_heads + kv_heads
     qkv = _randn(tokens, (heads + kv_heads) * head_dim, dtype=dtype, seed=5, scale=2.0)
     qk = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)  # strided rows, as Attention.project

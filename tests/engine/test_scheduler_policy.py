@@ -96,15 +96,23 @@ def test_greedy_outputs_do_not_depend_on_the_policy(default_model) -> None:
     assert outs[0] == outs[1]
 
 
-def chunk_steps(prompt_lens: list[int], chunk: int, defer_fill: float) -> list[list[tuple[str, int]]]:
-    """Fresh prompts submitted at once and prefilled in chunks of ``chunk`` tokens (prefill-only
-    steps): each step's requests with the prompt tokens it computed for them, until every prompt is in."""
+def chunk_steps(
+    prompt_lens: list[int], chunk: int, defer_fill: float, cached: int = 0
+) -> list[list[tuple[str, int]]]:
+    """Prompts submitted at once and prefilled in chunks of ``chunk`` tokens (prefill-only steps): each
+    step's requests with the prompt tokens it computed for them, until every prompt is in. ``cached``:
+    that many first tokens of the last prompt are in the prefix tree before (a finished request's)."""
     cache, sched, ended = make(num_pages=64, max_running=8)
-    sched.chunk_size, sched.defer_fill = chunk, defer_fill
     reqs = [
         request(f"p{i}", list(range(100 * i + 10, 100 * i + 10 + n)), max_new=4)
         for i, n in enumerate(prompt_lens)
     ]
+    if cached:
+        earlier = request("earlier", reqs[-1].prompt_ids[:cached] + [9], max_new=1)
+        sched.add(earlier)
+        run(cache, sched)  # its whole prompt, and its one token
+        sched.release(earlier, insert=True)
+    sched.chunk_size, sched.defer_fill = chunk, defer_fill
     for r in reqs:
         sched.add(r)
     steps = []
@@ -132,3 +140,10 @@ def test_prompts_are_still_cut_below_the_fill_or_when_longer_than_a_chunk() -> N
     assert chunk_steps([40, 40], 64, 0.75) == [[("p0", 40), ("p1", 24)], [("p1", 16)]]
     # a prompt longer than a chunk is cut whatever the fill (it can never run whole)
     assert chunk_steps([50, 100], 64, 0.75) == [[("p0", 50), ("p1", 14)], [("p1", 64)], [("p1", 22)]]
+    # a prompt whose first 32 tokens are cached reads history anyway: cut (4 of its 18 left), not held;
+    # the same prompt with nothing cached waits
+    assert chunk_steps([20, 20, 20, 50], 64, 0.75) == [[("p0", 20), ("p1", 20), ("p2", 20)], [("p3", 50)]]
+    assert chunk_steps([20, 20, 20, 50], 64, 0.75, cached=32) == [
+        [("p0", 20), ("p1", 20), ("p2", 20), ("p3", 32 + 4)],  # its cached 32 count as computed
+        [("p3", 14)],
+    ]
