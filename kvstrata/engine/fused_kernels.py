@@ -89,7 +89,7 @@ def rope_qkv_kernel(QK, V_IN, COS, SIN, Q, K, V, stride_qkt, stride_qkh, stride_
         tl.store(k_dst + HALF, hi, mask=ok & (heads >= HQ))
     else:
         heads = (block - qk_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)[None, :, None]
+        ok = (tok < T) & (cols < HALF) & (heads < HKV)
         for half in tl.static_range(2):
-            ok = (tok < T) & (cols < HALF) & (heads < HKV)
             v = tl.load(V_IN + tok * stride_vit + heads * stride_vih + half * HALF + cols, mask=ok, other=0.0)
             tl.store(V + tok * stride_v + heads * D + half * HALF + cols, v, mask=ok)

@@ -80,19 +80,19 @@ class Scheduler:
             req.seq = self.cache.admit(req.all_ids())
         except self.OutOfSlots:
             return False
+        if self.running and reserved + self.future_tokens(req) > self.available_tokens():
+            self.cache.finish(req.seq, insert=False)  # nothing computed: nothing to keep
+            req.seq = None
+            return False
         req.status = Status.RUNNING
         self.running.append(req)
-        if len(self.running) > 1 and reserved + self.future_tokens(req) > self.available_tokens():
-            self._withdraw(req)
-            return False
         return True
 
     def _withdraw(self, req: Request) -> None:
-        """Undo an admission in the same step: nothing was computed, so nothing is kept."""
-        self.cache.finish(req.seq, insert=False)
-        req.seq = None
+        """Undo an admission in the same step: nothing was computed, so nothing is kept. ``req`` is still
+        in the waiting queue (marked running, so `release` leaves it there) and waits again."""
+        self.release(req, insert=False)
         req.status = Status.WAITING
-        self.running.remove(req)
 
     def future_tokens(self, req: Request) -> float:
         """Tokens ``req`` is expected to add to the cold pool: those not yet in a full page (its
