@@ -232,6 +232,17 @@ class EngineCore:
         if self.drift is not None:
             self.drift.close()
 
+    def release(self) -> bool:
+        """After `stop`: drop this core's references to what holds device memory (the cache's pools,
+        ring and sinks, the runner's CUDA graphs and workspaces, the model), so that memory can be
+        freed at shutdown rather than whenever the garbage collector next meets the reference cycles
+        between these objects. False, and nothing dropped, while the engine thread still runs."""
+        if self._thread.is_alive():
+            return False
+        self._inflight = None
+        self.runner = self.cache = self.scheduler = self.model = None  # type: ignore[assignment]
+        return True
+
     # --- the engine thread ------------------------------------------------------------------------
     def _loop(self) -> None:
         with torch.inference_mode():

@@ -155,6 +155,10 @@ class FallbackPolicy:
         return step
 
 
+def _closed_forward(input_ids: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("the drift monitor is closed")
+
+
 class DriftMonitor:
     def __init__(
         self,
@@ -290,5 +294,10 @@ class DriftMonitor:
             )
 
     def close(self) -> None:
+        """Stop the worker. Once it has stopped, the model's forward and the engine's callback are
+        dropped: a shut-down engine's weights must not stay reachable through its monitor."""
         self.jobs.put(None)
         self.thread.join(timeout=10)
+        if not self.thread.is_alive():
+            self.dense_forward = _closed_forward
+            self.on_level = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import queue
 import time
@@ -17,6 +18,8 @@ import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
+
+import torch
 
 from kvstrata.engine.core import EngineCore, ResultCallback
 from kvstrata.engine.delivery import LoopMailbox
@@ -275,6 +278,7 @@ class Engine:
 
         Raises ``ValueError`` for a bad prompt or image and `PinBudgetExceeded` over the pin budget.
         """
+        self._live()
         batch = normalize_inputs(prompt, input_ids, None, None, self.tokenizer)
         if not batch.single:
             raise ValueError("pin takes one prompt")
@@ -314,15 +318,18 @@ class Engine:
     def layer_codecs(self) -> list[str]:
         """Per layer, the codec name new cold pages are written in (``"k/v"`` when K and V differ): the
         raised pool's while the drift fallback raises precision."""
+        self._live()
         pool = self.cache.raised_pool if self.cache.raised else self.cache.pool
         assert pool is not None
         return list(pool.codec_names)
 
     def raised_codecs(self) -> list[str]:
         """Per layer, the codec of the drift fallback's raised pool (empty without one)."""
+        self._live()
         return list(self.cache.raised_pool.codec_names) if self.cache.raised_pool is not None else []
 
     def get_server_info(self) -> dict[str, Any]:
+        self._live()
         c = self.cache_config
         return {
             "model": self.model.name,
@@ -364,10 +371,24 @@ class Engine:
         return self.drift.wait_idle(timeout) if self.drift else True
 
     def shutdown(self) -> None:
+        """Stop the engine thread (requests still queued or running end as aborted), then give back
+        the device memory the engine holds, as SGLang's ``Engine.shutdown`` does by ending its
+        processes: the KV pools, ring, sinks, CUDA graphs and workspaces, and the weights unless the
+        caller passed in the `LoadedModel` (then only the engine's reference to it goes). Afterwards
+        ``cache``, ``runner`` and ``model`` are None; what needs them raises ``RuntimeError``."""
         if self._closed:
             return
         self.core.stop()
         self._closed = True
+        if self.core.release():
+            self.cache = self.runner = self.model = None  # type: ignore[assignment]
+            gc.collect()  # the dropped objects refer to each other (callbacks, graphs' closures)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def _live(self) -> None:
+        if self._closed:
+            raise RuntimeError("engine is shut down")
 
     def __enter__(self) -> Engine:
         return self
@@ -458,6 +479,7 @@ class Engine:
 
     def vision_stats(self) -> dict[str, int]:
         """Images encoded by the vision tower and images whose tower run was skipped (span cached)."""
+        self._live()
         vision = self.model.vision
         if vision is None:
             return {"encoded_images": 0, "cached_images": 0}
