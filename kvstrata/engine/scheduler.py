@@ -168,15 +168,19 @@ class Scheduler:
         return plan if plan is not None else self._reserve(decode, [], [])
 
     def _pick(self) -> tuple[list[Request], list[tuple[Request, int]], list[Request]]:
-        decode = [r for r in self.running if not r.in_prefill]
+        decode: list[Request] = []
         budget = self.chunk_size
         chunks: list[tuple[Request, int]] = []
         for r in self.running:
-            if r.in_prefill and budget > 0:
+            if not r.in_prefill:
+                decode.append(r)
+            elif budget > 0:
                 n = min(r.tokens_len - r.computed, budget)
                 chunks.append((r, n))
                 budget -= n
         admitted: list[Request] = []
+        if not self.waiting or budget <= 0 or len(self.running) >= self.max_running:
+            return decode, chunks, admitted  # nothing to admit: no reservation to sum (decode at B=256)
         reserved = sum(self.future_tokens(r) for r in self.running)
         for r in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_running:
