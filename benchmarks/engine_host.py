@@ -10,9 +10,11 @@ times the two largest parts on CPU, where they do the same work as on a GPU host
 
 The model is tiny (its forward pass is not timed; the per-request host work does not depend on the
 model's size), random weights from a config (``load_format="dummy"``), FP8 history with the shipped
-defaults, greedy, ``ignore_eos``. The median of each part over the decode steps of ``--repeats`` runs is
-printed for this code and for ``--baseline`` (another checkout, measured the same way in a subprocess of
-the same run), with their ratio. The milliseconds are this machine's, not a GPU host's: compare the ratio.
+defaults, greedy, ``ignore_eos``; ``--stream`` streams every request to an event loop, as the server
+does (each step then also builds and hands over a chunk a request). The median of each part over the
+decode steps of ``--repeats`` runs is printed for this code and for ``--baseline`` (another checkout,
+measured the same way in a subprocess of the same run), with their ratio. The milliseconds are this
+machine's, not a GPU host's: compare the ratio.
 
     python benchmarks/engine_host.py --baseline /path/to/main/checkout
 """
@@ -20,6 +22,7 @@ the same run), with their ratio. The milliseconds are this machine's, not a GPU 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import statistics
@@ -91,7 +94,10 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
             for _ in range(args.repeats + 1):  # the first run is a warm-up
                 for found in times.values():
                     found.clear()
-                engine.generate(input_ids=prompts.tolist(), sampling_params=params)
+                if args.stream:
+                    asyncio.run(stream_all(engine, prompts.tolist(), params))
+                else:
+                    engine.generate(input_ids=prompts.tolist(), sampling_params=params)
                 engine.flush_cache()
                 for part, found in times.items():
                     steps[part].extend(found[1:])
@@ -100,11 +106,23 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
     return {part: statistics.median(found) * 1e3 for part, found in steps.items()}
 
 
+async def stream_all(engine: Any, prompts: list[list[int]], params: dict[str, Any]) -> None:
+    """Every prompt streamed at once through ``async_generate``, as the server's requests are: each
+    step's tokens become a chunk a request (``Request.delta``) handed to this event loop."""
+
+    async def one(ids: list[int]) -> None:
+        async for _ in engine.async_generate(input_ids=ids, sampling_params=params, stream=True):
+            pass
+
+    await asyncio.gather(*(one(ids) for ids in prompts))
+
+
 def baseline(args: argparse.Namespace) -> dict[str, float]:
     """The same measurement of the code under ``args.baseline`` (a checkout), in a subprocess."""
     argv = [sys.executable, __file__, "--json"]
     for name in ("batch", "prompt", "new", "codec", "repeats"):
         argv += [f"--{name}", str(getattr(args, name))]
+    argv += ["--stream"] if args.stream else []
     env = dict(os.environ, PYTHONPATH=args.baseline)
     done = subprocess.run(argv, env=env, check=True, capture_output=True, text=True)
     return json.loads(done.stdout.splitlines()[-1])
@@ -117,6 +135,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128, help="tokens generated a request")
     ap.add_argument("--codec", default="fp8_e4m3", help="history codec")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs (after one warm-up)")
+    ap.add_argument("--stream", action="store_true", help="stream every request (the server's case)")
     ap.add_argument("--baseline", help="a checkout whose kvstrata is measured the same way, first")
     ap.add_argument("--json", action="store_true", help="print the result as one JSON line (for --baseline)")
     args = ap.parse_args()
@@ -125,7 +144,9 @@ def main() -> None:
         return
     before = baseline(args) if args.baseline else None
     now = measure(args)
-    print(f"engine thread, host ms per decode step at batch {args.batch} ({args.codec} history, CPU, median)")
+    mode = "streamed" if args.stream else "not streamed"
+    where = f"batch {args.batch}, {args.codec} history, {mode}, CPU, median"
+    print(f"engine thread, host ms per decode step ({where})")
     print("| part | " + ("baseline | " if before else "") + "this code |" + (" ratio |" if before else ""))
     print("|---|" + ("---:|" * (3 if before else 1)))
     for part, ms in now.items():

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from bench_scripts import ROOT, run_benchmark
 
 SMALL = ("--batch", "8", "--prompt", "20", "--new", "6", "--repeats", "1")
 
 
-def test_engine_host_times_both_parts() -> None:
-    parts = json.loads(run_benchmark("engine_host.py", *SMALL, "--json").splitlines()[-1])
+@pytest.mark.parametrize("mode", [(), ("--stream",)], ids=["collected", "streamed"])
+def test_engine_host_times_both_parts(mode: tuple[str, ...]) -> None:
+    parts = json.loads(run_benchmark("engine_host.py", *SMALL, *mode, "--json").splitlines()[-1])
     assert set(parts) == {"plan", "post"}
     assert all(0 < ms < 1000 for ms in parts.values())
 
