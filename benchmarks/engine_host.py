@@ -91,7 +91,7 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
         params = {"max_new_tokens": args.new, "ignore_eos": True, "temperature": 0}
         steps: dict[str, list[float]] = {part: [] for part in PARTS}
         try:
-            for _ in range(args.repeats + 1):  # the first run is a warm-up
+            for run in range(args.repeats + 1):  # the first run is a warm-up
                 for found in times.values():
                     found.clear()
                 if args.stream:
@@ -100,7 +100,7 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
                     engine.generate(input_ids=prompts.tolist(), sampling_params=params)
                 engine.flush_cache()
                 for part, found in times.items():
-                    steps[part].extend(found[1:])
+                    steps[part].extend(found[1:] if run else [])
         finally:
             engine.shutdown()
     return {part: statistics.median(found) * 1e3 for part, found in steps.items()}

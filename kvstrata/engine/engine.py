@@ -72,6 +72,7 @@ class Engine:
         for skip_special_tokens in (True, False):  # built (and checked) now, not in a request's submission
             byte_table(self.tokenizer, skip_special_tokens)
         self._closed = False
+        self._final: dict[str, Any] | None = None  # what the engine answers after shutdown released it
         self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopMailbox] = (
             weakref.WeakKeyDictionary()
         )
@@ -318,18 +319,21 @@ class Engine:
     def layer_codecs(self) -> list[str]:
         """Per layer, the codec name new cold pages are written in (``"k/v"`` when K and V differ): the
         raised pool's while the drift fallback raises precision."""
-        self._live()
+        if self._final is not None:
+            return list(self._final["server_info"]["layer_codecs"])
         pool = self.cache.raised_pool if self.cache.raised else self.cache.pool
         assert pool is not None
         return list(pool.codec_names)
 
     def raised_codecs(self) -> list[str]:
         """Per layer, the codec of the drift fallback's raised pool (empty without one)."""
-        self._live()
+        if self._final is not None:
+            return list(self._final["raised_codecs"])
         return list(self.cache.raised_pool.codec_names) if self.cache.raised_pool is not None else []
 
     def get_server_info(self) -> dict[str, Any]:
-        self._live()
+        if self._final is not None:
+            return dict(self._final["server_info"])
         c = self.cache_config
         return {
             "model": self.model.name,
@@ -375,16 +379,29 @@ class Engine:
         the device memory the engine holds, as SGLang's ``Engine.shutdown`` does by ending its
         processes: the KV pools, ring, sinks, CUDA graphs and workspaces, and the weights unless the
         caller passed in the `LoadedModel` (then only the engine's reference to it goes). Afterwards
-        ``cache``, ``runner`` and ``model`` are None; what needs them raises ``RuntimeError``."""
-        if self._closed:
+        ``cache``, ``runner`` and ``model`` are None; the statistics, server info, codecs and vision
+        counters still answer (as they were at shutdown: a metrics scrape of an app that outlives its
+        engine keeps working) and what needs the model raises ``RuntimeError``. If the engine thread
+        is still in a step after `EngineCore.stop`'s wait, nothing is freed; a later call tries again."""
+        if not self._closed:
+            self.core.stop()
+            self._closed = True
+        if self._final is not None:
             return
-        self.core.stop()
-        self._closed = True
-        if self.core.release():
-            self.cache = self.runner = self.model = None  # type: ignore[assignment]
-            gc.collect()  # the dropped objects refer to each other (callbacks, graphs' closures)
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+        if not self.core.release():
+            log.warning(
+                "shutdown: the engine thread is still in a step; its memory is kept until shutdown() again"
+            )
+            return
+        self._final = {
+            "server_info": self.get_server_info(),
+            "raised_codecs": self.raised_codecs(),
+            "vision_stats": self.vision_stats(),
+        }
+        self.cache = self.runner = self.model = None  # type: ignore[assignment]
+        gc.collect()  # the dropped objects refer to each other (callbacks, graphs' closures)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _live(self) -> None:
         if self._closed:
@@ -479,7 +496,8 @@ class Engine:
 
     def vision_stats(self) -> dict[str, int]:
         """Images encoded by the vision tower and images whose tower run was skipped (span cached)."""
-        self._live()
+        if self._final is not None:
+            return dict(self._final["vision_stats"])
         vision = self.model.vision
         if vision is None:
             return {"encoded_images": 0, "cached_images": 0}

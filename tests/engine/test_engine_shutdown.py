@@ -50,10 +50,10 @@ def test_shutdown_frees_the_cache_the_runner_and_weights_it_loaded(llama_path):
         gc.enable()
     assert alive == []
     assert engine.cache is None and engine.runner is None and engine.model is None
-    assert engine.get_stats().requests_finished_total["success"] == 1  # counters stay readable
-    for call in (engine.get_server_info, engine.layer_codecs, engine.raised_codecs):
-        with pytest.raises(RuntimeError, match="shut down"):
-            call()
+    # what a metrics scrape reads still answers, as it was at shutdown
+    assert engine.get_stats().requests_finished_total["success"] == 1
+    assert engine.layer_codecs() == engine.get_server_info()["layer_codecs"] == ["fp8_e4m3"] * 2
+    assert engine.vision_stats() == {"encoded_images": 0, "cached_images": 0}
     with pytest.raises(RuntimeError, match="shut down"):
         engine.pin(input_ids=PROMPT)
     with pytest.raises(RuntimeError, match="shut down"):
@@ -71,3 +71,35 @@ def test_a_callers_model_outlives_the_engine_and_serves_the_next(llama_path):
     assert alive == ["model", "weights"]  # the caller's; the engine's own state is gone
     with Engine(model, **ARGS) as second:
         assert second.generate(input_ids=PROMPT, sampling_params=PARAMS)["output_ids"] == want
+
+
+def test_metrics_of_an_app_that_outlives_its_engine(default_model):
+    """An app that keeps serving /metrics after its engine shut down renders counters, not a 500."""
+    from kvstrata.server.engine_client import EngineClient
+    from kvstrata.server.metrics import ServerMetrics
+
+    engine = Engine(default_model, **ARGS)
+    client = EngineClient(engine)
+    engine.generate(input_ids=PROMPT, sampling_params=PARAMS)
+    before = ServerMetrics(client.snapshot).render().decode()
+    engine.shutdown()
+    after = ServerMetrics(client.snapshot).render().decode()
+    finished = [line for line in before.splitlines() if line.startswith("kvstrata:requests_finished_total")]
+    assert any(line.endswith(" 1.0") for line in finished)
+    for line in (*finished, 'kvstrata:kv_layer_bits{codec="fp8_e4m3",kind="k",layer="0"} 8.0'):
+        assert line in before and line in after, line
+
+
+def test_a_busy_thread_at_shutdown_keeps_it_all_and_a_retry_frees_it(llama_path, monkeypatch, caplog):
+    engine = Engine(str(llama_path), dtype="float32", device="cpu", **ARGS)
+    held = held_objects(engine)
+    release = type(engine.core).release
+    monkeypatch.setattr(type(engine.core), "release", lambda core: False)  # as if a step were still running
+    engine.shutdown()
+    assert "still in a step" in caplog.text
+    assert engine.cache is not None and held["cold pool"]() is not None
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.generate(input_ids=PROMPT, sampling_params=PARAMS)
+    monkeypatch.setattr(type(engine.core), "release", release)
+    engine.shutdown()
+    assert engine.cache is None and all(ref() is None for ref in held.values())

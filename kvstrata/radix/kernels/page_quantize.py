@@ -22,9 +22,10 @@ from kvstrata.radix.ring import HotRing
 from kvstrata.radix.sinks import SinkStore
 
 # Warps a (page, head) program, by the format that wants more of them, K's or V's (`kernel_format` ids;
-# the 4-bit and int8 encoders keep 4, not timed otherwise). H200, 8B layer, one prefill step's 480 pages
-# of 5 fresh 1,536-token prompts, `quantize_pages` alone by CUDA events (one run, 2026-12-04): BF16 rows
-# 47 us a layer at 1 warp against 68 at 4 (70 at 2, 82 at 8); FP8 E4M3 84 at 2 against 99 at 4 (86 at 1).
+# the 4-bit and int8 encoders keep 4, and fp32 rows share BF16's entry: not timed). H200, 8B layer, one
+# prefill step's 480 pages of 5 fresh 1,536-token prompts, `quantize_pages` alone by CUDA events (one
+# run, 2026-12-04): BF16 rows 47 us a layer at 1 warp against 68 at 4 (70 at 2, 82 at 8); FP8 E4M3 84 at
+# 2 against 99 at 4 (86 at 1).
 QUANTIZE_WARPS = {0: 1, 1: 2, 2: 2}
 
 
