@@ -26,16 +26,14 @@ import cProfile
 import inspect
 import json
 import math
-import os
 import pstats
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
+from checkout import measure_checkout
 
 from kvstrata.engine.malloc import tune_malloc
 from kvstrata.radix import CacheConfig, StratifiedKVCache
@@ -173,12 +171,8 @@ def measure(run: Callable[..., list[float]], repeats: int, layers: int) -> dict[
 
 def baseline(args: argparse.Namespace) -> dict[str, float]:
     """The same measurement of the code under ``args.baseline`` (a checkout), in a subprocess."""
-    argv = [sys.executable, __file__, "--json"]
-    for name in ("batch", "context", "layers", "codec", "device", "repeats"):
-        argv += [f"--{name}", str(getattr(args, name))]
-    env = dict(os.environ, PYTHONPATH=args.baseline)
-    done = subprocess.run(argv, env=env, check=True, capture_output=True, text=True)
-    return json.loads(done.stdout.splitlines()[-1])
+    options = ("batch", "context", "layers", "codec", "device", "repeats")
+    return measure_checkout(__file__, args.baseline, args, options)
 
 
 def report(name: str, r: dict[str, float]) -> None:

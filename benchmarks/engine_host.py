@@ -24,10 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -35,6 +32,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from checkout import measure_checkout
+
+from kvstrata.engine.core import EngineCore
+from kvstrata.engine.engine import Engine
+from kvstrata.engine.scheduler import Scheduler
 
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"],
@@ -50,15 +52,11 @@ TINY_LLAMA = {
     "rope_theta": 10000.0,
     "tie_word_embeddings": False,
 }
-PARTS = {"plan": ("kvstrata.engine.scheduler", "Scheduler", "schedule"),
-         "post": ("kvstrata.engine.core", "EngineCore", "_absorb")}  # fmt: skip
+PARTS: dict[str, tuple[type, str]] = {"plan": (Scheduler, "schedule"), "post": (EngineCore, "_absorb")}
 
 
-def timed(module: str, cls: str, name: str, into: list[float]) -> None:
-    """Wrap ``cls.name`` of ``module`` so each call's seconds are appended to ``into``."""
-    import importlib
-
-    owner = getattr(importlib.import_module(module), cls)
+def timed(owner: type, name: str, into: list[float]) -> None:
+    """Wrap ``owner.name`` so each call's seconds are appended to ``into``."""
     original: Callable[..., Any] = getattr(owner, name)
 
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -73,8 +71,6 @@ def timed(module: str, cls: str, name: str, into: list[float]) -> None:
 
 def measure(args: argparse.Namespace) -> dict[str, float]:
     """Median milliseconds of each part over the decode steps (a run's first step, its prefill, left out)."""
-    from kvstrata.engine.engine import Engine
-
     torch.set_num_threads(1)
     times: dict[str, list[float]] = {part: [] for part in PARTS}
     for part, where in PARTS.items():
@@ -119,13 +115,8 @@ async def stream_all(engine: Any, prompts: list[list[int]], params: dict[str, An
 
 def baseline(args: argparse.Namespace) -> dict[str, float]:
     """The same measurement of the code under ``args.baseline`` (a checkout), in a subprocess."""
-    argv = [sys.executable, __file__, "--json"]
-    for name in ("batch", "prompt", "new", "codec", "repeats"):
-        argv += [f"--{name}", str(getattr(args, name))]
-    argv += ["--stream"] if args.stream else []
-    env = dict(os.environ, PYTHONPATH=args.baseline)
-    done = subprocess.run(argv, env=env, check=True, capture_output=True, text=True)
-    return json.loads(done.stdout.splitlines()[-1])
+    options = ("batch", "prompt", "new", "codec", "repeats")
+    return measure_checkout(__file__, args.baseline, args, options, flags=("stream",))
 
 
 def main() -> None:
