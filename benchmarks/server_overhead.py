@@ -86,7 +86,8 @@ class FixedStep:
         self.cpu_starts: list[float] = []
         self.cpu_ends: list[float] = []
         self.full: list[bool] = []  # every stream decodes one token in this step
-        self.loop_clock = time.pthread_getcpuclockid(threading.main_thread().ident or 0)  # uvicorn's loop
+        # uvicorn's loop (None in an engine process: the loop runs in the server's)
+        self.loop_clock: int | None = time.pthread_getcpuclockid(threading.main_thread().ident or 0)
         self.loop_cpu: list[float] = []
 
     def __call__(self, plan: Any) -> tuple[list[Any], Any, None]:
@@ -94,7 +95,8 @@ class FixedStep:
 
         self.starts.append(time.perf_counter())
         self.cpu_starts.append(time.thread_time())
-        self.loop_cpu.append(time.clock_gettime(self.loop_clock))
+        if self.loop_clock is not None:
+            self.loop_cpu.append(time.clock_gettime(self.loop_clock))
         self.full.append(len(plan.reqs) == self.streams and all(n == 1 for n in plan.n_new))
         sampled = [r for r, n in zip(plan.reqs, plan.n_new, strict=True) if r.computed + n == r.tokens_len]
         before_sync = getattr(self.runner.sampler, "before_sync", None)  # None before it existed
@@ -116,7 +118,8 @@ class FixedStep:
             if self.full[i] and self.full[i + 1]:
                 intervals.append(self.starts[i + 1] - self.starts[i])
                 cpu.append(self.cpu_starts[i + 1] - self.cpu_ends[i])
-                loop.append(self.loop_cpu[i + 1] - self.loop_cpu[i])
+                if self.loop_cpu:
+                    loop.append(self.loop_cpu[i + 1] - self.loop_cpu[i])
         return {
             "steps": len(self.starts),
             "full_steps": len(intervals),
@@ -134,8 +137,84 @@ def profile_report(prof: cProfile.Profile, title: str, top: int) -> str:
     return f"--- {title}: top {top} by own time\n" + "\n".join(lines[-(top + 1) :])
 
 
+FIXED_STEP_ENV = "KVSTRATA_BENCH_FIXED_STEP"
+
+
+def install_fixed_step(engine: Any) -> None:
+    """`EngineProcess`'s engine hook (in the engine process): the fixed step of ``FIXED_STEP_ENV``'s
+    settings; its summary is written to their result file when the engine shuts down."""
+    opts = json.loads(os.environ[FIXED_STEP_ENV])
+    engine.core.set_flush_at_sync(opts["flush"] == "at-sync")
+    step = FixedStep(engine.core.runner, opts["step_s"], engine.config.vocab_size, opts["streams"])
+    step.loop_clock = None
+    engine.core.runner.run = step
+    shutdown = engine.shutdown
+
+    def shutdown_and_report() -> None:
+        shutdown()
+        Path(opts["result"]).write_text(json.dumps(step.summary()))
+
+    engine.shutdown = shutdown_and_report
+
+
+def engine_setup(args: argparse.Namespace, n: int) -> tuple[int, dict[str, Any]]:
+    """Pool and prefill sizes for ``n`` streams: (max total tokens, engine keyword arguments)."""
+    per_seq = args.input_len + args.output_len + 64
+    return n * per_seq + 1024, {
+        "kv_cache_dtype": "auto",
+        "max_running_requests": n,
+        "chunked_prefill_size": n * args.input_len,
+        "kv_plan": "off",
+    }
+
+
+def serve_engine_process(args: argparse.Namespace) -> dict[str, Any]:
+    """`serve` with the engine in its own process (`kvstrata serve --engine-process on`)."""
+    import uvicorn
+
+    from kvstrata.server.app import create_app, freeze_startup_objects
+    from kvstrata.server.config import ServerConfig
+    from kvstrata.server.engine_process import EngineProcess
+    from kvstrata.server.transport import uvicorn_options
+
+    n = args.streams[0]
+    total, kwargs = engine_setup(args, n)
+    config = ServerConfig(
+        model=args.model_dir, load_format="dummy", max_total_tokens=total, skip_server_warmup=True, **kwargs
+    )
+    engine_result = Path(args.result).with_suffix(".engine.json")
+    os.environ[FIXED_STEP_ENV] = json.dumps(
+        {"step_s": args.step_ms / 1e3, "streams": n, "flush": args.flush, "result": str(engine_result)}
+    )
+    here = str(Path(__file__).resolve().parent)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    engine = EngineProcess(config, engine_hook="server_overhead:install_fixed_step")
+    app = create_app(engine, config)
+    freeze_startup_objects()
+    transport = uvicorn_options()
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=args.port, log_level="warning", **transport)
+    )
+    loop_cpu = time.thread_time()
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        loop_cpu = time.thread_time() - loop_cpu
+        engine.shutdown()
+    result = json.loads(engine_result.read_text())
+    result["loop_cpu_total_s"] = loop_cpu
+    result["transport"] = f"loop {transport['loop']}, {transport['http']}, engine in its own process"
+    result["profile"] = []
+    return result
+
+
 def serve(args: argparse.Namespace) -> None:
     """The server process: engine with a fixed-time step, the real app, uvicorn on --port."""
+    if args.engine_process:
+        Path(args.result).write_text(json.dumps(serve_engine_process(args)))
+        return
     import uvicorn
 
     from kvstrata.engine import core as core_module
@@ -161,15 +240,8 @@ def serve(args: argparse.Namespace) -> None:
         sys.setswitchinterval(float(os.environ["SWITCH_INTERVAL"]))
     n = args.streams[0]
     model = load_model(args.model_dir, load_format="dummy", device="cpu")
-    per_seq = args.input_len + args.output_len + 64
-    engine = Engine(
-        model,
-        kv_cache_dtype="auto",
-        max_running_requests=n,
-        max_total_tokens=n * per_seq + 1024,
-        chunked_prefill_size=n * args.input_len,
-        kv_plan="off",
-    )
+    total, kwargs = engine_setup(args, n)
+    engine = Engine(model, max_total_tokens=total, **kwargs)
     if hasattr(engine.core, "set_flush_at_sync"):  # a checkout before it: the baseline
         engine.core.set_flush_at_sync(args.flush == "at-sync")
     step = FixedStep(engine.core.runner, args.step_ms / 1e3, model.config.vocab_size, n)
@@ -190,15 +262,18 @@ def serve(args: argparse.Namespace) -> None:
     if args.profile:
         prof = profiles["event loop thread"] = cProfile.Profile()
         prof.enable()
+    loop_cpu = time.thread_time()
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT that stopped it
         pass
     finally:
+        loop_cpu = time.thread_time() - loop_cpu
         if args.profile:
             profiles["event loop thread"].disable()
         engine.shutdown()
     result = step.summary()
+    result["loop_cpu_total_s"] = loop_cpu
     result["transport"] = f"loop {transport.get('loop', config.loop)}, {config.http_protocol_class.__name__}"
     result["profile"] = [profile_report(p, name, args.top) for name, p in profiles.items()]
     Path(args.result).write_text(json.dumps(result))
@@ -237,6 +312,8 @@ def measure(args: argparse.Namespace, n: int, model_dir: Path, work: Path) -> di
            "--top", str(args.top), "--flush", args.flush]  # fmt: skip
     if args.profile:
         cmd.append("--profile")
+    if args.engine_process:
+        cmd.append("--engine-process")
     server = subprocess.Popen(cmd, env=env)
     try:
         wait_health(port, server)
@@ -269,6 +346,12 @@ def main() -> None:
         help="where the engine hands chunks to the loop: as on CUDA (at-sync) or on CPU (after-step)",
     )
     ap.add_argument("--profile", action="store_true", help="cProfile the event loop and engine threads")
+    ap.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="the engine in its own process (kvstrata serve --engine-process on); loop CPU is then only "
+        "the run's mean (the loop is in another process than the step's clock readings)",
+    )
     ap.add_argument("--timeout", type=float, default=300, help="seconds one bench run may take")
     ap.add_argument("--top", type=int, default=25, help="profile lines per thread")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
@@ -276,6 +359,8 @@ def main() -> None:
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.profile and args.engine_process:
+        ap.error("--profile profiles the threads of one process: leave out --engine-process")
     if args.serve:
         serve(args)
         return
@@ -289,6 +374,7 @@ def main() -> None:
                 f"| {n} | {args.step_ms:.1f} | {r['full_steps']} | {r['interval_ms']:.1f} "
                 f"| {r['interval_ms'] - args.step_ms:.1f} | {r['engine_cpu_ms']:.1f} "
                 f"| {r['loop_cpu_ms']:.1f} | {1e3 * r['loop_cpu_ms'] / n:.0f} "
+                f"| {1e3 * r['loop_cpu_total_s'] / max(r['steps'], 1):.1f} "
                 f"| {b['median_itl_ms']:.1f} | {b['median_itl_ms'] - args.step_ms:.1f} "
                 f"| {b['output_throughput']:,.0f} | {n * 1e3 / args.step_ms:,.0f} |"
             )
@@ -299,10 +385,10 @@ def main() -> None:
     print("server:", "; ".join(sorted(transports)))
     print(
         "| streams | step ms | full steps | step interval ms | host/step ms | engine CPU ms | loop CPU ms "
-        "| loop us/chunk "
+        "| loop us/chunk | loop CPU ms/step, run mean "
         "| client median ITL ms | ITL - step ms | output tok/s | baseline tok/s (N / step) |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     print("\n".join(rows))
 
 

@@ -253,6 +253,22 @@ class Engine:
             return self._stream_async(reqs, aq)
         return self._collect_async(reqs, aq, single)
 
+    def submit(
+        self,
+        input_ids: list[int] | list[list[int]],
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None,
+        sink: ResultCallback,
+        rid: str | list[str] | None = None,
+        image_data: Any = None,
+        stream: bool = True,
+    ) -> list[str]:
+        """Submit requests whose chunks go to ``sink`` (called on the engine thread; a sink with a
+        ``mailbox`` attribute gets ``mailbox.flush()`` once per step, as `LoopMailbox` does) and return
+        their ids in the engine's order (prompt * n + sample). For a caller that moves the chunks on
+        itself: the server's engine process (kvstrata/server/engine_process.py)."""
+        reqs, _ = self._submit(None, input_ids, sampling_params, rid, None, None, stream, sink, image_data)
+        return [r.rid for r in reqs]
+
     def abort(self, rid: str) -> None:
         """Abort a request (or all n samples of a group) by id; its pages and ring slot come back."""
         with contextlib.suppress(RuntimeError):  # shut down: every request has already ended

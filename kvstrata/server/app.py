@@ -15,7 +15,7 @@ from fastapi.openapi.utils import get_openapi
 
 from kvstrata import __version__
 from kvstrata.server.config import ServerConfig
-from kvstrata.server.engine_client import EngineClient
+from kvstrata.server.engine_client import EngineClient, RemoteEngineClient
 from kvstrata.server.errors import install_handlers
 from kvstrata.server.metrics import ServerMetrics
 from kvstrata.server.middleware import AuthMiddleware, BodyLimitMiddleware
@@ -24,9 +24,13 @@ from kvstrata.server.routes import ServerState, router
 
 
 def create_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
-    """An app serving ``engine``; the caller owns the engine (and shuts it down)."""
+    """An app serving ``engine`` (a `kvstrata.Engine`, or an `EngineProcess` running one in a child
+    process); the caller owns the engine (and shuts it down)."""
+    from kvstrata.server.engine_process import EngineProcess
+
     config = config or ServerConfig()
-    client = EngineClient(engine, config.served_model_name, config.context_length)
+    kind = RemoteEngineClient if isinstance(engine, EngineProcess) else EngineClient
+    client = kind(engine, config.served_model_name, config.context_length)
     metrics = ServerMetrics(client.snapshot)
 
     @asynccontextmanager

@@ -6,6 +6,7 @@ import argparse
 import gc
 import logging
 import sys
+from typing import Any
 
 from kvstrata.server.config import ServerConfig, add_flags
 
@@ -39,10 +40,14 @@ def run(args: argparse.Namespace) -> int:
 
     from kvstrata import Engine
     from kvstrata.server.app import create_app, freeze_startup_objects
+    from kvstrata.server.engine_process import EngineProcess
     from kvstrata.server.transport import uvicorn_options
 
     try:
-        engine = Engine(**config.engine_kwargs(), warmup=config.warmup_mode())
+        if config.separate_engine():
+            engine: Any = EngineProcess(config)
+        else:
+            engine = Engine(**config.engine_kwargs(), warmup=config.warmup_mode())
     except (ValueError, KeyError, FileNotFoundError) as exc:
         print(f"kvstrata serve: cannot start the engine: {exc}", file=sys.stderr)
         return 2
@@ -52,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         transport = uvicorn_options()
         freeze_startup_objects()
         log.info(
-            "serving %s on http://%s:%d (kv %s, window %s, %s tokens of KV, auth %s, %s + %s)",
+            "serving %s on http://%s:%d (kv %s, window %s, %s tokens of KV, auth %s, %s + %s, engine %s)",
             app.state.kvstrata.client.model_name,
             config.host,
             config.port,
@@ -62,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
             "on" if config.api_key else "off",
             transport["loop"],
             transport["http"],
+            "in its own process" if isinstance(engine, EngineProcess) else "in this process",
         )
         uvicorn.run(
             app,

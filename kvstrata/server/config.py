@@ -121,6 +121,13 @@ def _graph_mode(text: str) -> str:
     return value
 
 
+def _engine_process(text: str) -> str:
+    value = text.strip().lower()
+    if value not in ("auto", "on", "off"):
+        raise argparse.ArgumentTypeError(f"auto, on or off: {text!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class Flag:
     name: str  # the attribute name; flag is --name-with-dashes, env is KVSTRATA_NAME
@@ -312,6 +319,13 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag("drift_raise_share", _fraction, None, "share of the cold pool's bytes for the raised pool", True),
     Flag(
+        "engine_process",
+        _engine_process,
+        "auto",
+        "run the engine in its own process, apart from the HTTP server's event loop and its GIL (as "
+        "SGLang runs its scheduler): on, off, or auto (on when CUDA is available)",
+    ),
+    Flag(
         "switch_interval",
         _switch_interval,
         None,
@@ -371,6 +385,7 @@ class ServerConfig:
     prefill_defer_fill: float | None = None
     drift_raise_dtype: str | None = None
     drift_raise_share: float | None = None
+    engine_process: str = "auto"
     switch_interval: float | None = None
     gc_threshold: tuple[int, ...] | None = GC_THRESHOLD
 
@@ -378,6 +393,14 @@ class ServerConfig:
         """Keyword arguments for ``kvstrata.Engine``: only the options that were set."""
         names = {flag.name for flag in FLAGS if flag.engine}
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+    def separate_engine(self) -> bool:
+        """Whether `kvstrata serve` runs the engine in its own process (``--engine-process``)."""
+        if self.engine_process != "auto":
+            return self.engine_process == "on"
+        import torch
+
+        return torch.cuda.is_available()
 
     def warmup_mode(self) -> str:
         """The engine's ``warmup``: the server warms up on CUDA unless ``--skip-server-warmup``."""

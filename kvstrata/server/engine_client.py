@@ -122,6 +122,25 @@ class EngineRequest:
         except ValueError as exc:
             raise APIError(400, str(exc), code="invalid_value") from exc
 
+    async def start(self) -> None:
+        """Wait for the engine to take the request, where it answers later (the engine process):
+        its ``ValueError`` becomes a 400, a gone engine a 503, before any response has started."""
+        wait = getattr(self.gen, "wait_accepted", None)
+        if wait is None:
+            return
+        from kvstrata.server.engine_process import EngineUnavailable
+
+        try:
+            await wait()
+        except ValueError as exc:
+            raise APIError(400, str(exc), code="invalid_value") from exc
+        except EngineUnavailable as exc:
+            raise APIError(503, str(exc), code="engine_unavailable") from exc
+        except BaseException:  # cancelled (client gone) while waiting: the engine may take it later
+            self.abort()
+            await self.gen.aclose()
+            raise
+
     async def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
         try:
             async for chunk in self.gen:
@@ -221,7 +240,7 @@ class EngineClient:
 
     def image_text(self) -> str:
         """The image token as text, which the chat template and tokenizer turn back into its id."""
-        return str(self.tokenizer.convert_ids_to_tokens([self._vision().image_token_id])[0])
+        return str(self.tokenizer.convert_ids_to_tokens([self.image_token_id()])[0])
 
     def image_extra_tokens(self, images: list[Any]) -> int:
         """Tokens ``images`` (decoded) add to the prompt beyond their image tokens: each one's spans
@@ -260,6 +279,10 @@ class EngineClient:
 
     def subscribe(self, fn: Callable[[object], None]) -> Callable[[], None]:
         return self.engine.subscribe(fn)
+
+    def healthy(self) -> bool:
+        """False once the engine is gone (an engine process that exited): ``/health`` answers 503."""
+        return True
 
     def step_trace(self) -> Any:
         """The engine's per-step timeline when ``KVSTRATA_STEP_TRACE`` turned it on, else None."""
@@ -356,3 +379,45 @@ def fill_cache_stats(snap: EngineSnapshot, cache: Any) -> None:
         # running absmax / calibration clip: only a cache with static scales reports it
         for layer, ratio in enumerate(getattr(cache, f"absmax_ratio_{kind}", None) or []):
             snap.absmax_ratio[(layer, kind)] = float(ratio)
+
+
+class RemoteEngineClient(EngineClient):
+    """The same door over an engine in its own process (`EngineProcess`): tokenizing, detokenizing
+    and the chat template run here, on the server's copy of the tokenizer; generation streams over the
+    pipe; what reads the engine's state (stats, pins, images, the cache) runs on the engine side's own
+    `EngineClient`, so its answers and errors are the in-process ones."""
+
+    def _remote(self, method: str, *args: Any) -> Any:
+        from kvstrata.server.engine_process import EngineUnavailable
+
+        try:
+            return self.engine.call(method, *args)
+        except EngineUnavailable as exc:
+            raise APIError(503, str(exc), code="engine_unavailable") from exc
+
+    def healthy(self) -> bool:
+        return bool(self.engine.alive)
+
+    def image_token_id(self) -> int:
+        return int(self._remote("image_token_id"))
+
+    def image_extra_tokens(self, images: list[Any]) -> int:
+        return int(self._remote("image_extra_tokens", images)) if images else 0
+
+    def load_image(self, url: str) -> Any:
+        return self._remote("load_image", url)
+
+    def pin(self, ids: list[int], images: list[Any], ttl_s: float | None, label: str) -> dict[str, Any]:
+        return self._remote("pin", ids, images, ttl_s, label)
+
+    def unpin(self, pin_id: str) -> dict[str, Any]:
+        return self._remote("unpin", pin_id)
+
+    def flush_cache(self) -> bool:
+        return bool(self._remote("flush_cache"))
+
+    def step_trace(self) -> Any:
+        return None  # the timeline is the engine process's (KVSTRATA_STEP_TRACE), without loop lines
+
+    def snapshot(self) -> EngineSnapshot:
+        return self._remote("snapshot")

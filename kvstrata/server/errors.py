@@ -39,6 +39,9 @@ class APIError(Exception):
         self.param = param
         self.code = code
 
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled whole: the engine process raises them too
+        return (type(self), (self.status, self.message), {"param": self.param, "code": self.code})
+
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, param=self.param, code=self.code)
 

@@ -56,6 +56,10 @@ class Run:
         self._frames: dict[bool, tuple[bytes, bytes, bytes]] = {}
         self.request = client.submit(job.prompts, job.params, job.images)  # raises APIError(400) on bad input
 
+    async def start(self) -> None:
+        """Raise the engine's refusal (APIError 400/503) before the response starts."""
+        await self.request.start()
+
     def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
         return self.request.deltas()
 

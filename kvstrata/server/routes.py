@@ -137,6 +137,7 @@ async def _stream(run: Run, include_usage: bool) -> AsyncIterator[bytes]:
 async def _generate(request: Request, kind: Kind, job: Job, stream: bool, include_usage: bool) -> Response:
     s = state(request)
     run = Run(s.client, kind, job, s.client.model_name)
+    await run.start()
     if stream:
         return EventStream(run, _stream(run, include_usage))
     try:
@@ -185,6 +186,8 @@ async def chat_completions(request: Request) -> Response:
 @router.get("/health")
 async def health(request: Request) -> dict[str, Any]:
     s = state(request)
+    if not s.client.healthy():
+        raise APIError(503, "the engine process exited", code="engine_unavailable")
     return {"status": "ok", "model": s.client.model_name, "uptime_s": round(time.time() - s.started, 3)}
 
 

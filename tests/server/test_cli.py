@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -39,9 +40,21 @@ def _samples(text: str, name: str) -> list[float]:
     raise KeyError(name)
 
 
-def test_kvstrata_serve_process(tmp_path: Path) -> None:
+def _children(pid: int) -> set[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return {int(p) for p in path.read_text().split()} if path.exists() else set()
+
+
+@pytest.mark.parametrize("engine_process", ["off", "on"])
+def test_kvstrata_serve_process(tmp_path: Path, engine_process: str) -> None:
     port = _free_port()
-    env = dict(os.environ, KVSTRATA_PORT=str(port), KVSTRATA_API_KEY="cli-key", KVSTRATA_LOG_LEVEL="warning")
+    env = dict(
+        os.environ,
+        KVSTRATA_PORT=str(port),
+        KVSTRATA_API_KEY="cli-key",
+        KVSTRATA_LOG_LEVEL="warning",
+        KVSTRATA_ENGINE_PROCESS=engine_process,
+    )
     flags = [
         "--served-model-name",
         "smol",
@@ -79,6 +92,8 @@ def test_kvstrata_serve_process(tmp_path: Path) -> None:
         assert len(overflow) == len(absmax) == 2 * LAYERS
         assert max(overflow) > 0.01 and all(0.0 <= r <= 1.0 for r in overflow)
         assert max(absmax) > 2.0  # real magnitudes are several times the 0.5 clip
+        children = _children(proc.pid)
+        assert len(children) == (engine_process == "on")
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -87,11 +102,15 @@ def test_kvstrata_serve_process(tmp_path: Path) -> None:
             proc.kill()
             raise
     assert code == 0
+    for child in children:  # the engine process shut down with the server
+        assert not Path(f"/proc/{child}").exists() or "zombie" in Path(f"/proc/{child}/status").read_text()
 
 
-def test_bad_engine_option_is_a_clean_error() -> None:
+@pytest.mark.parametrize("engine_process", ["off", "on"])
+def test_bad_engine_option_is_a_clean_error(engine_process: str) -> None:
     # 24 is not a multiple of the 16-token page: the engine refuses it before loading the model
     cmd = [sys.executable, "-m", "kvstrata", "serve", "--recent-window", "24", "--port", str(_free_port())]
+    cmd += ["--engine-process", engine_process]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "cannot start the engine" in proc.stderr and "recent_window" in proc.stderr
