@@ -31,13 +31,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+@pytest.fixture(scope="module", params=["off", "on"], ids=["one-process", "engine-process"])
+def server(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[str]:
+    """The server in one process, then with the engine in its own (images, pins and the tower's counters
+    then cross the pipe)."""
     model_dir = assemble(Path(tmp_path_factory.mktemp("assembled")))
     port = _free_port()
     env = dict(os.environ, KVSTRATA_LOG_LEVEL="warning")
     cmd = [sys.executable, "-m", "kvstrata", "serve", "--model", str(model_dir), "--port", str(port)]
-    cmd += ["--max-total-tokens", "4096", "--served-model-name", "vlm"]
+    cmd += ["--max-total-tokens", "4096", "--served-model-name", "vlm", "--engine-process", request.param]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
