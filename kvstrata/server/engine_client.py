@@ -132,9 +132,10 @@ class EngineRequest:
 
         try:
             await wait()
-        except ValueError as exc:
-            raise APIError(400, str(exc), code="invalid_value") from exc
-        except EngineUnavailable as exc:
+        except (ValueError, EngineUnavailable) as exc:  # refused: nothing runs in the engine
+            await self.gen.aclose()
+            if isinstance(exc, ValueError):
+                raise APIError(400, str(exc), code="invalid_value") from exc
             raise APIError(503, str(exc), code="engine_unavailable") from exc
         except BaseException:  # cancelled (client gone) while waiting: the engine may take it later
             self.abort()

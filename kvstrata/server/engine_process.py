@@ -36,8 +36,9 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 from kvstrata.server.config import ServerConfig
@@ -54,10 +55,27 @@ class EngineUnavailable(RuntimeError):
     """The engine process is gone (or not answering): the server answers 503."""
 
 
+PIPE_BYTES = 1 << 20  # a step's chunks at 1,024 streams (~150 KB) in one write, not 64 KiB at a time
+
+
+def _dump(message: tuple[Any, ...]) -> bytes:
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
 def _send(conn: Connection, lock: threading.Lock, message: tuple[Any, ...]) -> None:
-    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    data = _dump(message)
     with lock:
         conn.send_bytes(data)
+
+
+def _pipe() -> tuple[int, int]:
+    """An OS pipe, widened where the kernel allows it (Linux, up to its pipe-max-size)."""
+    read_fd, write_fd = os.pipe()
+    with contextlib.suppress(ImportError, AttributeError, OSError):
+        import fcntl
+
+        fcntl.fcntl(write_fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+    return read_fd, write_fd
 
 
 def _picklable(exc: BaseException) -> BaseException:
@@ -102,12 +120,22 @@ class PipeSink:
 def child_main(inbox_fd: int, outbox_fd: int) -> None:
     """The engine process's entry point (``python -c``, so no ``__main__`` module is re-run as
     multiprocessing's spawn does): the config arrives first on the pipe."""
+    for fd in (inbox_fd, outbox_fd):  # a process the engine starts must not hold the server's pipes open
+        os.set_inheritable(fd, False)
     inbox, outbox = Connection(inbox_fd, writable=False), Connection(outbox_fd, readable=False)
     try:
         _, config, hook = pickle.loads(inbox.recv_bytes())
     except (EOFError, OSError):
         return
     engine_main(config, inbox, outbox, hook)
+
+
+def _exit_if_orphaned(parent: int, loaded: threading.Event) -> None:
+    """Until the engine is loaded (its pipe is not read before), end this process if the server dies:
+    loading an 8B model and warming it up takes a minute of GPU memory nobody would use."""
+    while not loaded.wait(1.0):
+        if os.getppid() != parent:
+            os._exit(1)
 
 
 def _call_hook(hook: str, engine: Any) -> None:
@@ -134,6 +162,8 @@ def engine_main(config: ServerConfig, inbox: Connection, outbox: Connection, hoo
     from kvstrata.server.engine_client import EngineClient
 
     lock = threading.Lock()
+    loaded = threading.Event()
+    threading.Thread(target=_exit_if_orphaned, args=(os.getppid(), loaded), daemon=True).start()
     apply_process_settings(config, log)
     try:
         engine = Engine(**config.engine_kwargs(), warmup=config.warmup_mode())
@@ -141,8 +171,11 @@ def engine_main(config: ServerConfig, inbox: Connection, outbox: Connection, hoo
         if hook is not None:
             _call_hook(hook, engine)
     except BaseException as exc:
-        _send(outbox, lock, ("failed", _picklable(exc)))
+        with contextlib.suppress(OSError):
+            _send(outbox, lock, ("failed", _picklable(exc)))
         return
+    finally:
+        loaded.set()
     mailbox = PipeMailbox(outbox, lock)
     workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvstrata-rpc")
 
@@ -154,22 +187,20 @@ def engine_main(config: ServerConfig, inbox: Connection, outbox: Connection, hoo
         try:
             if method not in REMOTE_METHODS:
                 raise AttributeError(f"not an engine method: {method}")
-            message: tuple[Any, ...] = ("reply", key, True, getattr(client, method)(*args))
-        except BaseException as exc:
-            message = ("reply", key, False, _picklable(exc))
-        with contextlib.suppress(OSError):
-            _send(outbox, lock, message)
+            data = _dump(("reply", key, True, getattr(client, method)(*args)))
+        except BaseException as exc:  # a result that does not pickle is an error too
+            data = _dump(("reply", key, False, _picklable(exc)))
+        with contextlib.suppress(OSError), lock:
+            outbox.send_bytes(data)
 
     engine.subscribe(forward)
     info = {
         "tokenizer": getattr(engine.tokenizer, "inner", engine.tokenizer),
         "server_info": engine.get_server_info(),
-        "model_name": client.model_name,
-        "context_length": client.context_length,
     }
     freeze_startup_objects()
-    _send(outbox, lock, ("ready", info))
     try:
+        _send(outbox, lock, ("ready", info))
         while True:
             try:
                 message = pickle.loads(inbox.recv_bytes())
@@ -181,7 +212,7 @@ def engine_main(config: ServerConfig, inbox: Connection, outbox: Connection, hoo
                 try:
                     rids = engine.submit(sink=PipeSink(mailbox, key), **kwargs)
                     reply: tuple[Any, ...] = ("accepted", key, rids)
-                except BaseException as exc:
+                except Exception as exc:
                     reply = ("accepted", key, _picklable(exc))
                 _send(outbox, lock, reply)
             elif kind == "abort":
@@ -190,6 +221,8 @@ def engine_main(config: ServerConfig, inbox: Connection, outbox: Connection, hoo
                 workers.submit(call, *message[1:])
             elif kind == "shutdown":
                 break
+    except OSError:  # the server is gone
+        pass
     finally:
         workers.shutdown(wait=False, cancel_futures=True)
         engine.shutdown()
@@ -200,12 +233,16 @@ def engine_main(config: ServerConfig, inbox: Connection, outbox: Connection, hoo
 # ============================================================== server side
 class RemoteStream:
     """``async for chunk in stream``: one `submit`'s chunks, in the engine's order; ``aclose()`` aborts
-    what has not finished (as ``Engine.async_generate(stream=True)``'s generator does)."""
+    what has not finished (as ``Engine.async_generate(stream=True)``'s generator does). Its state
+    changes on its event loop only: the reader thread hands everything over with ``call_soon_threadsafe``."""
 
-    def __init__(self, owner: EngineProcess, key: int, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, owner: EngineProcess, key: int, loop: asyncio.AbstractEventLoop, group_rids: list[str] | None
+    ) -> None:
         self.owner = owner
         self.key = key
         self.loop = loop
+        self.group_rids = list(group_rids or [])  # what to abort before the engine names its requests
         self.queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self.accepted: asyncio.Future[list[str]] = loop.create_future()
         self.index: dict[str, int] = {}
@@ -219,21 +256,22 @@ class RemoteStream:
         if self.closed:
             raise StopAsyncIteration
         await self.wait_accepted()
-        if not self.unfinished:
-            raise StopAsyncIteration
-        chunk = await self.queue.get()
-        rid = chunk["meta_info"]["id"]
-        chunk["index"] = self.index[rid]
-        if chunk["finished"]:
-            self.unfinished.discard(rid)
-        return chunk
+        while self.unfinished:
+            chunk = await self.queue.get()
+            rid = chunk["meta_info"]["id"]
+            if rid not in self.unfinished:  # an abort for a request whose finish came first
+                continue
+            chunk["index"] = self.index[rid]
+            if chunk["finished"]:
+                self.unfinished.discard(rid)
+                if not self.unfinished:
+                    self.owner.streams.pop(self.key, None)
+            return chunk
+        raise StopAsyncIteration
 
     async def wait_accepted(self) -> None:
         """Raise what the engine raised at submission (``ValueError`` for bad input)."""
-        rids = await asyncio.shield(self.accepted)
-        if not self.index:
-            self.index = {rid: i for i, rid in enumerate(rids)}
-            self.unfinished = set(rids)
+        await asyncio.shield(self.accepted)
 
     async def aclose(self) -> None:
         if self.closed:
@@ -242,21 +280,26 @@ class RemoteStream:
         self.owner.streams.pop(self.key, None)
         if not self.accepted.done():
             self.accepted.cancel()
-        if self.unfinished:
-            for rid in self.unfinished:
-                self.owner.abort(rid)
+            pending = self.group_rids  # the engine may still take them: the abort follows the submit
+        else:
+            pending = sorted(self.unfinished)
+        for rid in pending:
+            self.owner.abort(rid)
 
     # --- on the loop, from the reader thread -----------------------------------------------------
     def _accept(self, result: list[str] | BaseException) -> None:
         if self.accepted.done():
             return
         if isinstance(result, BaseException):
+            self.owner.streams.pop(self.key, None)
             self.accepted.set_exception(result)
-        else:
-            self.accepted.set_result(result)
+            return
+        self.index = {rid: i for i, rid in enumerate(result)}
+        self.unfinished = set(result)
+        self.accepted.set_result(result)
 
     def _fail(self, message: str) -> None:
-        """The engine is gone: every unfinished request ends aborted."""
+        """The engine is gone: every request not finished yet ends aborted."""
         self._accept(EngineUnavailable(message))
         for rid in self.unfinished:
             reason = {"type": "abort", "message": message}
@@ -278,24 +321,32 @@ class EngineProcess:
         before it serves."""
         from kvstrata.engine.tokenizer import thread_safe
 
-        # A fresh interpreter (CUDA cannot be used in a forked child), given the pipes' ends by number.
-        to_engine_r, to_engine_w = os.pipe()
-        from_engine_r, from_engine_w = os.pipe()
+        # A fresh interpreter (CUDA cannot be used in a forked child), given the pipes' ends by number;
+        # -P and the server's own package root: the child imports the kvstrata the server runs, never
+        # one in its working directory.
+        to_engine_r, to_engine_w = _pipe()
+        from_engine_r, from_engine_w = _pipe()
+        root = str(Path(__file__).resolve().parents[2])
         entry = (
-            "import sys; from kvstrata.server.engine_process import child_main; "
-            "child_main(*map(int, sys.argv[1:]))"
+            f"import sys; sys.path.insert(0, {root!r}); "
+            "from kvstrata.server.engine_process import child_main; child_main(*map(int, sys.argv[1:]))"
         )
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-c", entry, str(to_engine_r), str(from_engine_w)],
+                [sys.executable, "-P", "-c", entry, str(to_engine_r), str(from_engine_w)],
                 pass_fds=(to_engine_r, from_engine_w),
             )
+        except BaseException:
+            for fd in (to_engine_w, from_engine_r):
+                os.close(fd)
+            raise
         finally:
             os.close(to_engine_r)
             os.close(from_engine_w)
         self._to_engine = Connection(to_engine_w, readable=False)
         self._from_engine = Connection(from_engine_r, writable=False)
         self._send_lock = threading.Lock()
+        self._dead_lock = threading.Lock()
         self._keys = itertools.count()
         self.streams: dict[int, RemoteStream] = {}
         self._calls: dict[int, Future[Any]] = {}
@@ -306,13 +357,14 @@ class EngineProcess:
             self._post(("config", config, engine_hook))
             info = self._wait_ready(start_timeout)
         except BaseException:
+            self.alive = False
             self.process.kill()
             self.process.wait(10)
+            self._to_engine.close()
+            self._from_engine.close()
             raise
         self.tokenizer = thread_safe(info["tokenizer"])
         self.server_info: dict[str, Any] = info["server_info"]
-        self.model_name: str = info["model_name"]
-        self.context_length: int = info["context_length"]
         self._reader = threading.Thread(target=self._read, name="kvstrata-engine-reader", daemon=True)
         self._reader.start()
 
@@ -320,11 +372,14 @@ class EngineProcess:
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._from_engine.poll(0.2):
             if self.process.poll() is not None:
-                code = self.process.returncode
-                raise RuntimeError(f"the engine process exited while starting (exit code {code})")
+                break  # what it wrote before it went is still read below
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"the engine process did not start in {timeout} s")
-        message = pickle.loads(self._from_engine.recv_bytes())
+        try:
+            message = pickle.loads(self._from_engine.recv_bytes())
+        except (EOFError, OSError):
+            code = self.process.wait(30)
+            raise RuntimeError(f"the engine process exited while starting (exit code {code})") from None
         if message[0] == "failed":
             raise message[1]
         return message[1]
@@ -354,41 +409,50 @@ class EngineProcess:
             raise ValueError("the engine process streams: pass stream=True")
         loop = asyncio.get_running_loop()
         key = next(self._keys)
-        remote = RemoteStream(self, key, loop)
-        if not self.alive:
-            remote._accept(EngineUnavailable(ENGINE_EXITED))
-            return remote
+        remote = RemoteStream(self, key, loop, rid)
         self.streams[key] = remote
-        kwargs = {"input_ids": input_ids, "sampling_params": sampling_params, "rid": rid}
-        self._post(("submit", key, {**kwargs, "image_data": image_data}))
+        try:
+            if not self.alive:
+                raise EngineUnavailable(ENGINE_EXITED)
+            kwargs = {"input_ids": input_ids, "sampling_params": sampling_params, "rid": rid}
+            self._post(("submit", key, {**kwargs, "image_data": image_data}))
+        except EngineUnavailable as exc:  # answered by wait_accepted(), as a refusal would be
+            remote._accept(exc)
         return remote
 
     def abort(self, rid: str) -> None:
         if self.alive:
-            self._post(("abort", rid))
+            with contextlib.suppress(EngineUnavailable):  # the engine is gone: nothing runs any more
+                self._post(("abort", rid))
 
     def subscribe(self, fn: Callable[[object], None]) -> Callable[[], None]:
         self._subscribers.append(fn)
         return lambda: self._subscribers.remove(fn) if fn in self._subscribers else None
 
     def call(self, method: str, *args: Any, timeout: float = 300.0) -> Any:
-        """Run ``method(*args)`` of the engine side's `EngineClient` and return (or raise) its result.
-        Blocks: not on the event loop (use ``asyncio.to_thread``)."""
-        if not self.alive:
-            raise EngineUnavailable(ENGINE_EXITED)
+        """Run ``method(*args)`` of the engine side's `EngineClient` and return (or raise) its result;
+        `EngineUnavailable` when the engine is gone or does not answer within ``timeout`` s. Blocks:
+        not on the event loop (use ``asyncio.to_thread``)."""
         key = next(self._keys)
         future: Future[Any] = Future()
-        self._calls[key] = future
-        self._post(("call", key, method, args))
+        self._calls[key] = future  # before the check: a death after it fails this future too
         try:
-            return future.result(timeout)
+            if not self.alive:
+                raise EngineUnavailable(ENGINE_EXITED)
+            self._post(("call", key, method, args))
+            try:
+                return future.result(timeout)
+            except TimeoutError:
+                raise EngineUnavailable(
+                    f"the engine process did not answer {method} in {timeout} s"
+                ) from None
         finally:
             self._calls.pop(key, None)
 
     def shutdown(self, timeout: float = 60.0) -> None:
         """Ask the engine to shut down (its requests end aborted), wait for it, then stop it anyway."""
         if self.alive:
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(EngineUnavailable):
                 self._post(("shutdown",))
             self._closed.wait(timeout)
         try:
@@ -409,36 +473,40 @@ class EngineProcess:
 
     # --- the reader thread ------------------------------------------------------------------------
     def _read(self) -> None:
-        while True:
-            try:
-                message = pickle.loads(self._from_engine.recv_bytes())
-            except (EOFError, OSError):
-                break
-            kind = message[0]
-            if kind == "chunks":
-                self._dispatch(message[1])
-            elif kind == "accepted":
-                stream = self.streams.get(message[1])
-                if stream is not None:
-                    self._on_loop(stream.loop, stream._accept, message[2])
-            elif kind == "reply":
-                future = self._calls.get(message[1])
-                if future is not None and not future.done():
-                    if message[2]:
-                        future.set_result(message[3])
-                    else:
-                        future.set_exception(message[3])
-            elif kind == "event":
-                for fn in list(self._subscribers):
-                    try:
-                        fn(message[1])
-                    except Exception:
-                        log.exception("an engine event subscriber failed")
-            elif kind == "closed":
-                break
-        if self.process.poll() not in (None, 0):
-            log.error("the engine process exited with code %s", self.process.returncode)
-        self._mark_dead(ENGINE_EXITED)
+        try:
+            while True:
+                try:
+                    message = pickle.loads(self._from_engine.recv_bytes())
+                except (EOFError, OSError):
+                    break
+                if message[0] == "closed":
+                    break
+                self._handle(message)
+        except Exception:
+            log.exception("reading the engine process's pipe failed")
+        finally:
+            if self.process.poll() not in (None, 0):
+                log.error("the engine process exited with code %s", self.process.returncode)
+            self._mark_dead(ENGINE_EXITED)
+
+    def _handle(self, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == "chunks":
+            self._dispatch(message[1])
+        elif kind == "accepted":
+            stream = self.streams.get(message[1])
+            if stream is not None:
+                self._on_loop(stream.loop, stream._accept, message[2])
+        elif kind == "reply":
+            future = self._calls.get(message[1])
+            if future is not None:
+                _settle(future, message[3], ok=message[2])
+        elif kind == "event":
+            for fn in list(self._subscribers):
+                try:
+                    fn(message[1])
+                except Exception:
+                    log.exception("an engine event subscriber failed")
 
     def _dispatch(self, items: list[tuple[int, dict[str, Any]]]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RemoteStream, dict[str, Any]]]] = {}
@@ -450,13 +518,13 @@ class EngineProcess:
             self._on_loop(loop, _put_all, pairs)
 
     def _mark_dead(self, message: str) -> None:
-        if not self.alive:
-            return
-        self.alive = False
+        with self._dead_lock:
+            if not self.alive:
+                return
+            self.alive = False
         self._closed.set()
         for future in list(self._calls.values()):
-            if not future.done():
-                future.set_exception(EngineUnavailable(message))
+            _settle(future, EngineUnavailable(message), ok=False)
         for stream in list(self.streams.values()):
             self._on_loop(stream.loop, stream._fail, message)
 
@@ -464,6 +532,15 @@ class EngineProcess:
     def _on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens
             loop.call_soon_threadsafe(fn, *args)
+
+
+def _settle(future: Future[Any], value: Any, ok: bool) -> None:
+    """Resolve a call's future once (its answer and an engine's death may race)."""
+    with contextlib.suppress(InvalidStateError):
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
 
 
 def _put_all(pairs: list[tuple[RemoteStream, dict[str, Any]]]) -> None:

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,7 +20,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvstrata.server.app import create_app
 from kvstrata.server.config import ServerConfig
-from kvstrata.server.engine_process import EngineProcess
+from kvstrata.server.engine_client import RemoteEngineClient
+from kvstrata.server.engine_process import EngineProcess, RemoteStream
+from kvstrata.server.errors import APIError
 
 from . import test_errors, test_load, test_openai_api
 from .conftest import API_KEY, DEFAULT_ENGINE
@@ -49,6 +53,7 @@ def remote() -> Iterator[Remote]:
     engine, server = _start(config)
     try:
         yield Remote(server, engine)
+        assert not engine.streams  # every stream the tests opened was let go of
     finally:
         server.stop()
         engine.shutdown()
@@ -192,9 +197,83 @@ def test_errors_cross_the_pipe_with_their_type(remote: Remote) -> None:
     remote.server.wait_idle()
 
 
+def test_a_refusal_by_the_engine_is_a_400_and_leaves_no_stream(remote: Remote) -> None:
+    client = RemoteEngineClient(remote.engine)
+
+    async def main() -> APIError:
+        request = client.submit([[1, 2, 3]], {"temperature": -1.0})  # passes no server-side check
+        with pytest.raises(APIError) as refused:
+            await request.start()
+        return refused.value
+
+    error = asyncio.run(main())
+    assert error.status == 400 and "temperature" in error.message
+    assert not remote.engine.streams
+
+
 def test_an_engine_that_cannot_start_raises_its_error() -> None:
     with pytest.raises(ValueError, match="recent_window"):
         EngineProcess(ServerConfig(recent_window=24, engine_process="on"), start_timeout=300)
+
+
+def exit_while_loading(engine: object) -> None:
+    """An engine hook (run in the engine process) that ends it before it says it is ready."""
+    os._exit(3)
+
+
+def test_an_engine_that_dies_while_starting_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    tests_dir = str(Path(__file__).resolve().parents[1])  # where `server.test_engine_process` imports from
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")])))
+    hook = f"{__name__}:exit_while_loading"
+    with pytest.raises(RuntimeError, match=r"exited while starting \(exit code 3\)"):
+        EngineProcess(ServerConfig(engine_process="on"), start_timeout=300, engine_hook=hook)
+
+
+class _Owner:
+    """What a `RemoteStream` needs of its `EngineProcess`: the open streams and ``abort``."""
+
+    def __init__(self) -> None:
+        self.streams: dict[int, RemoteStream] = {}
+        self.aborted: list[str] = []
+
+    def abort(self, rid: str) -> None:
+        self.aborted.append(rid)
+
+
+def _chunk(rid: str, text: str, finished: bool) -> dict[str, Any]:
+    return {"text": text, "output_ids": [], "meta_info": {"id": rid}, "finished": finished}
+
+
+async def _drain(stream: RemoteStream) -> list[dict[str, Any]]:
+    return [chunk async for chunk in stream]
+
+
+def test_a_stream_whose_engine_dies_just_after_accepting_it_ends() -> None:
+    async def main() -> list[dict[str, Any]]:
+        owner = _Owner()
+        stream = owner.streams[0] = RemoteStream(owner, 0, asyncio.get_running_loop(), ["g"])  # type: ignore[arg-type]
+        stream._accept(["g-0", "g-1"])  # the reader hands both over before the consumer runs
+        stream.queue.put_nowait(_chunk("g-0", "a", finished=True))  # g-0 finished before the death
+        stream._fail("the engine process exited")
+        got = await asyncio.wait_for(_drain(stream), 10)  # a stream missing its abort would hang
+        assert not owner.streams
+        return got
+
+    got = asyncio.run(main())
+    assert [(c["index"], c["text"], c["finished"]) for c in got] == [(0, "a", True), (1, "", True)]
+    assert got[1]["meta_info"]["finish_reason"]["type"] == "abort"  # one end per request, no second for g-0
+
+
+def test_closing_a_stream_before_the_engine_answers_aborts_its_group() -> None:
+    async def main() -> _Owner:
+        owner = _Owner()
+        stream = owner.streams[0] = RemoteStream(owner, 0, asyncio.get_running_loop(), ["g"])  # type: ignore[arg-type]
+        await stream.aclose()
+        stream._accept(["g-0", "g-1"])  # too late: nobody listens
+        return owner
+
+    owner = asyncio.run(main())
+    assert owner.aborted == ["g"] and not owner.streams
 
 
 def test_a_dead_engine_process_ends_open_streams_and_answers_503() -> None:
@@ -217,9 +296,10 @@ def test_a_dead_engine_process_ends_open_streams_and_answers_503() -> None:
             health = c.get("/health")
             later = c.post("/v1/completions", json={**body, "max_tokens": 2})
             cache = c.get("/v1/cache")
+            metrics = c.get("/metrics")
         assert health.status_code == 503
         assert later.status_code == 503 and later.json()["error"]["code"] == "engine_unavailable"
-        assert cache.status_code == 503
+        assert cache.status_code == 503 and metrics.status_code == 503  # no engine state to report
     finally:
         server.stop()
         engine.shutdown()
