@@ -21,6 +21,14 @@ log = logging.getLogger("kvstrata.server")
 KV_POOL_FULL = "kv_pool_full"
 
 
+@dataclass(frozen=True)
+class ImageSize:
+    """An image's size, all `VisionInputs.prompt_tokens` reads of it."""
+
+    width: int
+    height: int
+
+
 @dataclass
 class TokenLogprob:
     token_id: int
@@ -224,7 +232,10 @@ class EngineClient:
 
     # --- images and pins --------------------------------------------------------------------------
     def _vision(self) -> Any:
-        vision = self.engine.model.vision
+        model = self.engine.model
+        if model is None:  # shut down (a request that raced `Engine.shutdown`)
+            raise APIError(503, "the engine is shut down", code="engine_unavailable")
+        vision = model.vision
         if vision is None:
             raise APIError(
                 400, f"the model {self.model_name!r} takes no images", param="messages", code="invalid_image"
@@ -251,11 +262,15 @@ class EngineClient:
         vision = self._vision()
         return sum(vision.prompt_tokens(image) - 1 for image in images)
 
+    def image_limits(self) -> Any:
+        """The `ImageLimits` images are loaded under (the engine's ``--max-image-*`` options)."""
+        return self._vision().limits
+
     def load_image(self, url: str) -> Any:
         from kvstrata.multimodal.images import ImageError, load_image
 
         try:
-            return load_image(url, self._vision().limits)
+            return load_image(url, self.image_limits())
         except ImageError as exc:
             raise APIError(400, f"image_url: {exc}", param="messages", code="invalid_image") from exc
 
@@ -388,6 +403,8 @@ class RemoteEngineClient(EngineClient):
     pipe; what reads the engine's state (stats, pins, images, the cache) runs on the engine side's own
     `EngineClient`, so its answers and errors are the in-process ones."""
 
+    _limits: Any = None
+
     def _remote(self, method: str, *args: Any) -> Any:
         from kvstrata.server.engine_process import EngineUnavailable
 
@@ -403,10 +420,15 @@ class RemoteEngineClient(EngineClient):
         return int(self._remote("image_token_id"))
 
     def image_extra_tokens(self, images: list[Any]) -> int:
-        return int(self._remote("image_extra_tokens", images)) if images else 0
+        # the count reads only each image's size: the pixels cross the pipe once, with the request
+        sizes = [ImageSize(image.width, image.height) for image in images]
+        return int(self._remote("image_extra_tokens", sizes)) if sizes else 0
 
-    def load_image(self, url: str) -> Any:
-        return self._remote("load_image", url)
+    def image_limits(self) -> Any:
+        """Fetched once: images are then loaded here, on the server's threads."""
+        if self._limits is None:
+            self._limits = self._remote("image_limits")
+        return self._limits
 
     def pin(self, ids: list[int], images: list[Any], ttl_s: float | None, label: str) -> dict[str, Any]:
         return self._remote("pin", ids, images, ttl_s, label)

@@ -47,7 +47,7 @@ log = logging.getLogger("kvstrata.server")
 ENGINE_EXITED = "the engine process exited"
 # methods of the engine side's EngineClient the server may call (everything else stays local)
 REMOTE_METHODS = frozenset(
-    {"snapshot", "pin", "unpin", "flush_cache", "image_token_id", "image_extra_tokens", "load_image"}
+    {"snapshot", "pin", "unpin", "flush_cache", "image_token_id", "image_extra_tokens", "image_limits"}
 )
 
 

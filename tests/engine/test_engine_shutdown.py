@@ -88,6 +88,11 @@ def test_metrics_of_an_app_that_outlives_its_engine(default_model):
     assert any(line.endswith(" 1.0") for line in finished)
     for line in (*finished, 'kvstrata:kv_layer_bits{codec="fp8_e4m3",kind="k",layer="0"} 8.0'):
         assert line in before and line in after, line
+    from kvstrata.server.errors import APIError
+
+    with pytest.raises(APIError) as gone:  # a request with images that raced the shutdown
+        client.image_token_id()
+    assert gone.value.status == 503 and gone.value.code == "engine_unavailable"
 
 
 def test_a_busy_thread_at_shutdown_keeps_it_all_and_a_retry_frees_it(llama_path, monkeypatch, caplog):
