@@ -404,6 +404,7 @@ class RemoteEngineClient(EngineClient):
     `EngineClient`, so its answers and errors are the in-process ones."""
 
     _limits: Any = None
+    _image_token_id: int | None = None
 
     def _remote(self, method: str, *args: Any) -> Any:
         from kvstrata.server.engine_process import EngineUnavailable
@@ -417,7 +418,9 @@ class RemoteEngineClient(EngineClient):
         return bool(self.engine.alive)
 
     def image_token_id(self) -> int:
-        return int(self._remote("image_token_id"))
+        if self._image_token_id is None:  # fixed by the model: asked once
+            self._image_token_id = int(self._remote("image_token_id"))
+        return self._image_token_id
 
     def image_extra_tokens(self, images: list[Any]) -> int:
         # the count reads only each image's size: the pixels cross the pipe once, with the request
