@@ -45,6 +45,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -140,14 +141,35 @@ def profile_report(prof: cProfile.Profile, title: str, top: int) -> str:
 FIXED_STEP_ENV = "KVSTRATA_BENCH_FIXED_STEP"
 
 
+def attach_fixed_step(engine: Any, step_ms: float, streams: int, flush: str) -> FixedStep:
+    """Replace ``engine``'s model step by a `FixedStep`, with chunks handed over as ``flush`` says."""
+    if hasattr(engine.core, "set_flush_at_sync"):  # a checkout before it: the baseline
+        engine.core.set_flush_at_sync(flush == "at-sync")
+    step = FixedStep(engine.core.runner, step_ms / 1e3, engine.config.vocab_size, streams)
+    engine.core.runner.run = step
+    return step
+
+
+def run_until_interrupted(server: Any, on_stop: Callable[[], None]) -> float:
+    """Run a uvicorn server until the SIGINT that stops it, then ``on_stop()``; returns the CPU seconds
+    this thread (the event loop's) spent in it."""
+    start = time.thread_time()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT that stopped it
+        pass
+    finally:
+        loop_cpu = time.thread_time() - start
+        on_stop()
+    return loop_cpu
+
+
 def install_fixed_step(engine: Any) -> None:
     """`EngineProcess`'s engine hook (in the engine process): the fixed step of ``FIXED_STEP_ENV``'s
     settings; its summary is written to their result file when the engine shuts down."""
     opts = json.loads(os.environ[FIXED_STEP_ENV])
-    engine.core.set_flush_at_sync(opts["flush"] == "at-sync")
-    step = FixedStep(engine.core.runner, opts["step_s"], engine.config.vocab_size, opts["streams"])
+    step = attach_fixed_step(engine, opts["step_ms"], opts["streams"], opts["flush"])
     step.loop_clock = None
-    engine.core.runner.run = step
     shutdown = engine.shutdown
 
     def shutdown_and_report() -> None:
@@ -184,7 +206,7 @@ def serve_engine_process(args: argparse.Namespace) -> dict[str, Any]:
     )
     engine_result = Path(args.result).with_suffix(".engine.json")
     os.environ[FIXED_STEP_ENV] = json.dumps(
-        {"step_s": args.step_ms / 1e3, "streams": n, "flush": args.flush, "result": str(engine_result)}
+        {"step_ms": args.step_ms, "streams": n, "flush": args.flush, "result": str(engine_result)}
     )
     here = str(Path(__file__).resolve().parent)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
@@ -195,14 +217,7 @@ def serve_engine_process(args: argparse.Namespace) -> dict[str, Any]:
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=args.port, log_level="warning", **transport)
     )
-    loop_cpu = time.thread_time()
-    try:
-        server.run()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        loop_cpu = time.thread_time() - loop_cpu
-        engine.shutdown()
+    loop_cpu = run_until_interrupted(server, engine.shutdown)
     result = json.loads(engine_result.read_text())
     result["loop_cpu_total_s"] = loop_cpu
     result["transport"] = f"loop {transport['loop']}, {transport['http']}, engine in its own process"
@@ -242,10 +257,7 @@ def serve(args: argparse.Namespace) -> None:
     model = load_model(args.model_dir, load_format="dummy", device="cpu")
     total, kwargs = engine_setup(args, n)
     engine = Engine(model, max_total_tokens=total, **kwargs)
-    if hasattr(engine.core, "set_flush_at_sync"):  # a checkout before it: the baseline
-        engine.core.set_flush_at_sync(args.flush == "at-sync")
-    step = FixedStep(engine.core.runner, args.step_ms / 1e3, model.config.vocab_size, n)
-    engine.core.runner.run = step  # type: ignore[method-assign]
+    step = attach_fixed_step(engine, args.step_ms, n, args.flush)
     app = create_app(engine, ServerConfig())
     with contextlib.suppress(ImportError):  # a checkout before it: no freeze, as its server did
         from kvstrata.server.app import freeze_startup_objects
@@ -262,16 +274,13 @@ def serve(args: argparse.Namespace) -> None:
     if args.profile:
         prof = profiles["event loop thread"] = cProfile.Profile()
         prof.enable()
-    loop_cpu = time.thread_time()
-    try:
-        server.run()
-    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT that stopped it
-        pass
-    finally:
-        loop_cpu = time.thread_time() - loop_cpu
+
+    def stop() -> None:
         if args.profile:
             profiles["event loop thread"].disable()
         engine.shutdown()
+
+    loop_cpu = run_until_interrupted(server, stop)
     result = step.summary()
     result["loop_cpu_total_s"] = loop_cpu
     result["transport"] = f"loop {transport.get('loop', config.loop)}, {config.http_protocol_class.__name__}"

@@ -62,10 +62,13 @@ def _dump(message: tuple[Any, ...]) -> bytes:
     return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _send(conn: Connection, lock: threading.Lock, message: tuple[Any, ...]) -> None:
-    data = _dump(message)
+def _write(conn: Connection, lock: threading.Lock, data: bytes) -> None:
     with lock:
         conn.send_bytes(data)
+
+
+def _send(conn: Connection, lock: threading.Lock, message: tuple[Any, ...]) -> None:
+    _write(conn, lock, _dump(message))  # pickled before the lock: other writers wait only for the write
 
 
 def _pipe() -> tuple[int, int]:
@@ -190,8 +193,8 @@ def engine_main(config: ServerConfig, inbox: Connection, outbox: Connection, hoo
             data = _dump(("reply", key, True, getattr(client, method)(*args)))
         except BaseException as exc:  # a result that does not pickle is an error too
             data = _dump(("reply", key, False, _picklable(exc)))
-        with contextlib.suppress(OSError), lock:
-            outbox.send_bytes(data)
+        with contextlib.suppress(OSError):
+            _write(outbox, lock, data)
 
     engine.subscribe(forward)
     info = {

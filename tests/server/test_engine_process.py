@@ -120,7 +120,7 @@ def _metric(server: LiveServer, name: str, sample: str, **labels: str) -> float:
 
 
 def _finished(server: LiveServer, status: str) -> float:
-    return _metric(server, "kvstrata:requests_finished", "kvstrata:requests_finished_total", status=status)
+    return test_load._finished(server).get(status, 0.0)
 
 
 def test_engine_events_feed_the_metrics(remote: Remote) -> None:
