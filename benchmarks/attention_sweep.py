@@ -202,6 +202,8 @@ _DEFAULT = dict(
     wide_formats=(1, 2),
     keys_as_rows=True,
     value_pairs=False,
+    heads_together=False,
+    raw_many_programs=10**9,  # variants run as written (not `attend.RAW_MANY_DECODE` from 2,048 programs)
 )
 # ``fp8_dot`` (prepared offline, `decode._fp8_dot_tile`): q.K^T on FP8 operands (q split in two FP8
 # parts), True P.V too (weights split). On the one-warp wide shape Triton 3.6 promotes FP8 dots to FP16
@@ -256,6 +258,7 @@ DECODE = [
     dict(_DEFAULT, keys_as_rows=False),  # pass 11's default
     dict(_DEFAULT, keys_as_rows=False, value_pairs=True),
     dict(_DEFAULT, wide=dict(num_stages=2, maxnreg=168)),
+    dict(_DEFAULT, heads_together=True),
     # The wide shape at every batch (B=16 at 8 KV heads has 128 programs before splitting): for the
     # small-batch cases, SWEEP_CASES=16x32768,16x4096,64x4096,1x32768,1x4096. Measured (H200, one run):
     # 0.268 / 0.049 / 0.156 / 0.031 / 0.022 ms against the 4-warp entry's 0.307 / 0.057 / 0.156 / 0.037 /
@@ -280,6 +283,34 @@ DECODE = [
     # 0.136-0.160 (two stages at 168 registers: 0.255 at B=64 32K, 0.136 at B=256 4K). No change.
     dict(_DEFAULT, wide=dict(block_n=64)),
     dict(_DEFAULT, wide=dict(block_n=64, min_pages=64)),
+]
+# BF16 history (format 0) reads the 4-warp entry's shape (FP8 takes the wide shape from 512 programs).
+# At the serving step (B=256, 2K) it ran at 0.93-0.96x SDPA BF16's bandwidth (0.509-0.527 ms against
+# 0.489; B=64 at 32K 0.99x): 0.6-1.2 ms of a 32-layer step. Candidates: page-table entries a tile
+# ahead; ``heads_together`` (a sequence's 8 KV heads run together, so a page's 2 KB token rows are read
+# at about the same time instead of one head's 256 bytes of every row, the others a wave later);
+# smaller tiles and more stages, so that two or more programs share an SM (the entry's two 64 KB
+# stages leave one an SM, whose first loads and tail tile then run with nothing else in flight); 8
+# warps; split in two at B=256 (``programs`` 4,096, merged in the kernel). For BF16 alone:
+# SWEEP_CODECS=bf16; the engine's BF16 ring holds one partial page (window 0): SWEEP_WINDOW=16.
+_BF16 = _DEFAULT
+# Measured (H200, 2026-12-04, one run, window 16; ms at B=256 2K / B=256 1,600 / B=64 4K / B=64 32K /
+# B=16 4K; SDPA BF16 0.478 / 0.380 / 0.247 / 1.860 / 0.072): the entry 0.527 / 0.427 / 0.265 / 1.882 /
+# 0.085; ``prefetch`` 0.519 / 0.421 / 0.266 / 1.907 / 0.084; ``heads_together`` 0.516 / 0.416 / 0.267 /
+# 1.903 / 0.085; 64 keys, 3 stages, ``prefetch`` 0.501 / 0.405 / 0.270 / 1.996 / 0.082; the same at 2
+# stages 0.540 / 0.428 / 0.278 / 2.065 / 0.086; 2 warps, 64 keys, 3 stages, ``prefetch`` 0.499 / 0.402 /
+# 0.265 / 1.957 / 0.079; 1 warp, 32 keys, 3 stages, ``prefetch`` 0.500 / 0.408 / 0.268 / 1.975 / 0.084;
+# 8 warps 0.735 / 0.600 / 0.396 / 2.874 / 0.117; 3 stages of 128 keys, ``prefetch`` 0.565 / 0.460 / 0.295
+# / 2.008 / 0.091; 4,096 programs (B=256 in 2 splits) 0.550 / 0.464 / 0.282 / 1.913 / 0.082; 64 keys, 3
+# stages, ``prefetch`` and ``heads_together`` **0.490 / 0.395** / 0.271 / 1.952 / 0.084. The last wins
+# where a launch has many short programs (B=256 at 2K: 2,048 programs of 100-128 pages, 7% faster) and
+# loses at B=64 32K (1,024 programs of 1,024 pages). The list below places the boundary.
+_BF16_64 = dict(_BF16, block_n=64, num_stages=3, prefetch=True, heads_together=True)
+DECODE_BF16 = [
+    _BF16,
+    dict(_BF16, heads_together=True),
+    _BF16_64,
+    dict(_BF16_64, num_warps=2),
 ]
 # int8 keys (per-channel scales) by keys or by 16-token blocks; not part of the fastest-shape pick
 # (it would set the entry FP8 shares).
@@ -356,6 +387,9 @@ DECODE_4BIT: list[dict] = [
 GEOMETRY = os.environ.get("SWEEP_GEOMETRY", "8b")
 # SWEEP_KINDS (environment): the kinds swept, "decode,extend" by default.
 KINDS = os.environ.get("SWEEP_KINDS", "decode,extend").split(",")
+# SWEEP_WINDOW (environment): the ring's recent window of the built strata (`attention_gpu.WINDOW`, 128).
+if os.environ.get("SWEEP_WINDOW"):
+    bench.WINDOW = int(os.environ["SWEEP_WINDOW"])
 # Decode cases (batch, context): the 32K long-context pair and the serving step (B=256, 2K).
 DECODE_CASES = [(64, CONTEXT), (1, CONTEXT), (256, 2048)]
 if os.environ.get("SWEEP_CASES"):  # e.g. "1x2048,1x32768": these (batch, context) cases instead
@@ -370,8 +404,13 @@ VARIANTS += [("extend", "fp8_e4m3", 1, CONTEXT, s) for s in EXTEND + EXTEND_DEQU
 # the codes and read them by blocks).
 _DEQUANT_4BIT = [dict(s, by_blocks=True, blocks=4) for s in EXTEND_DEQUANT]
 VARIANTS += [("extend", "int4", 1, CONTEXT, s) for s in EXTEND_4BIT + _DEQUANT_4BIT]
-# BF16 history shares FP8's launch table entry (left out by SWEEP_CODECS=fp8_e4m3).
-VARIANTS += [("decode", c, b, n, s) for c in ("fp8_e4m3", "bf16") for b, n in DECODE_CASES for s in DECODE]
+# BF16 history shares FP8's launch table entry (left out by SWEEP_CODECS=fp8_e4m3), with its own variants.
+# SWEEP_FP8 (environment): indices into DECODE, e.g. "0,4": only those FP8 variants.
+_FP8_PICKED = DECODE
+if os.environ.get("SWEEP_FP8"):
+    _FP8_PICKED = [DECODE[int(i)] for i in os.environ["SWEEP_FP8"].split(",")]
+VARIANTS += [("decode", "fp8_e4m3", b, n, s) for b, n in DECODE_CASES for s in _FP8_PICKED]
+VARIANTS += [("decode", "bf16", b, n, s) for b, n in DECODE_CASES for s in DECODE_BF16]
 VARIANTS += [("decode", "int8", b, n, s) for b, n in DECODE_CASES if b > 1 for s in DECODE_INT8]
 VARIANTS += [("decode", c, b, n, s) for c in FOUR_BIT for b, n in DECODE_CASES for s in DECODE_4BIT]
 # Compiled by --warm too: the default shapes of every codec `attention_gpu.py` times.
@@ -414,12 +453,15 @@ def use(kind: str, codec: str, launch: dict | None) -> None:
 def apply(key: tuple[str, bool | str], launch: dict) -> None:
     """Set launch table entry ``key`` to ``launch``; a decode variant's ``wide_programs`` goes to
     `attend.FP8_WIDE_PROGRAMS` (from how many programs FP8 history takes `attend.FP8_WIDE_DECODE`),
-    its ``wide`` over `attend.FP8_WIDE_DECODE`'s own entries (which win over the table's)."""
+    its ``wide`` over `attend.FP8_WIDE_DECODE`'s own entries (which win over the table's), its
+    ``raw_many_programs`` to `attend.RAW_MANY_PROGRAMS`."""
     launch = dict(launch)
     if key == ("decode", True):  # a 4-bit variant runs as written, int4 too (not `attend.INT4_DECODE`)
         kernels.INT4_DECODE = {}
     if "wide_programs" in launch:
         kernels.FP8_WIDE_PROGRAMS = launch.pop("wide_programs")
+    if "raw_many_programs" in launch:
+        kernels.RAW_MANY_PROGRAMS = launch.pop("raw_many_programs")
     if "wide_formats" in launch:
         kernels.WIDE_DECODE_FORMATS = tuple(launch.pop("wide_formats"))
     if key == ("decode", False):  # the entry whose wide shape it is

@@ -154,3 +154,31 @@ def test_warm_merges_compiles_every_split_block() -> None:
                 [Partials(torch.zeros(1, 4, splits, 32), torch.zeros(1, 4, splits))], torch.empty(1, 4, 32)
             )
         assert served <= warm, (splits, served - warm)
+
+
+def test_warmup_meets_bf16_decode_at_many_programs(eight_kv_heads) -> None:
+    """Model-dtype history decodes in `attend.RAW_MANY_DECODE`'s shape from `RAW_MANY_PROGRAMS`
+    (sequence, KV head) programs (B >= 128 at 8 KV heads): decode steps at B=130 and B=100 are served in
+    both shapes, and the warm-up (its rounds from B=144 down) compiled each variant they launched."""
+    from kvstrata.radix.kernels.attend import RAW_MANY_DECODE, RAW_MANY_PROGRAMS
+
+    assert RAW_MANY_PROGRAMS // 8 <= 130
+    with record_variants(execute=False) as warm:
+        engine = Engine(
+            model=eight_kv_heads, attention_backend="triton", kv_cache_dtype="auto", warmup="on",
+            max_running_requests=144, page_size=16, max_total_tokens=150_000,
+        )  # fmt: skip
+    try:
+        rng = random.Random(3)
+        with record_variants(execute=False) as served:
+            for batch in (130, 100):
+                prompts = [[rng.randrange(300) for _ in range(300 + i)] for i in range(batch)]
+                engine.generate(input_ids=prompts, sampling_params=dict(GREEDY, max_new_tokens=3))
+    finally:
+        engine.shutdown()
+    decodes = [dict(parts) for name, parts in served if name.endswith("_decode_kernel")]
+    many = {"BLOCK_N": str(RAW_MANY_DECODE["block_n"]), "HEADS_TOGETHER": "True"}
+    assert any(many.items() <= d.items() for d in decodes)
+    assert any(d.get("HEADS_TOGETHER") == "False" for d in decodes)
+    missing = [name for name, _ in served - warm]
+    assert not missing, f"{len(missing)} served variants the warm-up did not compile: {sorted(missing)}"

@@ -385,6 +385,26 @@ def test_decode_merges_its_own_splits(codec, floats, device, monkeypatch):
     assert reads <= {16, 64} if floats == 2048 else reads <= {1, 2}
 
 
+@pytest.mark.parametrize("device", kernel_helpers.DEVICES)
+@pytest.mark.parametrize("codec", ["fp8_e4m3", "bf16"])
+def test_decode_heads_together(codec, device, monkeypatch):
+    """``heads_together`` (consecutive programs are one sequence's KV heads, `decode._decode_kernel`'s
+    ids remapped): sinks on, mixed lengths, the split heuristic and 3 forced splits merged in the
+    kernel, two steps: within the float64 reference's bound, every launch remapped."""
+    from test_kernels_attend import check_steps, make_cache
+
+    from kvstrata.radix.kernels import attend
+
+    for key, value in (("heads_together", True), ("min_pages", 2), ("programs", 4096), ("merge_reads", 64)):
+        monkeypatch.setitem(attend.DECODE_LAUNCH[False], key, value)
+    made = launches_made(monkeypatch)
+    for splits in (None, 3):
+        cache = make_cache(codec, device, sinks=True, dtype=torch.bfloat16)
+        check_steps(cache, [5, 37, 101], steps=2, n_new=1, tol=1.5e-2, dtype=torch.bfloat16, splits=splits)
+    assert made and all(m.options["HEADS_TOGETHER"] for m in made)
+    assert max(m.splits for m in made) >= 3
+
+
 def test_merge_chunk_and_options(monkeypatch):
     """`attend.merge_chunk`: the merging program reads `FUSED_MERGE_FLOATS` floats a warp at a time or
     fewer, a power of two of splits (the group padded); `attend.merge_options` gives the kernel the
@@ -604,6 +624,52 @@ def test_fp8_decode_shape_by_batch(wide, device, monkeypatch):
     # the wide shape loads the FP8 scale exponents a tile ahead with the page-table entries
     assert fp8 == ({(*wide_shape, True)} if wide else {(*entry_shape, False)})
     assert raw == {(*entry_shape, False)}
+
+
+@pytest.mark.parametrize("device", kernel_helpers.DEVICES)
+@pytest.mark.parametrize("many", [True, False])
+def test_raw_decode_shape_by_programs(many, device, monkeypatch):
+    """BF16 history decodes by `attend.RAW_MANY_DECODE` (64-key tiles, three stages, page-table entries
+    a tile ahead, a sequence's KV heads together) where a single-pass step has at least
+    `RAW_MANY_PROGRAMS` (sequence, KV head) programs, by the entry below that; sinks on, mixed
+    lengths, the split heuristic and 3 forced splits (merged in the kernel): BF16-level error against
+    the float64 reference either way. FP8 history is not affected."""
+    from test_kernels_attend import check_steps, make_cache
+
+    from kvstrata.radix.kernels import attend
+
+    monkeypatch.setattr(attend, "RAW_MANY_PROGRAMS", 1 if many else 10**9)
+    monkeypatch.setattr(attend, "FP8_WIDE_PROGRAMS", 10**9)
+    made = launches_made(monkeypatch)
+    for codec in ("bf16", "fp8_e4m3"):
+        for splits in (None, 3):
+            cache = make_cache(codec, device, sinks=True, dtype=torch.bfloat16)
+            check_steps(
+                cache, [9, 70, 300], steps=2, n_new=1, tol=1.5e-2, dtype=torch.bfloat16, splits=splits
+            )
+    entry = attend.DECODE_LAUNCH[False]
+    many_shape = (64, 3, True, True)
+    assert (
+        tuple(attend.RAW_MANY_DECODE[k] for k in ("block_n", "num_stages", "prefetch", "heads_together"))
+        == many_shape
+    )
+    entry_shape = (
+        entry["block_n"],
+        entry["num_stages"],
+        entry["prefetch"],
+        bool(entry.get("heads_together")),
+    )
+
+    def shapes(raw: bool) -> set:
+        keys = ("BLOCK_N", "num_stages", "PREFETCH", "HEADS_TOGETHER")
+        return {tuple(m.options[k] for k in keys) for m in made if (m.options["K_FMT"] == 0) is raw}
+
+    assert shapes(raw=True) == {many_shape if many else entry_shape}
+    assert shapes(raw=False) == {entry_shape}
+    assert 3 in {m.splits for m in made if m.options["K_FMT"] == 0}
+    # a step of two passes (an image or raised pool) keeps the entry
+    assert attend.takes_raw_many_decode(0, 0, 4096, direct=False) is False
+    assert attend.takes_raw_many_decode(1, 1, 4096, direct=True) is False
 
 
 @pytest.mark.parametrize("device", kernel_helpers.DEVICES)

@@ -196,7 +196,12 @@ OTHER_4BIT_DECODE = dict(blocks=4, num_warps=4, programs=1024, maxnreg=128, tail
 # attention_sweep.py, one run; docs pass 11). With ``prefetch`` the FP8 scale exponents come a tile ahead too
 # (`decode.bits_ahead`; launch key ``bits_ahead``, absent: on): 1.202 / 0.333 / 1.303 against 1.246 / 0.341 /
 # 1.316 without, in a second run.
-FP8_WIDE_DECODE = dict(block_n=32, num_warps=1, num_stages=3, prefetch=True, programs=4096, maxnreg=None)
+# ``heads_together`` (a sequence's KV heads in consecutive programs; H200, attention_sweep.py, one run,
+# 2026-12-04): B=256 at 2K 0.279 ms against 0.289, B=1,024 at 2K 1.019 against 1.089, B=64 at 32K
+# 0.971 against 0.999.
+FP8_WIDE_DECODE = dict(
+    block_n=32, num_warps=1, num_stages=3, prefetch=True, programs=4096, maxnreg=None, heads_together=True
+)
 # int4 keys and values (`decode4`): one pipeline stage (and 168 registers, as ``DECODE_LAUNCH[True]``
 # since pass 12). Pass 9, H200: B=64 at 32K 1.326 ms against 1.689 with fp4's 2 stages and no cap, B=256
 # at 2K 0.404 against 0.453, B=1,024 at 2K 1.434 against 1.700 (attention_sweep.py, one run). Pass 12,
@@ -220,6 +225,17 @@ INT4_FORMAT = 5
 # (docs/kernels-h200.md).
 FP8_WIDE_PROGRAMS = 512
 WIDE_DECODE_FORMATS = (1, 2)  # the history formats (keys and values) that take `FP8_WIDE_DECODE`
+# Model-dtype (BF16) history where a decode pass writes its output itself (`takes_raw_many_decode`) and
+# has at least ``RAW_MANY_PROGRAMS`` (sequence, KV head) programs: 64-key tiles, three stages, page-table
+# entries a tile ahead, a sequence's KV heads in consecutive programs (``heads_together``). The entry's
+# two 64 KB stages of 128 keys leave one program an SM, whose first loads and tail tile run with nothing
+# else in flight; three of these share an SM. H200, 8B layer, window 16 (attention_sweep.py, one run):
+# B=256 at 2K 0.490 ms against 0.527 (SDPA BF16 0.478), at 1,600 tokens 0.395 against 0.427 (0.380);
+# B=64 (512 programs, split in two) loses: at 32K 1.952 against 1.882, at 4K 0.271 against 0.265. A
+# second run: B=128 / 256 / 512 at 2K 0.261 / 0.489 / 0.958 against 0.270 / 0.527 / 1.028, B=256 at 4K
+# and 8K 0.950 / 1.872 against 0.999 / 1.941 (SDPA 0.937 / 1.865).
+RAW_MANY_DECODE = dict(block_n=64, num_stages=3, prefetch=True, heads_together=True)
+RAW_MANY_PROGRAMS = 1024
 # Extend, by the layer's codes (`extend_kind`): 128 query rows a tile. BF16/FP32 history ("raw"): the
 # flash-shaped kernel of `kvstrata.radix.kernels.extend` (``module`` "extend", docs pass 9), 128 keys a
 # tile, 3 stages, page-table entries a tile ahead (H200, 2K chunk over 30K: 2.315 ms = 0.77x SDPA,
@@ -837,6 +853,21 @@ def _merge_rows(
 
 
 @triton.jit
+def decode_program(H, HEADS_TOGETHER: tl.constexpr):
+    """``(sequence, KV head)`` of a decode program on the grid (sequences, KV heads, splits);
+    ``HEADS_TOGETHER``: ids remapped so that consecutive programs are one sequence's KV heads (the
+    same grid; a page's token rows are then read by all its heads at about the same time)."""
+    if HEADS_TOGETHER:
+        pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        b = pid // H
+        h = pid % H
+    else:
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+    return b, h
+
+
+@triton.jit
 def merge_if_last(
     COUNT,
     PO,
@@ -927,6 +958,14 @@ def takes_wide_decode(
         wide = {"min_pages": min_pages, **FP8_WIDE_DECODE}
         splits, _ = cold_splits(programs, n_pages, wide, tile_pages(wide["block_n"], page_size))
     return programs * splits >= FP8_WIDE_PROGRAMS
+
+
+def takes_raw_many_decode(k_fmt: int, v_fmt: int, programs: int, direct: bool) -> bool:
+    """Whether a decode pass of ``programs`` (sequences x KV heads) takes `RAW_MANY_DECODE`: model-dtype
+    keys and values (format 0), at least `RAW_MANY_PROGRAMS` programs, and the output written by the
+    pass itself (a step of one pass: steps over an image or raised pool keep the entry, so the
+    warm-up's variants stay the ones it meets)."""
+    return k_fmt == v_fmt == 0 and direct and programs >= RAW_MANY_PROGRAMS
 
 
 def tile_pages(tile: int, page_size: int) -> int:
@@ -1215,6 +1254,8 @@ def pass_launch(
         k_fmt, v_fmt, B * h, n_pages, splits, launch.get("min_pages", MIN_PAGES_PER_SPLIT), page
     ):
         launch = {**launch, **FP8_WIDE_DECODE}
+    elif T == 1 and takes_raw_many_decode(k_fmt, v_fmt, B * h, direct):
+        launch = {**launch, **RAW_MANY_DECODE}
     by_blocks = launch["by_blocks"] or (k_fmt in SCALED_KEY_FORMATS and launch.get("scaled_keys_by_blocks"))
     fold = page % 16 == 0 and bool(by_blocks)
     half_k, half_v = fold and k_fmt in HALF_FORMATS, fold and v_fmt in HALF_FORMATS

@@ -37,6 +37,7 @@ from kvstrata.radix.kernels.attend import (
     _online_pow2_scaled,
     _raw_tile,
     _scores,
+    decode_program,
     merge_if_last,
 )
 from kvstrata.radix.kernels.jit import jit_unspecialized
@@ -608,12 +609,12 @@ def _decode_kernel(
     VALUE_PAIRS: tl.constexpr,
     PAIRS_ASM: tl.constexpr,
     KEYS_AS_ROWS: tl.constexpr,
+    HEADS_TOGETHER: tl.constexpr,
     COUNT,
     MERGE_S: tl.constexpr,
     MERGE_G: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
+    b, h = decode_program(H, HEADS_TOGETHER)
     split = tl.program_id(2)
     r = tl.arange(0, BLOCK_H)
     row_ok = r < GROUP
@@ -781,7 +782,8 @@ def decode_options(group: int, launch: dict, one_dtype: bool, meta: dict) -> dic
     only (`fp8_options`): ``codes_asm`` and ``lazy_rescale``; pass 13, where `pairs_apply`:
     ``value_pairs``, value codes as uint16 channel pairs (`_fp8_pairs_tile`), and ``keys_as_rows``, key
     and value codes so, the products turned over (`_fp8_pairs_tile`; the query rows padded to 8, not
-    16). The runtime arguments are
+    16). ``heads_together``: program ids remapped so that consecutive programs are one sequence's KV
+    heads (as `decode4`'s). The runtime arguments are
     `_attend_kernel`'s without ``T``, its grid (sequences, KV heads, splits); `attend.merge_options`
     adds the split merge's (``COUNT`` by keyword, ``MERGE_S``, ``MERGE_G``)."""
     swap = launch.get("swap_ab", False)
@@ -806,6 +808,7 @@ def decode_options(group: int, launch: dict, one_dtype: bool, meta: dict) -> dic
         VALUE_PAIRS=pairs,
         PAIRS_ASM=(pairs or rows) and meta["CODE_DTYPE"] == tl.float16,
         KEYS_AS_ROWS=rows,
+        HEADS_TOGETHER=bool(launch.get("heads_together")),
         num_warps=launch["num_warps"],
         num_stages=launch["num_stages"],
     )

@@ -71,6 +71,7 @@ from kvstrata.radix.kernels.attend import (
     _online,
     _raw_tile,
     _scores,
+    decode_program,
     merge_if_last,
 )
 from kvstrata.radix.kernels.jit import jit_unspecialized
@@ -433,13 +434,7 @@ def _decode4_kernel(
     MERGE_S: tl.constexpr,
     MERGE_G: tl.constexpr,
 ):
-    if HEADS_TOGETHER:  # consecutive programs: the KV heads of one sequence (same grid, ids remapped)
-        pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-        b = pid // H
-        h = pid % H
-    else:
-        b = tl.program_id(0)
-        h = tl.program_id(1)
+    b, h = decode_program(H, HEADS_TOGETHER)
     split = tl.program_id(2)
     # Row i of the tiles is query head h * GROUP + i % SLOT_R; with FOLD it sees only the keys of
     # block ``slot = i // SLOT_R`` of each cold tile (else SLOT_R is BLOCK_H: one slot, all keys).
