@@ -203,7 +203,8 @@ _DEFAULT = dict(
     keys_as_rows=True,
     value_pairs=False,
     heads_together=False,
-    raw_many_programs=10**9,  # variants run as written (not `attend.RAW_MANY_DECODE` from 2,048 programs)
+    # variants run as written (not `attend.RAW_MANY_DECODE` from `attend.RAW_MANY_PROGRAMS` programs)
+    raw_many_programs=10**9,
 )
 # ``fp8_dot`` (prepared offline, `decode._fp8_dot_tile`): q.K^T on FP8 operands (q split in two FP8
 # parts), True P.V too (weights split). On the one-warp wide shape Triton 3.6 promotes FP8 dots to FP16
@@ -258,7 +259,10 @@ DECODE = [
     dict(_DEFAULT, keys_as_rows=False),  # pass 11's default
     dict(_DEFAULT, keys_as_rows=False, value_pairs=True),
     dict(_DEFAULT, wide=dict(num_stages=2, maxnreg=168)),
-    dict(_DEFAULT, heads_together=True),
+    # Pass 16: the wide shape without ``heads_together`` (`attend.FP8_WIDE_DECODE`'s since; the
+    # wide shape's own keys win over the entry's, so its runs set it there). Measured with the two
+    # roles the other way round (this variant had them, the default not): docs/kernels-h200.md.
+    dict(_DEFAULT, wide=dict(heads_together=False)),
     # The wide shape at every batch (B=16 at 8 KV heads has 128 programs before splitting): for the
     # small-batch cases, SWEEP_CASES=16x32768,16x4096,64x4096,1x32768,1x4096. Measured (H200, one run):
     # 0.268 / 0.049 / 0.156 / 0.031 / 0.022 ms against the 4-warp entry's 0.307 / 0.057 / 0.156 / 0.037 /

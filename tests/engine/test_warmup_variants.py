@@ -163,9 +163,10 @@ def test_warmup_meets_bf16_decode_at_many_programs(eight_kv_heads) -> None:
     from kvstrata.radix.kernels.attend import RAW_MANY_DECODE, RAW_MANY_PROGRAMS
 
     assert RAW_MANY_PROGRAMS // 8 <= 130
+    model = load_model(eight_kv_heads.path, dtype=torch.bfloat16)  # the shape is for 2-byte models
     with record_variants(execute=False) as warm:
         engine = Engine(
-            model=eight_kv_heads, attention_backend="triton", kv_cache_dtype="auto", warmup="on",
+            model=model, attention_backend="triton", kv_cache_dtype="auto", warmup="on",
             max_running_requests=144, page_size=16, max_total_tokens=150_000,
         )  # fmt: skip
     try:

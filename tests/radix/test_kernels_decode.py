@@ -586,7 +586,7 @@ def test_fp8_decode_launch_at_one_sequence(pages, warps, splits):
 @pytest.mark.parametrize("wide", [True, False])
 def test_fp8_decode_shape_by_batch(wide, device, monkeypatch):
     """FP8 history decodes by `attend.FP8_WIDE_DECODE` (one warp, 32-key tiles, three stages, page-table
-    entries and scale exponents a tile ahead) where the step has at least `FP8_WIDE_PROGRAMS`
+    entries and scale exponents a tile ahead, heads together) where the step has at least `FP8_WIDE_PROGRAMS`
     (sequence, KV head, split) programs, by the 4-warp entry below that; both at BF16-level error against the
     float64 reference. BF16 history keeps the entry either way."""
     from test_kernels_attend import check_steps, make_cache
@@ -594,7 +594,7 @@ def test_fp8_decode_shape_by_batch(wide, device, monkeypatch):
     from kvstrata.radix.kernels import attend
 
     monkeypatch.setattr(attend, "FP8_WIDE_PROGRAMS", 1 if wide else 10**9)
-    shapes = []  # (K format, num_warps, BLOCK_N, num_stages, PREFETCH, BITS_AHEAD) of each decode launch
+    shapes = []  # (K format, num_warps, BLOCK_N, num_stages, PREFETCH, BITS_AHEAD, HEADS_TOGETHER) a launch
     launch = attend.pass_launch
 
     def recorded(g, k_fmt, *args, **kwargs):
@@ -602,7 +602,15 @@ def test_fp8_decode_shape_by_batch(wide, device, monkeypatch):
         if g.tokens == 1:
             o = got.options
             shapes.append(
-                (k_fmt, o["num_warps"], o["BLOCK_N"], o["num_stages"], o["PREFETCH"], o["BITS_AHEAD"])
+                (
+                    k_fmt,
+                    o["num_warps"],
+                    o["BLOCK_N"],
+                    o["num_stages"],
+                    o["PREFETCH"],
+                    o["BITS_AHEAD"],
+                    o["HEADS_TOGETHER"],
+                )
             )
         return got
 
@@ -621,9 +629,10 @@ def test_fp8_decode_shape_by_batch(wide, device, monkeypatch):
         (e["num_warps"], e["block_n"], e["num_stages"], e["prefetch"]) for e in (wide_entry, entry)
     )
     assert wide_shape == (1, 32, 3, True)
-    # the wide shape loads the FP8 scale exponents a tile ahead with the page-table entries
-    assert fp8 == ({(*wide_shape, True)} if wide else {(*entry_shape, False)})
-    assert raw == {(*entry_shape, False)}
+    # the wide shape loads the FP8 scale exponents a tile ahead with the page-table entries, and runs a
+    # sequence's KV heads in consecutive programs (pass 16)
+    assert fp8 == ({(*wide_shape, True, True)} if wide else {(*entry_shape, False, False)})
+    assert raw == {(*entry_shape, False, False)}
 
 
 @pytest.mark.parametrize("device", kernel_helpers.DEVICES)
@@ -670,6 +679,7 @@ def test_raw_decode_shape_by_programs(many, device, monkeypatch):
     # a step of two passes (an image or raised pool) keeps the entry
     assert attend.takes_raw_many_decode(0, 0, 4096, direct=False) is False
     assert attend.takes_raw_many_decode(1, 1, 4096, direct=True) is False
+    assert attend.takes_raw_many_decode(0, 0, 4096, direct=True, element_size=4) is False  # float32 model
 
 
 @pytest.mark.parametrize("device", kernel_helpers.DEVICES)

@@ -225,15 +225,16 @@ INT4_FORMAT = 5
 # (docs/kernels-h200.md).
 FP8_WIDE_PROGRAMS = 512
 WIDE_DECODE_FORMATS = (1, 2)  # the history formats (keys and values) that take `FP8_WIDE_DECODE`
-# Model-dtype (BF16) history where a decode pass writes its output itself (`takes_raw_many_decode`) and
-# has at least ``RAW_MANY_PROGRAMS`` (sequence, KV head) programs: 64-key tiles, three stages, page-table
-# entries a tile ahead, a sequence's KV heads in consecutive programs (``heads_together``). The entry's
-# two 64 KB stages of 128 keys leave one program an SM, whose first loads and tail tile run with nothing
-# else in flight; three of these share an SM. H200, 8B layer, window 16 (attention_sweep.py, one run):
-# B=256 at 2K 0.490 ms against 0.527 (SDPA BF16 0.478), at 1,600 tokens 0.395 against 0.427 (0.380);
-# B=64 (512 programs, split in two) loses: at 32K 1.952 against 1.882, at 4K 0.271 against 0.265. A
-# second run: B=128 / 256 / 512 at 2K 0.261 / 0.489 / 0.958 against 0.270 / 0.527 / 1.028, B=256 at 4K
-# and 8K 0.950 / 1.872 against 0.999 / 1.941 (SDPA 0.937 / 1.865).
+# Model-dtype history of a BF16/FP16 model where a decode pass writes its output itself
+# (`takes_raw_many_decode`) and has at least ``RAW_MANY_PROGRAMS`` (sequence, KV head) programs: 64-key
+# tiles, three stages, page-table entries a tile ahead, a sequence's KV heads in consecutive programs
+# (``heads_together``). The entry's two 64 KB stages of 128 keys leave one program an SM, whose first
+# loads and tail tile run with nothing else in flight; three of these share an SM. H200, 8B layer,
+# window 16 (attention_sweep.py, one run): B=256 at 2K 0.490 ms against 0.527 (SDPA BF16 0.478), at
+# 1,600 tokens 0.395 against 0.427 (0.380); B=64 (512 programs, split in two) loses: at 32K 1.952
+# against 1.882, at 4K 0.271 against 0.265. A second run: B=128 / 256 / 512 at 2K 0.261 / 0.489 /
+# 0.958 against 0.270 / 0.527 / 1.028, B=256 at 4K and 8K 0.950 / 1.872 against 0.999 / 1.941 (SDPA
+# 0.937 / 1.865).
 RAW_MANY_DECODE = dict(block_n=64, num_stages=3, prefetch=True, heads_together=True)
 RAW_MANY_PROGRAMS = 1024
 # Extend, by the layer's codes (`extend_kind`): 128 query rows a tile. BF16/FP32 history ("raw"): the
@@ -960,12 +961,13 @@ def takes_wide_decode(
     return programs * splits >= FP8_WIDE_PROGRAMS
 
 
-def takes_raw_many_decode(k_fmt: int, v_fmt: int, programs: int, direct: bool) -> bool:
+def takes_raw_many_decode(k_fmt: int, v_fmt: int, programs: int, direct: bool, element_size: int = 2) -> bool:
     """Whether a decode pass of ``programs`` (sequences x KV heads) takes `RAW_MANY_DECODE`: model-dtype
-    keys and values (format 0), at least `RAW_MANY_PROGRAMS` programs, and the output written by the
-    pass itself (a step of one pass: steps over an image or raised pool keep the entry, so the
-    warm-up's variants stay the ones it meets)."""
-    return k_fmt == v_fmt == 0 and direct and programs >= RAW_MANY_PROGRAMS
+    keys and values (format 0) of 2 bytes (``element_size``: a BF16 or FP16 model; float32 tiles were
+    not measured, and three stages of them take twice the shared memory), at least
+    `RAW_MANY_PROGRAMS` programs, and the output written by the pass itself (a step of one pass: steps
+    over an image or raised pool keep the entry, so the warm-up's variants stay the ones it meets)."""
+    return k_fmt == v_fmt == 0 and element_size == 2 and direct and programs >= RAW_MANY_PROGRAMS
 
 
 def tile_pages(tile: int, page_size: int) -> int:
@@ -1254,7 +1256,7 @@ def pass_launch(
         k_fmt, v_fmt, B * h, n_pages, splits, launch.get("min_pages", MIN_PAGES_PER_SPLIT), page
     ):
         launch = {**launch, **FP8_WIDE_DECODE}
-    elif T == 1 and takes_raw_many_decode(k_fmt, v_fmt, B * h, direct):
+    elif T == 1 and takes_raw_many_decode(k_fmt, v_fmt, B * h, direct, q.element_size()):
         launch = {**launch, **RAW_MANY_DECODE}
     by_blocks = launch["by_blocks"] or (k_fmt in SCALED_KEY_FORMATS and launch.get("scaled_keys_by_blocks"))
     fold = page % 16 == 0 and bool(by_blocks)
