@@ -203,8 +203,7 @@ _DEFAULT = dict(
     keys_as_rows=True,
     value_pairs=False,
     heads_together=False,
-    # variants run as written (not `attend.RAW_MANY_DECODE` from `attend.RAW_MANY_PROGRAMS` programs)
-    raw_many_programs=10**9,
+    raw_many_programs=kernels.RAW_MANY_PROGRAMS,  # the shipped rule (BF16 variants turn it off)
 )
 # ``fp8_dot`` (prepared offline, `decode._fp8_dot_tile`): q.K^T on FP8 operands (q split in two FP8
 # parts), True P.V too (weights split). On the one-warp wide shape Triton 3.6 promotes FP8 dots to FP16
@@ -296,8 +295,10 @@ DECODE = [
 # smaller tiles and more stages, so that two or more programs share an SM (the entry's two 64 KB
 # stages leave one an SM, whose first loads and tail tile then run with nothing else in flight); 8
 # warps; split in two at B=256 (``programs`` 4,096, merged in the kernel). For BF16 alone:
-# SWEEP_CODECS=bf16; the engine's BF16 ring holds one partial page (window 0): SWEEP_WINDOW=16.
-_BF16 = _DEFAULT
+# SWEEP_CODECS=bf16; the engine's BF16 ring holds one partial page (window 0): SWEEP_WINDOW=16. The
+# variants run as written (not `attend.RAW_MANY_DECODE` from `attend.RAW_MANY_PROGRAMS` programs) and
+# are not part of the fastest-shape pick: BF16's shape at many programs is that rule's, not the entry's.
+_BF16 = dict(_DEFAULT, raw_many_programs=10**9)
 # Measured (H200, 2026-12-04, one run, window 16; ms at B=256 2K / B=256 1,600 / B=64 4K / B=64 32K /
 # B=16 4K; SDPA BF16 0.478 / 0.380 / 0.247 / 1.860 / 0.072): the entry 0.527 / 0.427 / 0.265 / 1.882 /
 # 0.085; ``prefetch`` 0.519 / 0.421 / 0.266 / 1.907 / 0.084; ``heads_together`` 0.516 / 0.416 / 0.267 /
@@ -491,6 +492,8 @@ def warm(index: int) -> None:
             launch.update(kernels.FP8_WIDE_DECODE)  # the shape `batch` gets, at B=4 too
             kernels.FP8_WIDE_PROGRAMS = 0
             least = launch.get("min_pages", least)
+        elif kernels.takes_raw_many_decode(fmt, fmt, batch * hkv, True, 2):  # BF16: its shape at B=4 too
+            kernels.RAW_MANY_PROGRAMS = 0
         splits = kernels._num_splits(batch * hkv, n_pages, launch["programs"], least)
     kernels.attend_group(*args, splits=splits)
     torch.cuda.synchronize()
@@ -599,7 +602,7 @@ def sweep() -> dict[tuple[str, bool | str], dict]:
     timed: dict[tuple, int] = {}
     shapes: dict[tuple, dict] = {}
     for kind, codec, _, _, s, ms, _, _ in rows:
-        if codec == "int8":
+        if codec in ("int8", "bf16"):  # their variants would set the entry FP8 shares
             continue
         key = (entry(kind, codec), repr(s))  # a variant's ``wide`` is a dict: not hashable itself
         shapes[key] = s

@@ -677,8 +677,8 @@ def test_raw_decode_shape_by_programs(many, device, monkeypatch):
     assert shapes(raw=False) == {entry_shape}
     assert 3 in {m.splits for m in made if m.options["K_FMT"] == 0}
     # a step of two passes (an image or raised pool) keeps the entry
-    assert attend.takes_raw_many_decode(0, 0, 4096, direct=False) is False
-    assert attend.takes_raw_many_decode(1, 1, 4096, direct=True) is False
+    assert attend.takes_raw_many_decode(0, 0, 4096, direct=False, element_size=2) is False
+    assert attend.takes_raw_many_decode(1, 1, 4096, direct=True, element_size=2) is False
     assert attend.takes_raw_many_decode(0, 0, 4096, direct=True, element_size=4) is False  # float32 model
 
 

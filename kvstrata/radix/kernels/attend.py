@@ -961,7 +961,7 @@ def takes_wide_decode(
     return programs * splits >= FP8_WIDE_PROGRAMS
 
 
-def takes_raw_many_decode(k_fmt: int, v_fmt: int, programs: int, direct: bool, element_size: int = 2) -> bool:
+def takes_raw_many_decode(k_fmt: int, v_fmt: int, programs: int, direct: bool, element_size: int) -> bool:
     """Whether a decode pass of ``programs`` (sequences x KV heads) takes `RAW_MANY_DECODE`: model-dtype
     keys and values (format 0) of 2 bytes (``element_size``: a BF16 or FP16 model; float32 tiles were
     not measured, and three stages of them take twice the shared memory), at least
