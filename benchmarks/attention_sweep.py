@@ -368,6 +368,8 @@ _D4 = dict(
     keys_as_rows=False,
     value_reference=False,
     value_quads=False,
+    table_ahead=False,
+    wide_scales=False,
 )
 _D4_ROWS = dict(_D4, keys_as_rows=True, value_reference=True)
 _D4_ROWS_1 = dict(_D4_ROWS, num_stages=1)
@@ -381,13 +383,33 @@ _D4_ROWS_1 = dict(_D4_ROWS, num_stages=1)
 # instance, every launch: fp4's default 1,294 -> 1,069); ``value_quads`` reads the value codes as 16-bit
 # elements, so that P.V's operand comes from a transposing ldmatrix instead of 64 one-byte shared loads
 # and their packing (fp4 1,069 -> 959; int4 at its shape 1,072 -> 951).
+# Pass 17 (prepared offline, Triton 3.6 for sm_90, cold loop a 32-key tile, B=64 32K; B=1,024 2K the
+# same within 15): every 4-bit default waits for all its copies at the top of each tile (``DEPBAR.LE
+# SB0, 0x0``): the next tile's codes are copied at the end of the tile, after the page-table entries
+# they need come back, so no copy is in flight while a tile computes (FP8's wide loop waits with 0x2).
+# ``table_ahead`` (the entries a tile ahead) at three stages: 0x3, the next tile's copies in flight
+# through the tile; fp4 959 -> 1,003 instructions, no spill at 168 registers (1,008 uncapped); four
+# stages 0x6, 1,010. ``wide_scales`` (fp4 key block scales as channel pairs, copied ahead with the
+# codes; no load left for the tile to wait on but the 16-bit global scales): 0x4, 1,117 (values' block
+# scales as 32-bit words were tried: 128 more shared stores a tile, left out). int4 at three stages
+# spills at 168 registers (1,202 with 63 reloads a tile); uncapped 1,080 at 0x1 (its one-stage default
+# 948, no copies).
+_D4_AHEAD = dict(_D4_ROWS, maxnreg=168, value_quads=True, num_stages=3, table_ahead=True)
 DECODE_4BIT: list[dict] = [
     _D4_ROWS,
     dict(_D4_ROWS_1, maxnreg=168),
     dict(_D4_ROWS, value_quads=True),
     dict(_D4_ROWS_1, maxnreg=168, value_quads=True),
     dict(_D4_ROWS, maxnreg=168, value_quads=True),
+    _D4_AHEAD,
+    dict(_D4_AHEAD, wide_scales=True),
+    dict(_D4_AHEAD, num_stages=4),
+    dict(_D4_AHEAD, maxnreg=None),
+    dict(_D4_AHEAD, maxnreg=None, wide_scales=True),
 ]
+# SWEEP_4BIT (environment): indices into DECODE_4BIT, e.g. "3,4,5": only those 4-bit variants.
+if os.environ.get("SWEEP_4BIT"):
+    DECODE_4BIT = [DECODE_4BIT[int(i)] for i in os.environ["SWEEP_4BIT"].split(",")]
 # SWEEP_GEOMETRY (environment): an `attention_gpu.GEOMETRIES` key, the 8B layer ("8b") by default.
 GEOMETRY = os.environ.get("SWEEP_GEOMETRY", "8b")
 # SWEEP_KINDS (environment): the kinds swept, "decode,extend" by default.
@@ -592,6 +614,8 @@ def sweep() -> dict[tuple[str, bool | str], dict]:
         blocks += ", keys as rows" if s.get("keys_as_rows") else ""
         blocks += ", value reference" if s.get("value_reference") else ""
         blocks += ", value quads" if s.get("value_quads") else ""
+        blocks += ", table ahead" if s.get("table_ahead") else ""
+        blocks += ", wide scales" if s.get("wide_scales") else ""
         blocks += f", wide shape with {s['wide']}" if s.get("wide") else ""
         print(
             f"| {kind} | {batch} | {context} | {codec} | {s['block_m']} x {s['block_n']} | "

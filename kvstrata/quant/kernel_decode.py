@@ -579,3 +579,14 @@ def fp4_key_block_scales(p1, page, tok0, h, c0, c1, c_ok, H, P: tl.constexpr, D:
     b0 = fp8_value(tl.load(p1 + brow + c0, mask=c_ok, other=0), False)
     b1 = fp8_value(tl.load(p1 + brow + c1, mask=c_ok, other=0), False)
     return b0, b1
+
+
+@triton.jit
+def fp4_key_block_pairs(p1, page, tok0, h, pair, H, P: tl.constexpr, D: tl.constexpr):
+    """`fp4_key_block_scales` of the even and odd channels ``2 * pair`` and ``2 * pair + 1``, read as
+    one 16-bit element a channel pair (the even channel's code the low byte): loads of at least 32
+    bits a thread, which Triton's pipeliner copies ahead asynchronously (it leaves narrower loads in
+    the loop)."""
+    brow = ((page * (P // 16) + tok0 // 16) * H + h) * (D // 2)
+    w = tl.load(p1.to(tl.pointer_type(tl.uint16)) + brow + pair).to(tl.int32)
+    return fp8_value((w & 255).to(tl.uint8), False), fp8_value((w >> 8).to(tl.uint8), False)

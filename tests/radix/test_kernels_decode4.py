@@ -187,7 +187,18 @@ LAUNCHES = {
     "4 blocks, folded, value reference, offsets per tile": dict(
         blocks=4, prefetch=True, fold_key_scales=True, value_reference=True
     ),
+    "4 blocks, folded, table ahead, wide scales": dict(
+        blocks=4, fold_key_scales=True, table_ahead=True, wide_scales=True
+    ),
+    "4 blocks, table ahead": dict(blocks=4, table_ahead=True),
 }
+# Pass 17: the page-table entries a tile ahead at three stages, over pass 9's keys-as-rows shape.
+LAUNCHES["2 blocks, folded, keys as rows, value reference, table ahead, 3 stages"] = dict(
+    LAUNCHES["2 blocks, folded, keys as rows, value reference"],
+    num_stages=3,
+    heads_together=True,
+    table_ahead=True,
+)
 
 
 def _use(monkeypatch, launch: dict, asm: bool) -> list[tuple]:
@@ -198,7 +209,7 @@ def _use(monkeypatch, launch: dict, asm: bool) -> list[tuple]:
     # Every option off unless the entry sets it (the defaults turn several on: an entry's name says
     # all that it runs with).
     options = ("fold_key_scales", "heads_together", "tail_rows", "value_offsets_apart")
-    options += ("keys_as_rows", "value_reference", "value_quads")
+    options += ("keys_as_rows", "value_reference", "value_quads", "table_ahead", "wide_scales")
     for key, value in {"module": "decode4", "asm": asm, **dict.fromkeys(options, False), **launch}.items():
         monkeypatch.setitem(attend.DECODE_LAUNCH[True], key, value)
     grids: list[tuple] = []
@@ -234,6 +245,7 @@ def test_decode4_float32(codec, launch, monkeypatch):
         "4 blocks, folded key scales",
         "2 blocks, folded, heads together, tail rows",
         "2 blocks, folded, keys as rows, value reference",
+        "4 blocks, folded, table ahead, wide scales",
     ],
 )
 @pytest.mark.parametrize("asm", ASM)
@@ -286,8 +298,15 @@ QUAD_LAUNCHES = {
     for name in (
         "2 blocks, folded, keys as rows, value reference",
         "4 blocks, folded, keys as rows, prefetch, offsets per tile",
+        "2 blocks, folded, keys as rows, value reference, table ahead, 3 stages",
     )
 }
+# Pass 17's shapes with value quads and the fp4 key scales read as channel pairs.
+QUAD_LAUNCHES["2 blocks, folded, keys as rows, table ahead, 3 stages, wide scales, value quads"] = dict(
+    LAUNCHES["2 blocks, folded, keys as rows, value reference, table ahead, 3 stages"],
+    value_quads=True,
+    wide_scales=True,
+)
 
 
 def _at_head_dim(monkeypatch, head_dim: int) -> list[tuple[dict, dict]]:
@@ -401,3 +420,18 @@ def test_keys_as_rows_needs_folded_key_scales():
     assert options["BLOCK_H"] == 8 and options["SLOT_R"] == 4
     options = decode4_options(4, dict(launch, fold_key_scales=True, keys_as_rows=False), True, meta)
     assert options["BLOCK_H"] == 16 and options["SLOT_R"] == 8 and not options["KEYS_AS_ROWS"]
+
+
+def test_wide_scales_needs_folded_key_scales():
+    """``wide_scales`` reads the fp4 key block scales that `decode4._folded_query` folds into the query;
+    without ``fold_key_scales`` it would do nothing, so it is refused; ``table_ahead`` reaches the
+    kernel as its constexpr."""
+    from kvstrata.radix.kernels.decode4 import decode4_options
+
+    launch = dict(blocks=2, num_warps=1, num_stages=3, wide_scales=True, table_ahead=True)
+    meta = dict(DOT_DTYPE=tl.float32)
+    with pytest.raises(ValueError, match="fold_key_scales"):
+        decode4_options(4, launch, True, meta)
+    options = decode4_options(4, dict(launch, fold_key_scales=True), True, meta)
+    assert options["WIDE_SCALES"] and options["TABLE_AHEAD"] and options["num_stages"] == 3
+    assert not decode4_options(4, dict(blocks=2, num_warps=1, num_stages=2), True, meta)["TABLE_AHEAD"]

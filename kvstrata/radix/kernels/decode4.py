@@ -54,6 +54,7 @@ import triton.language as tl
 from kvstrata.quant.kernel_decode import (
     INT4_KEY_F16_UNIT,
     bf16_bits_value,
+    fp4_key_block_pairs,
     fp4_key_block_scales,
     fp8_value,
     int4_key_scale_codes,
@@ -132,9 +133,22 @@ def _rows(j0, pb, pv, h, H, P: tl.constexpr, BLOCKS: tl.constexpr):
 
 
 @triton.jit
+def _entries(pt, j0, end, jb, jn, jr, P: tl.constexpr):
+    """Page-table entries of the tile from key ``j0``: `_rows`' ``pb``/``pv`` and each query row's page
+    ``pr`` (``jb``/``jn``/``jr``: the offsets of the blocks' first keys, of the keys and of the rows'
+    blocks' first keys), page 0 past ``end``, the split's end (a tile past the last is loaded ahead
+    and never read)."""
+    pb = tl.load(pt + (j0 + jb) // P, mask=j0 + jb < end, other=0)
+    pv = tl.load(pt + (j0 + jn) // P, mask=j0 + jn < end, other=0)
+    pr = tl.load(pt + (j0 + jr) // P, mask=j0 + jr < end, other=0)
+    return pb, pv, pr
+
+
+@triton.jit
 def _folded_query(
     qf0, qf1, q_mul, K1, K2, pb, tb, pr, h, H,
     P: tl.constexpr, D: tl.constexpr, BLOCKS: tl.constexpr, K_FMT: tl.constexpr, CODE_DTYPE: tl.constexpr,
+    WIDE_SCALES: tl.constexpr,
 ):  # fmt: skip
     """The query halves with the per-channel key scales of each row's block folded in, ``(qs0, qs1,
     bias, mult)``: the row's scores are ``(qs . codes + bias) * mult`` over its block's raw codes.
@@ -143,7 +157,8 @@ def _folded_query(
     halves divided by ``q_mul`` (a power of two). int4: ``qs = q * s`` and ``bias = q . z`` with the
     channels' scale codes ``s`` (`int4_key_scale_codes`) and zero points ``z`` in units of the
     page-head's unit, which joins ``mult``. fp4: ``qs = q * b`` with the block's E4M3 scales, no
-    bias, the page's global scale (times 2**14: the codes are E2M1 times 2**-14) in ``mult``."""
+    bias, the page's global scale (times 2**14: the codes are E2M1 times 2**-14) in ``mult``; with
+    ``WIDE_SCALES`` the block scales read as channel pairs (`fp4_key_block_pairs`)."""
     HD: tl.constexpr = D // 2
     ROWS: tl.constexpr = qf0.shape[0]
     ck = tl.arange(0, HD)[None, None, :]
@@ -157,7 +172,10 @@ def _folded_query(
         unit = bf16_bits_value(tl.load(K1 + int4_key_words(pr, h, H, D) + D))
         mult = unit * (q_mul * INT4_KEY_F16_UNIT)
     else:
-        s0, s1 = fp4_key_block_scales(K1, pb, tb, h, 2 * ck, 2 * ck + 1, ck < HD, H, P, D)
+        if WIDE_SCALES:
+            s0, s1 = fp4_key_block_pairs(K1, pb, tb, h, ck, H, P, D)
+        else:
+            s0, s1 = fp4_key_block_scales(K1, pb, tb, h, 2 * ck, 2 * ck + 1, ck < HD, H, P, D)
         bias = 0.0
         mult = tl.load(K2 + pr * H + h).to(tl.float32) * (16384.0 * q_mul)
     qs0 = tl.reshape(a0 * s0, [ROWS, HD]).to(CODE_DTYPE)
@@ -168,19 +186,21 @@ def _folded_query(
 def _side_scales(
     K1, K2, V1, V2, j0, pb, pv, pr, qf0, qf1, q_mul, h, H,
     P: tl.constexpr, D: tl.constexpr, BLOCKS: tl.constexpr, K_FMT: tl.constexpr, V_FMT: tl.constexpr,
-    FOLD: tl.constexpr, CODE_DTYPE: tl.constexpr,
+    FOLD: tl.constexpr, CODE_DTYPE: tl.constexpr, WIDE_SCALES: tl.constexpr,
 ):  # fmt: skip
     """The scales of a tile that Triton's pipeliner does not copy ahead (narrower than 32 bits, or
     not feeding a dot), loaded here so that the kernel can load them a tile ahead (``PREFETCH``):
     four key terms, then two value terms. Keys: with ``FOLD`` `_folded_query`'s four; else fp4 keys'
     block scales ``(b0, b1)`` ``[BLOCKS, 1, D/2]`` and global scales times 2**14 ``[16 * BLOCKS]``
     (int4 keys: zeros, their scales are the pipeliner's). Values: fp4 block scales ``[16 * BLOCKS,
-    D/32, 1]`` and global scales times 2**14, or int4 values' scales and offsets."""
+    D/32, 1]`` and global scales times 2**14, or int4 values' scales and offsets. ``WIDE_SCALES``
+    (``FOLD``, fp4 keys): the key block scales read 16 bits at a time, so that Triton's pipeliner
+    copies them ahead with the codes (`fp4_key_block_pairs`)."""
     pb3, tb3, rv = _rows(j0, pb, pv, h, H, P, BLOCKS)
     ck = tl.arange(0, D // 2)[None, None, :]
     if FOLD:
         ka, kb, kc, kd = _folded_query(
-            qf0, qf1, q_mul, K1, K2, pb3, tb3, pr, h, H, P, D, BLOCKS, K_FMT, CODE_DTYPE
+            qf0, qf1, q_mul, K1, K2, pb3, tb3, pr, h, H, P, D, BLOCKS, K_FMT, CODE_DTYPE, WIDE_SCALES
         )
     elif K_FMT == 6:
         ka, kb = fp4_key_block_scales(K1, pb3, tb3, h, 2 * ck, 2 * ck + 1, ck < D // 2, H, P, D)
@@ -417,6 +437,8 @@ def _decode4_kernel(
     BLOCK_H: tl.constexpr,
     BLOCKS: tl.constexpr,
     PREFETCH: tl.constexpr,
+    TABLE_AHEAD: tl.constexpr,
+    WIDE_SCALES: tl.constexpr,
     ASM: tl.constexpr,
     DOT_PREC: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
@@ -491,41 +513,41 @@ def _decode4_kernel(
     jb = tl.arange(0, BLOCKS) * 16
     jn = tl.arange(0, BLOCKS * 16)
     jr = (slot % BLOCKS) * 16  # first key of each row's block
-    if PREFETCH:  # page-table entries and `_side_scales` a tile ahead: no load waits in the tile
-        pb = tl.load(pt + (lo * P + jb) // P, mask=lo * P + jb < end, other=0)
-        pv = tl.load(pt + (lo * P + jn) // P, mask=lo * P + jn < end, other=0)
-        pr = tl.load(pt + (lo * P + jr) // P, mask=lo * P + jr < end, other=0)
+    tile: tl.constexpr = BLOCKS * 16
+    if PREFETCH or TABLE_AHEAD:  # the first tile's page-table entries, then each next one's in the loop
+        pb, pv, pr = _entries(pt, lo * P, end, jb, jn, jr, P)
+    if PREFETCH:  # and `_side_scales` a tile ahead: no load waits in the tile
         side = _side_scales(
             K1, K2, V1, V2, lo * P, pb, pv, pr, qc0, qc1, q_mul, h, H,
-            P, D, BLOCKS, K_FMT, V_FMT, FOLD, CODE_DTYPE,
+            P, D, BLOCKS, K_FMT, V_FMT, FOLD, CODE_DTYPE, WIDE_SCALES,
         )  # fmt: skip
-    for j0 in range(lo * P, full, BLOCKS * 16):
+    for j0 in range(lo * P, full, tile):
+        if PREFETCH or TABLE_AHEAD:
+            pb_ahead, pv_ahead, pr_ahead = _entries(pt, j0 + tile, end, jb, jn, jr, P)
         if PREFETCH:
-            ahead = j0 + BLOCKS * 16
-            pb_ahead = tl.load(pt + (ahead + jb) // P, mask=ahead + jb < end, other=0)
-            pv_ahead = tl.load(pt + (ahead + jn) // P, mask=ahead + jn < end, other=0)
-            pr_ahead = tl.load(pt + (ahead + jr) // P, mask=ahead + jr < end, other=0)
             side_ahead = _side_scales(
-                K1, K2, V1, V2, ahead, pb_ahead, pv_ahead, pr_ahead, qc0, qc1, q_mul,
-                h, H, P, D, BLOCKS, K_FMT, V_FMT, FOLD, CODE_DTYPE,
+                K1, K2, V1, V2, j0 + tile, pb_ahead, pv_ahead, pr_ahead, qc0, qc1, q_mul,
+                h, H, P, D, BLOCKS, K_FMT, V_FMT, FOLD, CODE_DTYPE, WIDE_SCALES,
             )  # fmt: skip
         else:
-            pb = tl.load(pt + (j0 + jb) // P)
-            pv = tl.load(pt + (j0 + jn) // P)
-            pr = tl.load(pt + (j0 + jr) // P)
+            if not TABLE_AHEAD:
+                pb = tl.load(pt + (j0 + jb) // P)
+                pv = tl.load(pt + (j0 + jn) // P)
+                pr = tl.load(pt + (j0 + jr) // P)
             side = _side_scales(
                 K1, K2, V1, V2, j0, pb, pv, pr, qc0, qc1, q_mul, h, H,
-                P, D, BLOCKS, K_FMT, V_FMT, FOLD, CODE_DTYPE,
+                P, D, BLOCKS, K_FMT, V_FMT, FOLD, CODE_DTYPE, WIDE_SCALES,
             )  # fmt: skip
         acc0, acc1, acc2, acc3, m_i, l_i, o_i, v_ref, v_hi = _cold_tile4(
             qc0, qc1, acc0, acc1, acc2, acc3, m_i, l_i, o_i, v_ref, v_hi, K0, K1, K2, V0, j0, pb, pv, side,
             slot, h, H, P, D, BLOCKS, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC, FOLD, OFFSETS_APART,
             KEYS_AS_ROWS, VALUE_REF, VALUE_QUADS,
         )  # fmt: skip
-        if PREFETCH:
+        if PREFETCH or TABLE_AHEAD:
             pb = pb_ahead
             pv = pv_ahead
             pr = pr_ahead
+        if PREFETCH:
             side = side_ahead
     for j0 in range(full, end, 16):  # one block a tile: slot 0's rows
         pb1 = tl.load(pt + j0 // P + tl.arange(0, 1))
@@ -533,7 +555,7 @@ def _decode4_kernel(
         pr1 = tl.load(pt + (j0 + 0 * jr) // P)
         side1 = _side_scales(
             K1, K2, V1, V2, j0, pb1, pv1, pr1, qc0, qc1, q_mul, h, H,
-            P, D, 1, K_FMT, V_FMT, FOLD, CODE_DTYPE,
+            P, D, 1, K_FMT, V_FMT, FOLD, CODE_DTYPE, WIDE_SCALES,
         )  # fmt: skip
         acc0, acc1, acc2, acc3, m_i, l_i, o_i, v_ref, v_hi = _cold_tile4(
             qc0, qc1, acc0, acc1, acc2, acc3, m_i, l_i, o_i, v_ref, v_hi, K0, K1, K2, V0, j0, pb1, pv1, side1,
@@ -619,13 +641,20 @@ def decode4_options(group: int, launch: dict, interpreted: bool, meta: dict) -> 
     ``keys_as_rows`` (with ``fold_key_scales`` only; the slots padded to 8 rows in all, not 16: the
     query side is then the product's N, whose tensor-core minimum is 8) and ``value_reference``
     (`_cold_tile4`; pass 9), off unless set; ``value_quads`` (with ``keys_as_rows``; head_dim 64 or
-    more, else ignored): the value codes as 16-bit elements (`_cold_tile4`; pass 12).
-    Operands are FP16 for 16-bit models on a GPU, else float32 (``interpreted``, float32 models)."""
+    more, else ignored): the value codes as 16-bit elements (`_cold_tile4`; pass 12);
+    ``table_ahead``: page-table entries loaded a tile ahead, the tile's scales in it (unlike
+    ``prefetch``, which also loads the scales ahead and takes precedence; with three stages
+    Triton's pipeliner then keeps the next tile's code copies in flight through the tile: pass 17);
+    ``wide_scales`` (with ``fold_key_scales``): fp4 key block scales read as channel pairs
+    (`_folded_query`); both off unless set. Operands are FP16 for 16-bit models on a GPU, else
+    float32 (``interpreted``, float32 models)."""
     f16 = not interpreted and meta["DOT_DTYPE"] in (tl.bfloat16, tl.float16)
     fold = bool(launch.get("fold_key_scales"))
     keys_as_rows = bool(launch.get("keys_as_rows"))
     if keys_as_rows and not fold:
         raise ValueError("decode4: keys_as_rows needs fold_key_scales")
+    if launch.get("wide_scales") and not fold:
+        raise ValueError("decode4: wide_scales needs fold_key_scales")
     value_quads = bool(launch.get("value_quads"))
     if value_quads and not keys_as_rows:
         raise ValueError("decode4: value_quads needs keys_as_rows")
@@ -640,6 +669,8 @@ def decode4_options(group: int, launch: dict, interpreted: bool, meta: dict) -> 
         BLOCK_H=block_h,
         BLOCKS=launch["blocks"],
         PREFETCH=bool(launch.get("prefetch")),
+        TABLE_AHEAD=bool(launch.get("table_ahead")),
+        WIDE_SCALES=bool(launch.get("wide_scales")),
         ASM=bool(launch.get("asm")) and f16,
         FOLD=fold,
         SLOT_R=rows if fold else block_h,
