@@ -370,6 +370,7 @@ _D4 = dict(
     value_quads=False,
     table_ahead=False,
     wide_scales=False,
+    tail_n=32,
 )
 _D4_ROWS = dict(_D4, keys_as_rows=True, value_reference=True)
 _D4_ROWS_1 = dict(_D4_ROWS, num_stages=1)
@@ -393,8 +394,10 @@ _D4_ROWS_1 = dict(_D4_ROWS, num_stages=1)
 # codes; no load left for the tile to wait on but the 16-bit global scales): 0x4, 1,117 (values' block
 # scales as 32-bit words were tried: 128 more shared stores a tile, left out). int4 at three stages
 # spills at 168 registers (1,202 with 63 reloads a tile); uncapped 1,080 at 0x1 (its one-stage default
-# 948, no copies).
-_D4_AHEAD = dict(_D4_ROWS, maxnreg=168, value_quads=True, num_stages=3, table_ahead=True)
+# 948, no copies). The ring's tiles (32 BF16 keys, B=1,024 2K) likewise wait with 0x0, and spill (939
+# instructions, 56 reloads and 53 stores a tile); ``table_ahead`` loads their rows a tile ahead too:
+# 0x2, 942; with ``tail_n`` 16, 575 a 16-key tile, 6 reloads.
+_D4_AHEAD = dict(_D4_ROWS, maxnreg=168, value_quads=True, num_stages=3, table_ahead=True, tail_n=32)
 DECODE_4BIT: list[dict] = [
     _D4_ROWS,
     dict(_D4_ROWS_1, maxnreg=168),
@@ -406,6 +409,7 @@ DECODE_4BIT: list[dict] = [
     dict(_D4_AHEAD, num_stages=4),
     dict(_D4_AHEAD, maxnreg=None),
     dict(_D4_AHEAD, maxnreg=None, wide_scales=True),
+    dict(_D4_AHEAD, tail_n=16),
 ]
 # SWEEP_4BIT (environment): indices into DECODE_4BIT, e.g. "3,4,5": only those 4-bit variants.
 if os.environ.get("SWEEP_4BIT"):
@@ -616,6 +620,7 @@ def sweep() -> dict[tuple[str, bool | str], dict]:
         blocks += ", value quads" if s.get("value_quads") else ""
         blocks += ", table ahead" if s.get("table_ahead") else ""
         blocks += ", wide scales" if s.get("wide_scales") else ""
+        blocks += f", {s['tail_n']}-key tail tiles" if s.get("tail_n", 32) != 32 else ""
         blocks += f", wide shape with {s['wide']}" if s.get("wide") else ""
         print(
             f"| {kind} | {batch} | {context} | {codec} | {s['block_m']} x {s['block_n']} | "

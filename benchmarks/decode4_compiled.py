@@ -133,13 +133,22 @@ def sass_of(kernel) -> tuple[str, str, str]:
     return re.search(r"REG:(\d+)", usage).group(1), re.search(r"STACK:(\d+)", usage).group(1), sass
 
 
+def copy_waits(body: list[str]) -> str:
+    """The waits for asynchronous copies in a loop (``DEPBAR.LE SB0, n``: until at most n copy groups are
+    outstanding; 0 waits for every copy issued, the next tile's included, so none is in flight while
+    the loop computes), e.g. "copy waits 0x2", or "" where the loop has none."""
+    waits = [m.group(1) for t in body if (m := re.search(r"DEPBAR\.LE SB0, (0x[0-9a-f]+)", t))]
+    return f", copy waits {' '.join(waits)}" if waits else ""
+
+
 def loop_counts(sass: str, ops: list[str]) -> list[str]:
-    """Each loop's instruction count and its count of each of ``ops``, one line a loop."""
+    """Each loop's instruction count, its waits for copies (`copy_waits`) and its count of each of
+    ``ops``, one line a loop."""
     lines = []
     for i, body in enumerate(loops(sass)):
         count = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
         lines.append(
-            f"  loop {i}: {len(body)} instructions; "
+            f"  loop {i}: {len(body)} instructions{copy_waits(body)}; "
             + " ".join(f"{op} {count[op]}" for op in ops if count[op])
         )
     return lines

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).parent))
-from decode4_compiled import OPS, compile_sm90, launch_args, loops, step  # noqa: E402
+from decode4_compiled import OPS, compile_sm90, copy_waits, launch_args, loops, step  # noqa: E402
 
 from kvstrata.radix.kernels import attend, decode  # noqa: E402
 
@@ -129,7 +129,7 @@ def main() -> None:
         print(
             f"  loop {i}: {len(body)} instructions"
             + (f" (forward branches skip {branches})" if branches else "")
-            + f", {shared_wavefronts(body)} shared-memory wavefronts; "
+            + f", {shared_wavefronts(body)} shared-memory wavefronts{copy_waits(body)}; "
             + " ".join(f"{op} {ops[op]}" for op in OPS_8BIT if ops[op])
         )
     if args.sass:

@@ -192,12 +192,14 @@ LAUNCHES = {
     ),
     "4 blocks, table ahead": dict(blocks=4, table_ahead=True),
 }
-# Pass 17: the page-table entries a tile ahead at three stages, over pass 9's keys-as-rows shape.
-LAUNCHES["2 blocks, folded, keys as rows, value reference, table ahead, 3 stages"] = dict(
+# Pass 17: the page-table entries and ring rows a tile ahead at three stages, over pass 9's keys-as-rows
+# shape.
+LAUNCHES["2 blocks, folded, keys as rows, value reference, table ahead, 3 stages, 16-key tail tiles"] = dict(
     LAUNCHES["2 blocks, folded, keys as rows, value reference"],
     num_stages=3,
     heads_together=True,
     table_ahead=True,
+    tail_n=16,  # the ring (up to 31 rows here) in two tiles: its rows loaded a tile ahead
 )
 
 
@@ -298,12 +300,12 @@ QUAD_LAUNCHES = {
     for name in (
         "2 blocks, folded, keys as rows, value reference",
         "4 blocks, folded, keys as rows, prefetch, offsets per tile",
-        "2 blocks, folded, keys as rows, value reference, table ahead, 3 stages",
+        "2 blocks, folded, keys as rows, value reference, table ahead, 3 stages, 16-key tail tiles",
     )
 }
 # Pass 17's shapes with value quads and the fp4 key scales read as channel pairs.
 QUAD_LAUNCHES["2 blocks, folded, keys as rows, table ahead, 3 stages, wide scales, value quads"] = dict(
-    LAUNCHES["2 blocks, folded, keys as rows, value reference, table ahead, 3 stages"],
+    LAUNCHES["2 blocks, folded, keys as rows, value reference, table ahead, 3 stages, 16-key tail tiles"],
     value_quads=True,
     wide_scales=True,
 )

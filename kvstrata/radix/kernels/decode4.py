@@ -78,8 +78,8 @@ from kvstrata.radix.kernels.attend import (
 from kvstrata.radix.kernels.jit import jit_unspecialized
 
 # Keys a tile of the sink page, ring rows and the new key (BF16 channel halves loaded element by
-# element; a few tiles in one split a step).
-TAIL_N = tl.constexpr(32)
+# element; a few tiles in one split a step), unless a launch sets ``tail_n``.
+TAIL_N = 32
 # ``VALUE_REF``: the reference scale of a tile is at least the largest value scale seen times this, so
 # that the accumulator (in units of it) stays within float32 (sums of at most 2**20 weights of 1 times
 # codes under 2**4: under 2**114).
@@ -439,6 +439,7 @@ def _decode4_kernel(
     PREFETCH: tl.constexpr,
     TABLE_AHEAD: tl.constexpr,
     WIDE_SCALES: tl.constexpr,
+    TAIL_N: tl.constexpr,
     ASM: tl.constexpr,
     DOT_PREC: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
@@ -590,13 +591,22 @@ def _decode4_kernel(
                     ok[None, :] & first, D, DOT_PREC, TAIL_ROWS,
                 )  # fmt: skip
         ring_len = tl.load(RING_LEN + b)
+        rr = RR + b * rr_stride
+        if TABLE_AHEAD:  # the ring rows a tile ahead too
+            ring_row = tl.load(rr + n, mask=n < ring_len, other=0).to(tl.int64)
         for j0 in range(0, ring_len, TAIL_N):
             ok = j0 + n < ring_len
-            ring_row = tl.load(RR + b * rr_stride + j0 + n, mask=ok, other=0).to(tl.int64)
+            if TABLE_AHEAD:
+                ahead = j0 + TAIL_N + n
+                row_ahead = tl.load(rr + ahead, mask=ahead < ring_len, other=0).to(tl.int64)
+            else:
+                ring_row = tl.load(rr + j0 + n, mask=ok, other=0).to(tl.int64)
             acc0, acc1, m_i, l_i = _tail_tile(
                 qd0, qd1, acc0, acc1, m_i, l_i, RK, RV, ring_row * H + h, ok, ok[None, :] & first,
                 D, DOT_PREC, TAIL_ROWS,
             )  # fmt: skip
+            if TABLE_AHEAD:
+                ring_row = row_ahead
         ok = n < 1
         acc0, acc1, m_i, l_i = _tail_tile(
             qd0, qd1, acc0, acc1, m_i, l_i, KN, VN, (b + n).to(tl.int64) * H + h, ok, ok[None, :] & first,
@@ -644,9 +654,10 @@ def decode4_options(group: int, launch: dict, interpreted: bool, meta: dict) -> 
     more, else ignored): the value codes as 16-bit elements (`_cold_tile4`; pass 12);
     ``table_ahead``: page-table entries loaded a tile ahead, the tile's scales in it (unlike
     ``prefetch``, which also loads the scales ahead and takes precedence; with three stages
-    Triton's pipeliner then keeps the next tile's code copies in flight through the tile: pass 17);
-    ``wide_scales`` (with ``fold_key_scales``): fp4 key block scales read as channel pairs
-    (`_folded_query`); both off unless set. Operands are FP16 for 16-bit models on a GPU, else
+    Triton's pipeliner then keeps the next tile's code copies in flight through the tile; the ring
+    rows likewise, a tail tile ahead: pass 17); ``wide_scales`` (with ``fold_key_scales``): fp4 key
+    block scales read as channel pairs (`_folded_query`); both off unless set; ``tail_n``: keys a
+    tile of the decode tail (`TAIL_N` unless set). Operands are FP16 for 16-bit models on a GPU, else
     float32 (``interpreted``, float32 models)."""
     f16 = not interpreted and meta["DOT_DTYPE"] in (tl.bfloat16, tl.float16)
     fold = bool(launch.get("fold_key_scales"))
@@ -671,6 +682,7 @@ def decode4_options(group: int, launch: dict, interpreted: bool, meta: dict) -> 
         PREFETCH=bool(launch.get("prefetch")),
         TABLE_AHEAD=bool(launch.get("table_ahead")),
         WIDE_SCALES=bool(launch.get("wide_scales")),
+        TAIL_N=launch.get("tail_n", TAIL_N),
         ASM=bool(launch.get("asm")) and f16,
         FOLD=fold,
         SLOT_R=rows if fold else block_h,
