@@ -49,9 +49,13 @@ OPS = ["LDG", "LDGSTS", "LDS", "STS", "LDL", "STL", "HMMA", "SHFL", "BAR", "MUFU
 OPS += ["HADD2", "HFMA2", "FMUL", "FADD", "FFMA", "IMAD"]
 
 
+# COMPILED_GEOMETRY (environment): the `attention_gpu.GEOMETRIES` key of the layer compiled, "8b" unless set.
+GEOMETRY = os.environ.get("COMPILED_GEOMETRY", "8b")
+
+
 def step(codec: str, batch: int, context: int):
     """`attention_gpu.build`'s step on the CPU, its shapes only: cache, plan, q, k, v."""
-    return build(codec, batch, context, *GEOMETRIES["8b"], device="cpu", fill=False)[:5]
+    return build(codec, batch, context, *GEOMETRIES[GEOMETRY], device="cpu", fill=False)[:5]
 
 
 def _type(arg) -> str:
