@@ -203,6 +203,7 @@ _DEFAULT = dict(
     keys_as_rows=True,
     value_pairs=False,
     heads_together=False,
+    ring_ahead=False,
     raw_many_programs=kernels.RAW_MANY_PROGRAMS,  # the shipped rule (BF16 variants turn it off)
 )
 # ``fp8_dot`` (prepared offline, `decode._fp8_dot_tile`): q.K^T on FP8 operands (q split in two FP8
@@ -286,6 +287,11 @@ DECODE = [
     # 0.136-0.160 (two stages at 168 registers: 0.255 at B=64 32K, 0.136 at B=256 4K). No change.
     dict(_DEFAULT, wide=dict(block_n=64)),
     dict(_DEFAULT, wide=dict(block_n=64, min_pages=64)),
+    # Pass 17 (prepared offline, Triton 3.6 for sm_90, B=256 2K): the decode tail's loop (sink page,
+    # ring rows, new key; 32 keys a tile on the wide shape) waits for all its copies (0x0) and takes 951
+    # instructions a tile; with its ring row ids a tile ahead (``ring_ahead``) 0x2 and 670. The ring is
+    # 128 BF16 rows a sequence at fp8's shipped window: about 5 of a 2K sequence's 64 tiles.
+    dict(_DEFAULT, ring_ahead=True, wide=dict(ring_ahead=True)),
 ]
 # BF16 history (format 0) reads the 4-warp entry's shape (FP8 takes the wide shape from 512 programs).
 # At the serving step (B=256, 2K) it ran at 0.93-0.96x SDPA BF16's bandwidth (0.509-0.527 ms against
@@ -619,6 +625,7 @@ def sweep() -> dict[tuple[str, bool | str], dict]:
         blocks += ", value reference" if s.get("value_reference") else ""
         blocks += ", value quads" if s.get("value_quads") else ""
         blocks += ", table ahead" if s.get("table_ahead") else ""
+        blocks += ", ring ahead" if s.get("ring_ahead") else ""
         blocks += ", wide scales" if s.get("wide_scales") else ""
         blocks += f", {s['tail_n']}-key tail tiles" if s.get("tail_n", 32) != 32 else ""
         blocks += f", wide shape with {s['wide']}" if s.get("wide") else ""

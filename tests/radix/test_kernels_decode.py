@@ -327,6 +327,8 @@ FEW_WARPS = {
     "1 warp, 32 keys, 200 registers": dict(num_warps=1, block_n=32, programs=5120, maxnreg=200),
     "2 warps, 64 keys, 200 registers": dict(num_warps=2, block_n=64, programs=2560, maxnreg=200),
     "1 warp, 16 keys, 128 registers": dict(num_warps=1, block_n=16, programs=8192, maxnreg=128),
+    # Pass 17: the tail's ring row ids a tile ahead (16-key tiles: the sinks, ring and new key in 2-3).
+    "1 warp, 16 keys, ring ahead": dict(num_warps=1, block_n=16, programs=8192, maxnreg=128, ring_ahead=True),
 }
 
 

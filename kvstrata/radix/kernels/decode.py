@@ -195,6 +195,7 @@ def _tail_tile(
     ring_len,
     slot,
     ring,
+    ring_row,
     b,
     h,
     H,
@@ -209,15 +210,18 @@ def _tail_tile(
     P: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    RING_AHEAD: tl.constexpr,
 ):
     """Keys ``j`` of the tail as one run: ``[0, sink_len)`` the sink page (slot ``slot``), then
-    ``ring_len`` ring rows (their row ids at ``ring``), then the new token, so a decode step's
-    16-key sink page, ring rows and one new key share tiles instead of taking a tile each. Each key
-    row picks its source's pointer (sinks, ring and new rows share one dtype), so a tile's K and V
-    load once."""
+    ``ring_len`` ring rows (their row ids at ``ring``; with ``RING_AHEAD`` given, ``ring_row``, loaded
+    a tile ahead by `_tail_ring_rows`), then the new token, so a decode step's 16-key sink page, ring
+    rows and one new key share tiles instead of taking a tile each. Each key row picks its source's
+    pointer (sinks, ring and new rows share one dtype), so a tile's K and V load once."""
     in_sink = j < sink_len
     in_ring = (j >= sink_len) & (j < sink_len + ring_len)
-    ring_row = tl.load(ring + j - sink_len, mask=in_ring, other=0).to(tl.int64) * H + h
+    if not RING_AHEAD:
+        ring_row = _tail_ring_rows(ring, j, sink_len, ring_len)
+    ring_row = ring_row * H + h
     new_row = (b * H + h + 0 * j).to(tl.int64)
     k_row = tl.where(in_ring, RK + ring_row * D, KN + new_row * D)
     v_row = tl.where(in_ring, RV + ring_row * D, VN + new_row * D)
@@ -233,6 +237,14 @@ def _tail_tile(
     p, alpha, m_i, l_i = _online(s, m_i, l_i)
     acc, _ = _accumulate(acc, acc, alpha, p, v, v, False, DOT_PREC)
     return acc, m_i, l_i
+
+
+@triton.jit
+def _tail_ring_rows(ring, j, sink_len, ring_len):
+    """The ring row ids of tail keys ``j`` (`_tail_tile`; 0 for keys outside the ring), ``ring`` the
+    sequence's row of ring row ids."""
+    in_ring = (j >= sink_len) & (j < sink_len + ring_len)
+    return tl.load(ring + j - sink_len, mask=in_ring, other=0).to(tl.int64)
 
 
 @triton.jit
@@ -601,6 +613,7 @@ def _decode_kernel(
     NORM_W: tl.constexpr,
     HALVES: tl.constexpr,
     MERGED_TAIL: tl.constexpr,
+    RING_AHEAD: tl.constexpr,
     CODES_ASM: tl.constexpr,
     LAZY_RESCALE: tl.constexpr,
     FP8_DOT: tl.constexpr,
@@ -725,11 +738,19 @@ def _decode_kernel(
         ring_len = tl.load(RING_LEN + b)
         if MERGED_TAIL:  # one run of keys: sink page, ring rows, new key
             ring = RR + b * rr_stride
+            if RING_AHEAD:  # noqa: SIM108  (constexpr branches of a Triton function) each tile's ring
+                ring_row = _tail_ring_rows(ring, n, sink_len, ring_len)  # row ids a tile ahead
+            else:
+                ring_row = 0
             for j0 in range(0, sink_len + ring_len + 1, BLOCK_N):
+                if RING_AHEAD:
+                    row_ahead = _tail_ring_rows(ring, j0 + BLOCK_N + n, sink_len, ring_len)
                 acc, m_i, l_i = _tail_tile(
-                    qd, acc, m_i, l_i, j0 + n, sink_len, ring_len, slot, ring, b, h, H, d,
-                    SK, SV, RK, RV, KN, VN, D, P, HAS_SINKS, DOT_PREC,
+                    qd, acc, m_i, l_i, j0 + n, sink_len, ring_len, slot, ring, ring_row, b, h, H, d,
+                    SK, SV, RK, RV, KN, VN, D, P, HAS_SINKS, DOT_PREC, RING_AHEAD,
                 )  # fmt: skip
+                if RING_AHEAD:
+                    ring_row = row_ahead
         else:
             for j0 in range(0, sink_len, BLOCK_N):
                 ok = j0 + n < sink_len
@@ -778,7 +799,9 @@ def decode_options(group: int, launch: dict, one_dtype: bool, meta: dict) -> dic
     ``maxnreg``: a register cap per thread for coded history, so more programs fit an SM, or None;
     ``bits_ahead`` (absent: on): with ``prefetch``, FP8 scale exponents a tile ahead too (`bits_ahead`);
     ``merged_tail``: the sink page, ring rows and new key as one run of tiles, where ``one_dtype``:
-    the step's K/V, the ring and the sinks share a dtype). Pass 9, FP8 keys and values of a BF16 model
+    the step's K/V, the ring and the sinks share a dtype); ``ring_ahead`` (with the merged tail; absent:
+    off): each tail tile's ring row ids loaded a tile ahead, so that its K/V copies need not wait for
+    them (pass 17). Pass 9, FP8 keys and values of a BF16 model
     only (`fp8_options`): ``codes_asm`` and ``lazy_rescale``; pass 13, where `pairs_apply`:
     ``value_pairs``, value codes as uint16 channel pairs (`_fp8_pairs_tile`), and ``keys_as_rows``, key
     and value codes so, the products turned over (`_fp8_pairs_tile`; the query rows padded to 8, not
@@ -803,6 +826,7 @@ def decode_options(group: int, launch: dict, one_dtype: bool, meta: dict) -> dic
         SWAP=swap,
         HALVES=halves,
         MERGED_TAIL=launch.get("merged_tail", True) and one_dtype,
+        RING_AHEAD=bool(launch.get("ring_ahead")) and launch.get("merged_tail", True) and one_dtype,
         **fp8,
         BITS_AHEAD=ahead,
         VALUE_PAIRS=pairs,
