@@ -437,3 +437,33 @@ def test_wide_scales_needs_folded_key_scales():
     options = decode4_options(4, dict(launch, fold_key_scales=True), True, meta)
     assert options["WIDE_SCALES"] and options["TABLE_AHEAD"] and options["num_stages"] == 3
     assert not decode4_options(4, dict(blocks=2, num_warps=1, num_stages=2), True, meta)["TABLE_AHEAD"]
+
+
+@pytest.mark.parametrize("tail_n", [8, 24])
+def test_tail_n_is_a_power_of_two_of_16_or_more(tail_n):
+    """The decode tail's tiles of ``tail_n`` keys: its P.V product has K = ``tail_n``, which a GPU's
+    `tl.dot` needs at 16 or more, and `tl.arange` a power of two; anything else is refused here (the
+    interpreter would run it)."""
+    from kvstrata.radix.kernels.decode4 import TAIL_N, decode4_options
+
+    launch = dict(blocks=2, num_warps=1, num_stages=2)
+    meta = dict(DOT_DTYPE=tl.float32)
+    with pytest.raises(ValueError, match="tail_n"):
+        decode4_options(4, dict(launch, tail_n=tail_n), True, meta)
+    assert decode4_options(4, launch, True, meta)["TAIL_N"] == TAIL_N
+    assert decode4_options(4, dict(launch, tail_n=16), True, meta)["TAIL_N"] == 16
+
+
+@pytest.mark.parametrize("page", [32, 64])
+@pytest.mark.parametrize("codec", ["fp4_e2m1", "int4/fp4_e2m1", "fp4_e2m1/int4"])
+def test_decode4_wide_scales_pages_of_several_blocks(codec, page, monkeypatch):
+    """``wide_scales`` and ``table_ahead`` where a page holds 2 or 4 16-token blocks (each block's key
+    scales in its own row of the page's; at 16-token pages the block within the page is always 0):
+    float32 model, sinks, a window of a page, forced splits, against the float64 reference."""
+    from test_kernels_attend import check_steps, make_cache
+
+    name = "2 blocks, folded, keys as rows, value reference, table ahead, 3 stages, 16-key tail tiles"
+    grids = _use(monkeypatch, dict(LAUNCHES[name], wide_scales=True), False)
+    cache = make_cache(codec, DEVICE, sinks=True, page=page, window=page)
+    assert check_steps(cache, [9, 2 * page + 5, 5 * page + 17], steps=2, n_new=1, tol=2e-5, splits=3) == 6
+    assert grids

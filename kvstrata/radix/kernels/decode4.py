@@ -666,6 +666,9 @@ def decode4_options(group: int, launch: dict, interpreted: bool, meta: dict) -> 
         raise ValueError("decode4: keys_as_rows needs fold_key_scales")
     if launch.get("wide_scales") and not fold:
         raise ValueError("decode4: wide_scales needs fold_key_scales")
+    tail_n = launch.get("tail_n", TAIL_N)
+    if tail_n < 16 or tail_n & (tail_n - 1):  # the tail's P.V product has K = tail_n (>= 16 on a GPU)
+        raise ValueError(f"decode4: tail_n must be a power of two of at least 16, not {tail_n}")
     value_quads = bool(launch.get("value_quads"))
     if value_quads and not keys_as_rows:
         raise ValueError("decode4: value_quads needs keys_as_rows")
@@ -682,7 +685,7 @@ def decode4_options(group: int, launch: dict, interpreted: bool, meta: dict) -> 
         PREFETCH=bool(launch.get("prefetch")),
         TABLE_AHEAD=bool(launch.get("table_ahead")),
         WIDE_SCALES=bool(launch.get("wide_scales")),
-        TAIL_N=launch.get("tail_n", TAIL_N),
+        TAIL_N=tail_n,
         ASM=bool(launch.get("asm")) and f16,
         FOLD=fold,
         SLOT_R=rows if fold else block_h,
