@@ -292,6 +292,11 @@ DECODE = [
     # instructions a tile; with its ring row ids a tile ahead (``ring_ahead``) 0x2 and 670. The ring is
     # 128 BF16 rows a sequence at fp8's shipped window: about 5 of a 2K sequence's 64 tiles.
     dict(_DEFAULT, ring_ahead=True, wide=dict(ring_ahead=True)),
+    # Pass 17 (offline, as above): launches under the wide rule run the 4-warp entry, whose loop waits
+    # with 0x0 at two stages (the default model's geometry, B=16 4K: 432 programs, 463 instructions a
+    # 128-key tile); page-table entries a tile ahead at three stages: 0x2, 483. For
+    # SWEEP_GEOMETRY=default SWEEP_CASES=16x4096,1x4096,1x32768 (and the 8B layer's B=1 4K).
+    dict(_DEFAULT, prefetch=True, num_stages=3),
 ]
 # BF16 history (format 0) reads the 4-warp entry's shape (FP8 takes the wide shape from 512 programs).
 # At the serving step (B=256, 2K) it ran at 0.93-0.96x SDPA BF16's bandwidth (0.509-0.527 ms against
