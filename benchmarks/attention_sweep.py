@@ -396,18 +396,18 @@ _D4_ROWS_1 = dict(_D4_ROWS, num_stages=1)
 # elements, so that P.V's operand comes from a transposing ldmatrix instead of 64 one-byte shared loads
 # and their packing (fp4 1,069 -> 959; int4 at its shape 1,072 -> 951).
 # Pass 17 (prepared offline, Triton 3.6 for sm_90, cold loop a 32-key tile, B=64 32K; B=1,024 2K the
-# same within 15): every 4-bit default waits for all its copies at the top of each tile (``DEPBAR.LE
+# same within 17): every 4-bit default waits for all its copies at the top of each tile (``DEPBAR.LE
 # SB0, 0x0``): the next tile's codes are copied at the end of the tile, after the page-table entries
 # they need come back, so no copy is in flight while a tile computes (FP8's wide loop waits with 0x2).
-# ``table_ahead`` (the entries a tile ahead) at three stages: 0x3, the next tile's copies in flight
-# through the tile; fp4 959 -> 1,003 instructions, no spill at 168 registers (1,008 uncapped); four
-# stages 0x6, 1,010. ``wide_scales`` (fp4 key block scales as channel pairs, copied ahead with the
-# codes; no load left for the tile to wait on but the 16-bit global scales): 0x4, 1,117 (values' block
-# scales as 32-bit words were tried: 128 more shared stores a tile, left out). int4 at three stages
-# spills at 168 registers (1,202 with 63 reloads a tile); uncapped 1,080 at 0x1 (its one-stage default
-# 948, no copies). The ring's tiles (32 BF16 keys, B=1,024 2K) likewise wait with 0x0, and spill (939
-# instructions, 56 reloads and 53 stores a tile); ``table_ahead`` loads their rows a tile ahead too:
-# 0x2, 942; with ``tail_n`` 16, 575 a 16-key tile, 6 reloads.
+# ``table_ahead`` (the entries and the small scale words a tile ahead) at three stages: 0x3, the next
+# tile's copies in flight through the tile; fp4 959 -> 1,011 instructions, no spill at 168 registers
+# (1,027 uncapped); four stages 0x6, 1,016. ``wide_scales`` (fp4 key block scales as channel pairs,
+# copied ahead with the codes): 0x4, 1,131 (values' block scales as 32-bit words were tried: 128 more
+# shared stores a tile, left out). int4 at three stages spills at 168 registers (1,210 with 59 reloads
+# a tile); uncapped 1,083 at 0x1 (its one-stage default 948, no copies). The ring's tiles (32 BF16
+# keys, B=1,024 2K) likewise wait with 0x0, and spill (939 instructions, 56 reloads and 53 stores a
+# tile); ``table_ahead`` loads their rows a tile ahead too: 0x2, 942; with ``tail_n`` 16, 575 a 16-key
+# tile, 6 reloads.
 _D4_AHEAD = dict(_D4_ROWS, maxnreg=168, value_quads=True, num_stages=3, table_ahead=True, tail_n=32)
 DECODE_4BIT: list[dict] = [
     _D4_ROWS,

@@ -59,6 +59,7 @@ from kvstrata.quant.kernel_decode import (
     fp8_value,
     int4_key_scale_codes,
     int4_key_words,
+    int4_value_scale,
     key_block_scales,
     nibble_pairs,
     nibble_quads,
@@ -145,10 +146,45 @@ def _entries(pt, j0, end, jb, jn, jr, P: tl.constexpr):
 
 
 @triton.jit
+def _key_unit(K1, K2, pr, h, H, D: tl.constexpr, K_FMT: tl.constexpr):
+    """A ``FOLD`` tile's page-head key word of each query row's page ``pr``, as stored: int4 the unit's
+    BF16 bits (after the page-head's channel words), fp4 the page's global scale."""
+    if K_FMT == 5:  # noqa: SIM108  (constexpr branches of a Triton function)
+        word = tl.load(K1 + int4_key_words(pr, h, H, D) + D)
+    else:
+        word = tl.load(K2 + pr * H + h)
+    return word
+
+
+@triton.jit
+def _value_word(V1, V2, rv, V_FMT: tl.constexpr):
+    """The per-token value word of the tile's keys ``rv``, as stored: fp4 the global scale, int4 the
+    scale and offset word."""
+    if V_FMT == 6:  # noqa: SIM108  (constexpr branches of a Triton function)
+        word = tl.load(V2 + rv)
+    else:
+        word = tl.load(V1 + rv)
+    return word
+
+
+@triton.jit
+def _words(
+    K1, K2, V1, V2, j0, pb, pv, pr, h, H,
+    P: tl.constexpr, D: tl.constexpr, BLOCKS: tl.constexpr, K_FMT: tl.constexpr, V_FMT: tl.constexpr,
+):  # fmt: skip
+    """The small scale words of the tile from key ``j0`` (`_key_unit`'s, `_value_word`'s), which
+    ``TABLE_AHEAD`` loads a tile ahead with the page-table entries ``pb``/``pv``/``pr``: a register or
+    two a thread (carrying the larger block-scale tensors instead made Triton move the decoded codes
+    through shared memory)."""
+    rv = _rows(j0, pb, pv, h, H, P, BLOCKS)[2]
+    return _key_unit(K1, K2, pr, h, H, D, K_FMT), _value_word(V1, V2, rv, V_FMT)
+
+
+@triton.jit
 def _folded_query(
     qf0, qf1, q_mul, K1, K2, pb, tb, pr, h, H,
     P: tl.constexpr, D: tl.constexpr, BLOCKS: tl.constexpr, K_FMT: tl.constexpr, CODE_DTYPE: tl.constexpr,
-    WIDE_SCALES: tl.constexpr,
+    WIDE_SCALES: tl.constexpr, ku, KU_GIVEN: tl.constexpr,
 ):  # fmt: skip
     """The query halves with the per-channel key scales of each row's block folded in, ``(qs0, qs1,
     bias, mult)``: the row's scores are ``(qs . codes + bias) * mult`` over its block's raw codes.
@@ -158,7 +194,9 @@ def _folded_query(
     channels' scale codes ``s`` (`int4_key_scale_codes`) and zero points ``z`` in units of the
     page-head's unit, which joins ``mult``. fp4: ``qs = q * b`` with the block's E4M3 scales, no
     bias, the page's global scale (times 2**14: the codes are E2M1 times 2**-14) in ``mult``; with
-    ``WIDE_SCALES`` the block scales read as channel pairs (`fp4_key_block_pairs`)."""
+    ``WIDE_SCALES`` the block scales read as channel pairs (`fp4_key_block_pairs`). ``KU_GIVEN``: the
+    page-head words (`_key_unit`) are ``ku``, loaded a tile ahead; else they load here, inline (through
+    `_key_unit` the compiled default's epilogue took other registers)."""
     HD: tl.constexpr = D // 2
     ROWS: tl.constexpr = qf0.shape[0]
     ck = tl.arange(0, HD)[None, None, :]
@@ -169,7 +207,10 @@ def _folded_query(
         s0, z0 = int4_key_scale_codes(tl.load(K1 + w0 + 2 * ck).to(tl.int32))
         s1, z1 = int4_key_scale_codes(tl.load(K1 + w0 + 2 * ck + 1).to(tl.int32))
         bias = tl.reshape(tl.sum(a0 * z0 + a1 * z1, 2), [ROWS]) * (1.0 / INT4_KEY_F16_UNIT)
-        unit = bf16_bits_value(tl.load(K1 + int4_key_words(pr, h, H, D) + D))
+        if KU_GIVEN:  # noqa: SIM108  (constexpr branches of a Triton function)
+            unit = bf16_bits_value(ku)
+        else:
+            unit = bf16_bits_value(tl.load(K1 + int4_key_words(pr, h, H, D) + D))
         mult = unit * (q_mul * INT4_KEY_F16_UNIT)
     else:
         if WIDE_SCALES:
@@ -177,7 +218,10 @@ def _folded_query(
         else:
             s0, s1 = fp4_key_block_scales(K1, pb, tb, h, 2 * ck, 2 * ck + 1, ck < HD, H, P, D)
         bias = 0.0
-        mult = tl.load(K2 + pr * H + h).to(tl.float32) * (16384.0 * q_mul)
+        if KU_GIVEN:  # noqa: SIM108  (constexpr branches of a Triton function)
+            mult = ku.to(tl.float32) * (16384.0 * q_mul)
+        else:
+            mult = tl.load(K2 + pr * H + h).to(tl.float32) * (16384.0 * q_mul)
     qs0 = tl.reshape(a0 * s0, [ROWS, HD]).to(CODE_DTYPE)
     return qs0, tl.reshape(a1 * s1, [ROWS, HD]).to(CODE_DTYPE), bias, mult
 
@@ -187,6 +231,7 @@ def _side_scales(
     K1, K2, V1, V2, j0, pb, pv, pr, qf0, qf1, q_mul, h, H,
     P: tl.constexpr, D: tl.constexpr, BLOCKS: tl.constexpr, K_FMT: tl.constexpr, V_FMT: tl.constexpr,
     FOLD: tl.constexpr, CODE_DTYPE: tl.constexpr, WIDE_SCALES: tl.constexpr,
+    ku, vw, WORDS_GIVEN: tl.constexpr,
 ):  # fmt: skip
     """The scales of a tile that Triton's pipeliner does not copy ahead (narrower than 32 bits, or
     not feeding a dot), loaded here so that the kernel can load them a tile ahead (``PREFETCH``):
@@ -195,13 +240,16 @@ def _side_scales(
     (int4 keys: zeros, their scales are the pipeliner's). Values: fp4 block scales ``[16 * BLOCKS,
     D/32, 1]`` and global scales times 2**14, or int4 values' scales and offsets. ``WIDE_SCALES``
     (``FOLD``, fp4 keys): the key block scales read 16 bits at a time, so that Triton's pipeliner
-    copies them ahead with the codes (`fp4_key_block_pairs`)."""
+    copies them ahead with the codes (`fp4_key_block_pairs`). ``WORDS_GIVEN`` (``FOLD``): the tile's
+    page-head key words and per-token value words (`_key_unit`, `_value_word`) are ``ku`` and ``vw``,
+    loaded a tile ahead (``TABLE_AHEAD``); else they load here."""
     pb3, tb3, rv = _rows(j0, pb, pv, h, H, P, BLOCKS)
     ck = tl.arange(0, D // 2)[None, None, :]
     if FOLD:
         ka, kb, kc, kd = _folded_query(
-            qf0, qf1, q_mul, K1, K2, pb3, tb3, pr, h, H, P, D, BLOCKS, K_FMT, CODE_DTYPE, WIDE_SCALES
-        )
+            qf0, qf1, q_mul, K1, K2, pb3, tb3, pr, h, H, P, D, BLOCKS, K_FMT, CODE_DTYPE, WIDE_SCALES,
+            ku, WORDS_GIVEN,
+        )  # fmt: skip
     elif K_FMT == 6:
         ka, kb = fp4_key_block_scales(K1, pb3, tb3, h, 2 * ck, 2 * ck + 1, ck < D // 2, H, P, D)
         kc = tl.load(K2 + pv.to(tl.int64) * H + h).to(tl.float32) * 16384.0
@@ -211,7 +259,12 @@ def _side_scales(
     if V_FMT == 6:
         g = tl.arange(0, D // 32)[None, :, None]
         vx = fp8_value(tl.load(V1 + rv[:, None, None] * (D // 32) + g), False)
-        vy = value_tile_scales(V1, V2, rv, 6)[0] * 16384.0
+        if WORDS_GIVEN:  # noqa: SIM108  (constexpr branches of a Triton function)
+            vy = vw.to(tl.float32) * 16384.0
+        else:
+            vy = value_tile_scales(V1, V2, rv, 6)[0] * 16384.0
+    elif WORDS_GIVEN:
+        vx, vy = int4_value_scale(vw.to(tl.int32))
     else:
         vx, vy = value_tile_scales(V1, V2, rv, 5)
     return ka, kb, kc, kd, vx, vy
@@ -515,30 +568,44 @@ def _decode4_kernel(
     jn = tl.arange(0, BLOCKS * 16)
     jr = (slot % BLOCKS) * 16  # first key of each row's block
     tile: tl.constexpr = BLOCKS * 16
+    # With TABLE_AHEAD (and FOLD) the tile's small scale words come a tile ahead with its entries.
+    WORDS_AHEAD: tl.constexpr = TABLE_AHEAD and FOLD and not PREFETCH
     if PREFETCH or TABLE_AHEAD:  # the first tile's page-table entries, then each next one's in the loop
         pb, pv, pr = _entries(pt, lo * P, end, jb, jn, jr, P)
+    if WORDS_AHEAD:
+        ku, vw = _words(K1, K2, V1, V2, lo * P, pb, pv, pr, h, H, P, D, BLOCKS, K_FMT, V_FMT)
     if PREFETCH:  # and `_side_scales` a tile ahead: no load waits in the tile
         side = _side_scales(
             K1, K2, V1, V2, lo * P, pb, pv, pr, qc0, qc1, q_mul, h, H,
-            P, D, BLOCKS, K_FMT, V_FMT, FOLD, CODE_DTYPE, WIDE_SCALES,
+            P, D, BLOCKS, K_FMT, V_FMT, FOLD, CODE_DTYPE, WIDE_SCALES, 0, 0, False,
         )  # fmt: skip
     for j0 in range(lo * P, full, tile):
         if PREFETCH or TABLE_AHEAD:
             pb_ahead, pv_ahead, pr_ahead = _entries(pt, j0 + tile, end, jb, jn, jr, P)
+        if WORDS_AHEAD:
+            ku_ahead, vw_ahead = _words(
+                K1, K2, V1, V2, j0 + tile, pb_ahead, pv_ahead, pr_ahead, h, H, P, D, BLOCKS, K_FMT, V_FMT
+            )  # fmt: skip
         if PREFETCH:
             side_ahead = _side_scales(
                 K1, K2, V1, V2, j0 + tile, pb_ahead, pv_ahead, pr_ahead, qc0, qc1, q_mul,
-                h, H, P, D, BLOCKS, K_FMT, V_FMT, FOLD, CODE_DTYPE, WIDE_SCALES,
+                h, H, P, D, BLOCKS, K_FMT, V_FMT, FOLD, CODE_DTYPE, WIDE_SCALES, 0, 0, False,
             )  # fmt: skip
         else:
             if not TABLE_AHEAD:
                 pb = tl.load(pt + (j0 + jb) // P)
                 pv = tl.load(pt + (j0 + jn) // P)
                 pr = tl.load(pt + (j0 + jr) // P)
-            side = _side_scales(
-                K1, K2, V1, V2, j0, pb, pv, pr, qc0, qc1, q_mul, h, H,
-                P, D, BLOCKS, K_FMT, V_FMT, FOLD, CODE_DTYPE, WIDE_SCALES,
-            )  # fmt: skip
+            if WORDS_AHEAD:
+                side = _side_scales(
+                    K1, K2, V1, V2, j0, pb, pv, pr, qc0, qc1, q_mul, h, H,
+                    P, D, BLOCKS, K_FMT, V_FMT, FOLD, CODE_DTYPE, WIDE_SCALES, ku, vw, True,
+                )  # fmt: skip
+            else:
+                side = _side_scales(
+                    K1, K2, V1, V2, j0, pb, pv, pr, qc0, qc1, q_mul, h, H,
+                    P, D, BLOCKS, K_FMT, V_FMT, FOLD, CODE_DTYPE, WIDE_SCALES, 0, 0, False,
+                )  # fmt: skip
         acc0, acc1, acc2, acc3, m_i, l_i, o_i, v_ref, v_hi = _cold_tile4(
             qc0, qc1, acc0, acc1, acc2, acc3, m_i, l_i, o_i, v_ref, v_hi, K0, K1, K2, V0, j0, pb, pv, side,
             slot, h, H, P, D, BLOCKS, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC, FOLD, OFFSETS_APART,
@@ -548,6 +615,9 @@ def _decode4_kernel(
             pb = pb_ahead
             pv = pv_ahead
             pr = pr_ahead
+        if WORDS_AHEAD:
+            ku = ku_ahead
+            vw = vw_ahead
         if PREFETCH:
             side = side_ahead
     for j0 in range(full, end, 16):  # one block a tile: slot 0's rows
@@ -556,7 +626,7 @@ def _decode4_kernel(
         pr1 = tl.load(pt + (j0 + 0 * jr) // P)
         side1 = _side_scales(
             K1, K2, V1, V2, j0, pb1, pv1, pr1, qc0, qc1, q_mul, h, H,
-            P, D, 1, K_FMT, V_FMT, FOLD, CODE_DTYPE, WIDE_SCALES,
+            P, D, 1, K_FMT, V_FMT, FOLD, CODE_DTYPE, WIDE_SCALES, 0, 0, False,
         )  # fmt: skip
         acc0, acc1, acc2, acc3, m_i, l_i, o_i, v_ref, v_hi = _cold_tile4(
             qc0, qc1, acc0, acc1, acc2, acc3, m_i, l_i, o_i, v_ref, v_hi, K0, K1, K2, V0, j0, pb1, pv1, side1,
