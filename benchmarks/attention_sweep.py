@@ -408,7 +408,7 @@ _D4_ROWS_1 = dict(_D4_ROWS, num_stages=1)
 # keys, B=1,024 2K) likewise wait with 0x0, and spill (939 instructions, 56 reloads and 53 stores a
 # tile); ``table_ahead`` loads their rows a tile ahead too: 0x2, 942; with ``tail_n`` 16, 575 a 16-key
 # tile, 6 reloads.
-_D4_AHEAD = dict(_D4_ROWS, maxnreg=168, value_quads=True, num_stages=3, table_ahead=True, tail_n=32)
+_D4_AHEAD = dict(_D4_ROWS, maxnreg=168, value_quads=True, num_stages=3, table_ahead=True)
 DECODE_4BIT: list[dict] = [
     _D4_ROWS,
     dict(_D4_ROWS_1, maxnreg=168),
@@ -422,9 +422,17 @@ DECODE_4BIT: list[dict] = [
     dict(_D4_AHEAD, maxnreg=None, wide_scales=True),
     dict(_D4_AHEAD, tail_n=16),
 ]
+
+
+def picked(variants: list[dict], env: str) -> list[dict]:
+    """The variants at the indices the environment variable ``env`` lists (e.g. "0,4"), all without it."""
+    if not os.environ.get(env):
+        return variants
+    return [variants[int(i)] for i in os.environ[env].split(",")]
+
+
 # SWEEP_4BIT (environment): indices into DECODE_4BIT, e.g. "3,4,5": only those 4-bit variants.
-if os.environ.get("SWEEP_4BIT"):
-    DECODE_4BIT = [DECODE_4BIT[int(i)] for i in os.environ["SWEEP_4BIT"].split(",")]
+DECODE_4BIT = picked(DECODE_4BIT, "SWEEP_4BIT")
 # SWEEP_GEOMETRY (environment): an `attention_gpu.GEOMETRIES` key, the 8B layer ("8b") by default.
 GEOMETRY = os.environ.get("SWEEP_GEOMETRY", "8b")
 # SWEEP_KINDS (environment): the kinds swept, "decode,extend" by default.
@@ -448,10 +456,7 @@ _DEQUANT_4BIT = [dict(s, by_blocks=True, blocks=4) for s in EXTEND_DEQUANT]
 VARIANTS += [("extend", "int4", 1, CONTEXT, s) for s in EXTEND_4BIT + _DEQUANT_4BIT]
 # BF16 history shares FP8's launch table entry (left out by SWEEP_CODECS=fp8_e4m3), with its own variants.
 # SWEEP_FP8 (environment): indices into DECODE, e.g. "0,4": only those FP8 variants.
-_FP8_PICKED = DECODE
-if os.environ.get("SWEEP_FP8"):
-    _FP8_PICKED = [DECODE[int(i)] for i in os.environ["SWEEP_FP8"].split(",")]
-VARIANTS += [("decode", "fp8_e4m3", b, n, s) for b, n in DECODE_CASES for s in _FP8_PICKED]
+VARIANTS += [("decode", "fp8_e4m3", b, n, s) for b, n in DECODE_CASES for s in picked(DECODE, "SWEEP_FP8")]
 VARIANTS += [("decode", "bf16", b, n, s) for b, n in DECODE_CASES for s in DECODE_BF16]
 VARIANTS += [("decode", "int8", b, n, s) for b, n in DECODE_CASES if b > 1 for s in DECODE_INT8]
 VARIANTS += [("decode", c, b, n, s) for c in FOUR_BIT for b, n in DECODE_CASES for s in DECODE_4BIT]

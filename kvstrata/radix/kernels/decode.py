@@ -826,7 +826,7 @@ def decode_options(group: int, launch: dict, one_dtype: bool, meta: dict) -> dic
         SWAP=swap,
         HALVES=halves,
         MERGED_TAIL=launch.get("merged_tail", True) and one_dtype,
-        RING_AHEAD=bool(launch.get("ring_ahead")) and launch.get("merged_tail", True) and one_dtype,
+        RING_AHEAD=bool(launch.get("ring_ahead")),  # read by the merged tail only
         **fp8,
         BITS_AHEAD=ahead,
         VALUE_PAIRS=pairs,

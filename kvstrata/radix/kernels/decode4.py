@@ -570,6 +570,8 @@ def _decode4_kernel(
     tile: tl.constexpr = BLOCKS * 16
     # With TABLE_AHEAD (and FOLD) the tile's small scale words come a tile ahead with its entries.
     WORDS_AHEAD: tl.constexpr = TABLE_AHEAD and FOLD and not PREFETCH
+    ku = 0  # the words, unused unless WORDS_AHEAD
+    vw = 0
     if PREFETCH or TABLE_AHEAD:  # the first tile's page-table entries, then each next one's in the loop
         pb, pv, pr = _entries(pt, lo * P, end, jb, jn, jr, P)
     if WORDS_AHEAD:
@@ -596,16 +598,10 @@ def _decode4_kernel(
                 pb = tl.load(pt + (j0 + jb) // P)
                 pv = tl.load(pt + (j0 + jn) // P)
                 pr = tl.load(pt + (j0 + jr) // P)
-            if WORDS_AHEAD:
-                side = _side_scales(
-                    K1, K2, V1, V2, j0, pb, pv, pr, qc0, qc1, q_mul, h, H,
-                    P, D, BLOCKS, K_FMT, V_FMT, FOLD, CODE_DTYPE, WIDE_SCALES, ku, vw, True,
-                )  # fmt: skip
-            else:
-                side = _side_scales(
-                    K1, K2, V1, V2, j0, pb, pv, pr, qc0, qc1, q_mul, h, H,
-                    P, D, BLOCKS, K_FMT, V_FMT, FOLD, CODE_DTYPE, WIDE_SCALES, 0, 0, False,
-                )  # fmt: skip
+            side = _side_scales(
+                K1, K2, V1, V2, j0, pb, pv, pr, qc0, qc1, q_mul, h, H,
+                P, D, BLOCKS, K_FMT, V_FMT, FOLD, CODE_DTYPE, WIDE_SCALES, ku, vw, WORDS_AHEAD,
+            )  # fmt: skip
         acc0, acc1, acc2, acc3, m_i, l_i, o_i, v_ref, v_hi = _cold_tile4(
             qc0, qc1, acc0, acc1, acc2, acc3, m_i, l_i, o_i, v_ref, v_hi, K0, K1, K2, V0, j0, pb, pv, side,
             slot, h, H, P, D, BLOCKS, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC, FOLD, OFFSETS_APART,
