@@ -421,6 +421,11 @@ DECODE_4BIT: list[dict] = [
     dict(_D4_AHEAD, maxnreg=None),
     dict(_D4_AHEAD, maxnreg=None, wide_scales=True),
     dict(_D4_AHEAD, tail_n=16),
+    dict(_D4_ROWS, maxnreg=168, value_quads=True, tail_n=16),
+    dict(_D4_AHEAD, num_stages=2, tail_n=16),
+    dict(_D4_AHEAD, table_ahead=False, tail_n=16),
+    dict(_D4_AHEAD, tail_n=16, wide_scales=True),
+    dict(_D4_ROWS_1, maxnreg=168, value_quads=True, tail_n=16),
 ]
 
 

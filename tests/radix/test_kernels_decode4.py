@@ -201,6 +201,10 @@ LAUNCHES["2 blocks, folded, keys as rows, value reference, table ahead, 3 stages
     table_ahead=True,
     tail_n=16,  # the ring (up to 31 rows here) in two tiles: its rows loaded a tile ahead
 )
+# The ring in 16-key tiles without the table ahead (its row ids loaded in the tile).
+LAUNCHES["2 blocks, folded, keys as rows, value reference, 16-key tail tiles"] = dict(
+    LAUNCHES["2 blocks, folded, keys as rows, value reference"], heads_together=True, tail_n=16
+)
 
 
 def _use(monkeypatch, launch: dict, asm: bool) -> list[tuple]:
@@ -212,7 +216,8 @@ def _use(monkeypatch, launch: dict, asm: bool) -> list[tuple]:
     # all that it runs with).
     options = ("fold_key_scales", "heads_together", "tail_rows", "value_offsets_apart")
     options += ("keys_as_rows", "value_reference", "value_quads", "table_ahead", "wide_scales")
-    for key, value in {"module": "decode4", "asm": asm, **dict.fromkeys(options, False), **launch}.items():
+    shape = {"module": "decode4", "asm": asm, "num_stages": 2, "tail_n": 32}  # pass 12's unless set
+    for key, value in {**shape, **dict.fromkeys(options, False), **launch}.items():
         monkeypatch.setitem(attend.DECODE_LAUNCH[True], key, value)
     grids: list[tuple] = []
     kernel = decode4._decode4_kernel
@@ -374,7 +379,8 @@ def test_decode4_value_quads_bfloat16(codec, asm, launch, monkeypatch, head_dim_
 def test_register_cap_by_head_dim(codec, head_dim, cap, monkeypatch):
     """The 4-bit decode's 168-register cap (`attend.DECODE_LAUNCH[True]`) holds up to
     `attend.DECODE4_CAPPED_HEAD_DIM`; wider heads run uncapped (their capped loop spills), except int4,
-    whose one-stage shape (`attend.INT4_DECODE`) keeps it. The default launch, float32 model, against the
+    whose one-stage shape (`attend.INT4_DECODE`) keeps it. Pass 17's table ahead at three stages and
+    16-key ring tiles are fp4's up to that head_dim only. The default launch, float32 model, against the
     float64 reference at that head_dim."""
     from test_kernels_attend import check_steps, make_cache
 
@@ -382,6 +388,10 @@ def test_register_cap_by_head_dim(codec, head_dim, cap, monkeypatch):
     cache = make_cache(codec, DEVICE)
     assert check_steps(cache, [12, 40], steps=1, n_new=1, tol=2e-5) == 2
     assert seen and all(launch.get("maxnreg") == cap for launch, _ in seen)
+    pass17 = codec == "fp4_e2m1" and head_dim <= 128
+    stages = 3 if pass17 else 1 if codec == "int4" else 2
+    assert all(launch["num_stages"] == stages and launch["table_ahead"] == pass17 for launch, _ in seen)
+    assert all(options["TAIL_N"] == (16 if pass17 else 32) for _, options in seen)
 
 
 def test_value_quads_options():

@@ -142,7 +142,7 @@ DECODE_LAUNCH = {
         block_n=32,
         blocks=2,
         num_warps=1,
-        num_stages=2,
+        num_stages=3,  # pass 17, below
         by_blocks=True,
         prefetch=False,
         programs=4096,
@@ -180,11 +180,24 @@ DECODE_LAUNCH = {
         # pass, B=256 at 2K 0.354 against 0.415, B=1,024 at 2K 1.271 against 1.540; int4 (its one
         # stage) 1.268 / 0.385 / 1.387 against 1.325 / 0.403 / 1.426 (attention_sweep.py, one run).
         value_quads=True,
+        # Pass 17 (`decode4.decode4_options`): the page-table entries, small scale words and ring rows a
+        # tile ahead (``table_ahead``) at three stages, so the next tile's copies are in flight while
+        # one computes (compiled loop: ``DEPBAR`` 0x0 -> 0x3), and the ring in 16-key tiles (``tail_n``:
+        # its 32-key tiles spill, 56 reloads a tile). H200, fp4: B=64 at 32K 1.129 ms against 1.196,
+        # B=256 at 2K 0.333 against 0.354, B=1,024 at 2K 1.184 against 1.271 (window 256, issue 12's
+        # serving step: 1.224 against 1.347); the table ahead at three stages with 32-key ring tiles
+        # 1.636 / 0.470 / 1.686 (attention_sweep.py, one run; docs pass 17).
+        table_ahead=True,
+        tail_n=16,
     ),
 }
+# Pass 17's keys of `DECODE_LAUNCH[True]` back at pass 12's values, for the 4-bit launches measured
+# without them: int4 (its ``table_ahead`` at three stages: B=64 at 32K 1.878 ms against 1.266 at one
+# stage), the other 4-bit layers and heads wider than `DECODE4_CAPPED_HEAD_DIM` (not measured).
+DECODE4_PASS12 = dict(num_stages=2, table_ahead=False, tail_n=32)
 # 4-bit decode layers `decode4` does not read (one side 8/16-bit, or head_dim not a power of two): the
 # shape this kernel had by blocks before pass 7 (4 warps, 128 registers; one warp is tuned for decode4).
-OTHER_4BIT_DECODE = dict(blocks=4, num_warps=4, programs=1024, maxnreg=128, tail_apart=False)
+OTHER_4BIT_DECODE = dict(DECODE4_PASS12, blocks=4, num_warps=4, programs=1024, maxnreg=128, tail_apart=False)
 # FP8 history (keys and values E4M3/E5M2) where a step has at least ``FP8_WIDE_PROGRAMS`` programs once split
 # as this shape splits them (`takes_wide_decode`; before pass 13: before splitting): one warp a program,
 # 32-key tiles, four times the programs, no register cap (255 registers, no spills, 8 programs an SM). H200,
@@ -207,7 +220,7 @@ FP8_WIDE_DECODE = dict(
 # at 2K 0.404 against 0.453, B=1,024 at 2K 1.434 against 1.700 (attention_sweep.py, one run). Pass 12,
 # with ``value_quads``: one stage 1.268 / 0.385 / 1.387 ms, two stages 1.502 / 0.403 / 1.474 uncapped,
 # 1.540 / 0.436 / 1.566 capped.
-INT4_DECODE = dict(num_stages=1, maxnreg=168, merge_reads=2)
+INT4_DECODE = dict(DECODE4_PASS12, num_stages=1, maxnreg=168, merge_reads=2)
 # The 4-bit decode's register cap (`DECODE_LAUNCH[True]`'s ``maxnreg``, other than int4's) up to this
 # head_dim: measured at 128 (the 8B layer) and run at 64; at 256 the capped cold loop spills (an offline
 # compile for sm_90 with Triton 3.9, fp4: 70 reloads and 17 stores a tile, 2 reloads uncapped), so wider
@@ -1251,7 +1264,7 @@ def pass_launch(
         elif k_fmt == v_fmt == INT4_FORMAT:
             launch = {**launch, **INT4_DECODE}
         elif d > DECODE4_CAPPED_HEAD_DIM:
-            launch = {**launch, "maxnreg": None}
+            launch = {**launch, **DECODE4_PASS12, "maxnreg": None}
     if T == 1 and takes_wide_decode(
         k_fmt, v_fmt, B * h, n_pages, splits, launch.get("min_pages", MIN_PAGES_PER_SPLIT), page
     ):
