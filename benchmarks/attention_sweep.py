@@ -408,6 +408,12 @@ _D4_ROWS_1 = dict(_D4_ROWS, num_stages=1)
 # keys, B=1,024 2K) likewise wait with 0x0, and spill (939 instructions, 56 reloads and 53 stores a
 # tile); ``table_ahead`` loads their rows a tile ahead too: 0x2, 942; with ``tail_n`` 16, 575 a 16-key
 # tile, 6 reloads.
+# Measured (H200, pass 17's two calls; B=64 32K / B=256 2K / B=1,024 2K at window 256; docs pass 17):
+# pass 12's fp4 default (4) 1.204 / 0.357 / 1.346 ms; 5-9 slower (the capped table ahead with 32-key ring
+# tiles spills: 5 at 128's window 1.636 / 0.470 / 1.686 at B=1,024); 10 1.137 / 0.336 / 1.218; 11 (16-key
+# ring tiles alone) 1.205 / 0.341 / 1.264; 12 (10 at two stages, fp4's default since) 1.099 / 0.316 /
+# 1.192; 13 1.191 / 0.339 / 1.252; 14 1.151 / 0.331 / 1.242. int4: 15 1.286 against 3's 1.268 at B=64
+# 32K, 1.356 against 1.389 at B=1,024 2K (window 128).
 _D4_AHEAD = dict(_D4_ROWS, maxnreg=168, value_quads=True, num_stages=3, table_ahead=True)
 DECODE_4BIT: list[dict] = [
     _D4_ROWS,

@@ -379,8 +379,8 @@ def test_decode4_value_quads_bfloat16(codec, asm, launch, monkeypatch, head_dim_
 def test_register_cap_by_head_dim(codec, head_dim, cap, monkeypatch):
     """The 4-bit decode's 168-register cap (`attend.DECODE_LAUNCH[True]`) holds up to
     `attend.DECODE4_CAPPED_HEAD_DIM`; wider heads run uncapped (their capped loop spills), except int4,
-    whose one-stage shape (`attend.INT4_DECODE`) keeps it. Pass 17's table ahead at three stages and
-    16-key ring tiles are fp4's up to that head_dim only. The default launch, float32 model, against the
+    whose one-stage shape (`attend.INT4_DECODE`) keeps it. Pass 17's table ahead and 16-key ring tiles
+    are fp4's up to that head_dim only. The default launch, float32 model, against the
     float64 reference at that head_dim."""
     from test_kernels_attend import check_steps, make_cache
 
@@ -389,7 +389,7 @@ def test_register_cap_by_head_dim(codec, head_dim, cap, monkeypatch):
     assert check_steps(cache, [12, 40], steps=1, n_new=1, tol=2e-5) == 2
     assert seen and all(launch.get("maxnreg") == cap for launch, _ in seen)
     pass17 = codec == "fp4_e2m1" and head_dim <= 128
-    stages = 3 if pass17 else 1 if codec == "int4" else 2
+    stages = 1 if codec == "int4" else 2
     assert all(launch["num_stages"] == stages and launch["table_ahead"] == pass17 for launch, _ in seen)
     assert all(options["TAIL_N"] == (16 if pass17 else 32) for _, options in seen)
 

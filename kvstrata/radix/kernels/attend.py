@@ -142,7 +142,7 @@ DECODE_LAUNCH = {
         block_n=32,
         blocks=2,
         num_warps=1,
-        num_stages=3,  # pass 17, below
+        num_stages=2,
         by_blocks=True,
         prefetch=False,
         programs=4096,
@@ -181,20 +181,22 @@ DECODE_LAUNCH = {
         # stage) 1.268 / 0.385 / 1.387 against 1.325 / 0.403 / 1.426 (attention_sweep.py, one run).
         value_quads=True,
         # Pass 17 (`decode4.decode4_options`): the page-table entries, small scale words and ring rows a
-        # tile ahead (``table_ahead``) at three stages, so the next tile's copies are in flight while
-        # one computes (compiled loop: ``DEPBAR`` 0x0 -> 0x3), and the ring in 16-key tiles (``tail_n``:
-        # its 32-key tiles spill, 56 reloads a tile). H200, fp4: B=64 at 32K 1.129 ms against 1.196,
-        # B=256 at 2K 0.333 against 0.354, B=1,024 at 2K 1.184 against 1.271 (window 256, issue 12's
-        # serving step: 1.224 against 1.347); the table ahead at three stages with 32-key ring tiles
-        # 1.636 / 0.470 / 1.686 (attention_sweep.py, one run; docs pass 17).
+        # tile ahead (``table_ahead``), so the next tile's copies can be issued before its entries are
+        # waited for (compiled loop at three stages: ``DEPBAR`` 0x0 -> 0x3), and the ring in 16-key
+        # tiles (``tail_n``: its 32-key tiles spill, 56 reloads a tile). H200, fp4, two stages: B=64 at
+        # 32K 1.099 ms against 1.204, B=256 at 2K 0.316 against 0.357, B=1,024 at 2K with issue 12's
+        # 256-token window 1.192 against 1.346; at three stages 1.137 / 0.336 / 1.218; 16-key ring
+        # tiles alone 1.205 / 0.341 / 1.264; the table ahead at three stages with 32-key ring tiles
+        # 1.636 / 0.470 / 1.686 (attention_sweep.py, two runs; docs pass 17).
         table_ahead=True,
         tail_n=16,
     ),
 }
 # Pass 17's keys of `DECODE_LAUNCH[True]` back at pass 12's values, for the 4-bit launches measured
-# without them: int4 (its ``table_ahead`` at three stages: B=64 at 32K 1.878 ms against 1.266 at one
-# stage), the other 4-bit layers and heads wider than `DECODE4_CAPPED_HEAD_DIM` (not measured).
-DECODE4_PASS12 = dict(num_stages=2, table_ahead=False, tail_n=32)
+# without them: int4 (H200: ``table_ahead`` at three stages B=64 at 32K 1.878 ms against 1.266 at its one
+# stage; 16-key ring tiles at one stage 1.286 against 1.268, B=1,024 at 2K 1.356 against 1.389), the
+# other 4-bit layers and heads wider than `DECODE4_CAPPED_HEAD_DIM` (not measured).
+DECODE4_PASS12 = dict(table_ahead=False, tail_n=32)
 # 4-bit decode layers `decode4` does not read (one side 8/16-bit, or head_dim not a power of two): the
 # shape this kernel had by blocks before pass 7 (4 warps, 128 registers; one warp is tuned for decode4).
 OTHER_4BIT_DECODE = dict(DECODE4_PASS12, blocks=4, num_warps=4, programs=1024, maxnreg=128, tail_apart=False)
