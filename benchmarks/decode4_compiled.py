@@ -4,7 +4,8 @@ the instructions of each loop of its SASS (docs/kernels-h200.md, passes 6-8, "co
     python benchmarks/decode4_compiled.py int4 256 2048 [heads_together=True maxnreg=168 ...] [--sass F]
 
 Builds the step `attention_gpu.py` times (8B layer, codec, batch, context) on CPU tensors, takes the
-launch `attend.pass_launch` gives it with `DECODE_LAUNCH[True]` updated by the ``key=value`` arguments,
+launch `attend.pass_launch` gives it with `DECODE_LAUNCH[True]` updated by the ``key=value`` arguments
+(which also win over `attend.decode4_launch`'s per-layer keys, e.g. int4's one stage),
 and compiles `_decode4_kernel` with the constexprs a BF16 model gets on the GPU (FP16 code operands,
 the packed PTX), 16-byte aligned pointers where a launch has them. Run it with the GPU's Triton
 version (its compiler and `cuobjdump` come with the wheel): other versions compile other code.
@@ -102,8 +103,10 @@ def launch_args(cache, plan, q, k, v, launch) -> list:
     return args + [ring_k, ring_v, plan.ring_rows, ring_len, ring_k, ring_v, *launch.scalars]
 
 
-def compile_case(codec: str, batch: int, context: int):
-    """``(launch, options, compiled kernel)`` of the step with the current `DECODE_LAUNCH[True]`."""
+def compile_case(codec: str, batch: int, context: int, overrides: dict | None = None):
+    """``(launch, options, compiled kernel)`` of the step with the current `DECODE_LAUNCH[True]`, as the
+    layer runs it (`attend.decode4_launch`: int4's own shape, wider heads uncapped), ``overrides`` over
+    that."""
     cache, plan, q, k, v = step(codec, batch, context)
     k_fmt, kp, v_fmt, vp = attend.layer_parts(cache.pool, 0)
     launch = attend.pass_launch(plan, k_fmt, v_fmt, q, k, v, 0.088, cache.ring, None, None, True, True)
@@ -111,7 +114,9 @@ def compile_case(codec: str, batch: int, context: int):
         n: launch.options[n] for n in ("D", "BLOCK_D", "P", "K_FMT", "V_FMT", "HAS_SINKS", "SPLIT", "NORM_W")
     }
     meta.update(DOT_PREC="tf32", DOT_DTYPE=tl.bfloat16, CODE_DTYPE=tl.bfloat16)  # a BF16 model on a GPU
-    options = decode4.decode4_options(q.shape[1] // k.shape[1], attend.DECODE_LAUNCH[True], False, meta)
+    table = attend.decode4_launch(attend.DECODE_LAUNCH[True], k_fmt, v_fmt, meta["D"], meta["P"])
+    table = {**table, **(overrides or {})}
+    options = decode4.decode4_options(q.shape[1] // k.shape[1], table, False, meta)
     options.update({n: launch.options[n] for n in ("COUNT", "MERGE_S", "MERGE_G")})  # its split merge
     args = launch_args(cache, plan, q, k, v, launch)
     return launch, options, compile_sm90(decode4._decode4_kernel, args, options)
@@ -200,8 +205,10 @@ def main() -> None:
     ap.add_argument("launch", nargs="*", help="DECODE_LAUNCH[True] overrides, key=value (Python literals)")
     ap.add_argument("--sass", help="write the SASS here")
     args = ap.parse_args()
-    set_launch(attend.DECODE_LAUNCH[True], args.launch)
-    launch, options, kernel = compile_case(args.codec, args.batch, args.context)
+    overrides: dict = {}
+    set_launch(overrides, args.launch)
+    attend.DECODE_LAUNCH[True].update(overrides)  # the launch's splits and grid too
+    launch, options, kernel = compile_case(args.codec, args.batch, args.context, overrides)
     head = (
         f"{args.codec} B={args.batch} context {args.context}, Triton {triton.__version__}: "
         f"grid {launch.grid}, BLOCK_H {options['BLOCK_H']}, SLOT_R {options['SLOT_R']}"

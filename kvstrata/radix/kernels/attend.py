@@ -1212,6 +1212,21 @@ class PassLaunch(NamedTuple):
         return Partials(po, pl) if self.partial and not self.merges else None
 
 
+def decode4_launch(launch: dict, k_fmt: int, v_fmt: int, d: int, page: int) -> dict:
+    """The 4-bit decode table entry ``launch`` as a layer of formats ``k_fmt``/``v_fmt``, head_dim ``d``
+    and ``page``-token pages runs it: by blocks in this module's kernel where `decode4` does not read the
+    layer (`OTHER_4BIT_DECODE`), int4's own shape (`INT4_DECODE`), wider heads uncapped."""
+    from kvstrata.radix.kernels import decode4
+
+    if not decode4.applies(k_fmt, v_fmt, d, page):  # by blocks here, in this kernel's own shape
+        return {**launch, **OTHER_4BIT_DECODE}
+    if k_fmt == v_fmt == INT4_FORMAT:
+        return {**launch, **INT4_DECODE}
+    if d > DECODE4_CAPPED_HEAD_DIM:
+        return {**launch, **DECODE4_PASS12, "maxnreg": None}
+    return launch
+
+
 def pass_launch(
     g: GroupPlan,
     k_fmt: int,
@@ -1259,14 +1274,9 @@ def pass_launch(
         # which a CUDA-graph capture (the benchmarks' timing) does not allow.
         g = dataclasses.replace(g, page_table=identity.view(g.page_table.shape), lengths=g.kernel_lengths)
     if T == 1 and launch.get("module") == "decode4":
-        from kvstrata.radix.kernels import decode4
+        from kvstrata.radix.kernels import decode4  # read again below
 
-        if not decode4.applies(k_fmt, v_fmt, d, page):  # by blocks here, in this kernel's own shape
-            launch = {**launch, **OTHER_4BIT_DECODE}
-        elif k_fmt == v_fmt == INT4_FORMAT:
-            launch = {**launch, **INT4_DECODE}
-        elif d > DECODE4_CAPPED_HEAD_DIM:
-            launch = {**launch, **DECODE4_PASS12, "maxnreg": None}
+        launch = decode4_launch(launch, k_fmt, v_fmt, d, page)
     if T == 1 and takes_wide_decode(
         k_fmt, v_fmt, B * h, n_pages, splits, launch.get("min_pages", MIN_PAGES_PER_SPLIT), page
     ):
