@@ -432,6 +432,10 @@ DECODE_4BIT: list[dict] = [
     dict(_D4_AHEAD, table_ahead=False, tail_n=16),
     dict(_D4_AHEAD, tail_n=16, wide_scales=True),
     dict(_D4_ROWS_1, maxnreg=168, value_quads=True, tail_n=16),
+    # fp4's default since pass 17 (12) at 144 registers: 14 one-warp programs an SM instead of 12
+    # (offline, B=1,024 2K: cold loop 975 -> 1,035 instructions with 15 reloads a tile, ring tile 572
+    # -> 636 with 34).
+    dict(_D4_AHEAD, num_stages=2, tail_n=16, maxnreg=144),
 ]
 
 
