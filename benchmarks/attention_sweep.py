@@ -290,12 +290,16 @@ DECODE = [
     # Pass 17 (prepared offline, Triton 3.6 for sm_90, B=256 2K): the decode tail's loop (sink page,
     # ring rows, new key; 32 keys a tile on the wide shape) waits for all its copies (0x0) and takes 951
     # instructions a tile; with its ring row ids a tile ahead (``ring_ahead``) 0x2 and 670. The ring is
-    # 128 BF16 rows a sequence at fp8's shipped window: about 5 of a 2K sequence's 64 tiles.
+    # 128 BF16 rows a sequence at fp8's shipped window: about 5 of a 2K sequence's 64 tiles. Measured
+    # (H200, 2026-12-05, one run): slower at every case, B=256 2K 0.306 ms against 0.287, B=1,024 2K
+    # 1.082 against 1.051, B=64 32K 1.081 against 1.002, B=16 4K 0.056 against 0.042.
     dict(_DEFAULT, ring_ahead=True, wide=dict(ring_ahead=True)),
     # Pass 17 (offline, as above): launches under the wide rule run the 4-warp entry, whose loop waits
     # with 0x0 at two stages (the default model's geometry, B=16 4K: 432 programs, 463 instructions a
     # 128-key tile); page-table entries a tile ahead at three stages: 0x2, 483. For
-    # SWEEP_GEOMETRY=default SWEEP_CASES=16x4096,1x4096,1x32768 (and the 8B layer's B=1 4K).
+    # SWEEP_GEOMETRY=default SWEEP_CASES=16x4096,1x4096,1x32768 (and the 8B layer's B=1 4K). Measured
+    # (H200, 2026-12-05, one run, the default model's geometry): B=16 4K 0.020 ms against 0.021, B=1 4K
+    # 1.12x against 1.22x SDPA BF16, B=1 32K 0.012 against 0.014: mixed at 3 digits, not adopted.
     dict(_DEFAULT, prefetch=True, num_stages=3),
 ]
 # BF16 history (format 0) reads the 4-warp entry's shape (FP8 takes the wide shape from 512 programs).

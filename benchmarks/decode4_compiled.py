@@ -103,10 +103,9 @@ def launch_args(cache, plan, q, k, v, launch) -> list:
     return args + [ring_k, ring_v, plan.ring_rows, ring_len, ring_k, ring_v, *launch.scalars]
 
 
-def compile_case(codec: str, batch: int, context: int, overrides: dict | None = None):
+def compile_case(codec: str, batch: int, context: int):
     """``(launch, options, compiled kernel)`` of the step with the current `DECODE_LAUNCH[True]`, as the
-    layer runs it (`attend.decode4_launch`: int4's own shape, wider heads uncapped), ``overrides`` over
-    that."""
+    layer runs it (`attend.decode4_launch`: int4's own shape, wider heads uncapped)."""
     cache, plan, q, k, v = step(codec, batch, context)
     k_fmt, kp, v_fmt, vp = attend.layer_parts(cache.pool, 0)
     launch = attend.pass_launch(plan, k_fmt, v_fmt, q, k, v, 0.088, cache.ring, None, None, True, True)
@@ -115,7 +114,6 @@ def compile_case(codec: str, batch: int, context: int, overrides: dict | None = 
     }
     meta.update(DOT_PREC="tf32", DOT_DTYPE=tl.bfloat16, CODE_DTYPE=tl.bfloat16)  # a BF16 model on a GPU
     table = attend.decode4_launch(attend.DECODE_LAUNCH[True], k_fmt, v_fmt, meta["D"], meta["P"])
-    table = {**table, **(overrides or {})}
     options = decode4.decode4_options(q.shape[1] // k.shape[1], table, False, meta)
     options.update({n: launch.options[n] for n in ("COUNT", "MERGE_S", "MERGE_G")})  # its split merge
     args = launch_args(cache, plan, q, k, v, launch)
@@ -207,8 +205,9 @@ def main() -> None:
     args = ap.parse_args()
     overrides: dict = {}
     set_launch(overrides, args.launch)
-    attend.DECODE_LAUNCH[True].update(overrides)  # the launch's splits and grid too
-    launch, options, kernel = compile_case(args.codec, args.batch, args.context, overrides)
+    for entry in (attend.DECODE_LAUNCH[True], attend.INT4_DECODE, attend.DECODE4_PASS12):
+        entry.update(overrides)  # over the per-layer keys too, in the launch's splits and merge as well
+    launch, options, kernel = compile_case(args.codec, args.batch, args.context)
     head = (
         f"{args.codec} B={args.batch} context {args.context}, Triton {triton.__version__}: "
         f"grid {launch.grid}, BLOCK_H {options['BLOCK_H']}, SLOT_R {options['SLOT_R']}"

@@ -219,6 +219,10 @@ def _use(monkeypatch, launch: dict, asm: bool) -> list[tuple]:
     shape = {"module": "decode4", "asm": asm, "num_stages": 2, "tail_n": 32}  # pass 12's unless set
     for key, value in {**shape, **dict.fromkeys(options, False), **launch}.items():
         monkeypatch.setitem(attend.DECODE_LAUNCH[True], key, value)
+    # The entry's pass 17 keys run on int4 layers too (`attend.decode4_launch` sets them back there).
+    monkeypatch.setattr(attend, "DECODE4_PASS12", {})
+    int4 = {k: v for k, v in attend.INT4_DECODE.items() if k not in ("table_ahead", "tail_n")}
+    monkeypatch.setattr(attend, "INT4_DECODE", int4)
     grids: list[tuple] = []
     kernel = decode4._decode4_kernel
 
@@ -374,14 +378,15 @@ def test_decode4_value_quads_bfloat16(codec, asm, launch, monkeypatch, head_dim_
 
 
 @pytest.mark.parametrize(
-    ("codec", "head_dim", "cap"), [("fp4_e2m1", 128, 168), ("fp4_e2m1", 256, None), ("int4", 256, 168)]
+    ("codec", "head_dim", "cap"),
+    [("fp4_e2m1", 128, 168), ("fp4_e2m1", 256, None), ("int4", 256, 168), ("int4/fp4_e2m1", 128, 168)],
 )
 def test_register_cap_by_head_dim(codec, head_dim, cap, monkeypatch):
     """The 4-bit decode's 168-register cap (`attend.DECODE_LAUNCH[True]`) holds up to
     `attend.DECODE4_CAPPED_HEAD_DIM`; wider heads run uncapped (their capped loop spills), except int4,
     whose one-stage shape (`attend.INT4_DECODE`) keeps it. Pass 17's table ahead and 16-key ring tiles
-    are fp4's up to that head_dim only. The default launch, float32 model, against the
-    float64 reference at that head_dim."""
+    are fp4's up to that head_dim only, not int4's on either side. The default launch, float32 model,
+    against the float64 reference at that head_dim."""
     from test_kernels_attend import check_steps, make_cache
 
     seen = _at_head_dim(monkeypatch, head_dim)

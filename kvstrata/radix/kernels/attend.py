@@ -181,21 +181,24 @@ DECODE_LAUNCH = {
         # stage) 1.268 / 0.385 / 1.387 against 1.325 / 0.403 / 1.426 (attention_sweep.py, one run).
         value_quads=True,
         # Pass 17 (`decode4.decode4_options`): the page-table entries, small scale words and ring rows a
-        # tile ahead (``table_ahead``), so the next tile's copies can be issued before its entries are
-        # waited for (compiled loop at three stages: ``DEPBAR`` 0x0 -> 0x3), and the ring in 16-key
-        # tiles (``tail_n``: its 32-key tiles spill, 56 reloads a tile). H200, fp4, two stages: B=64 at
-        # 32K 1.099 ms against 1.204, B=256 at 2K 0.316 against 0.357, B=1,024 at 2K with issue 12's
-        # 256-token window 1.192 against 1.346; at three stages 1.137 / 0.336 / 1.218; 16-key ring
-        # tiles alone 1.205 / 0.341 / 1.264; the table ahead at three stages with 32-key ring tiles
-        # 1.636 / 0.470 / 1.686 (attention_sweep.py, two runs; docs pass 17).
+        # tile ahead (``table_ahead``), so a tile's scale loads and code copies issue at its top instead
+        # of after a wait for its entries (at these two stages the compiled loop still waits for all its
+        # copies at the top of each tile, ``DEPBAR`` 0x0: the gain is not copies in flight through the
+        # tile), and the ring in 16-key tiles (``tail_n``: its 32-key tiles spill, 56 reloads a tile).
+        # H200, fp4: B=64 at 32K 1.099 ms against 1.204, B=256 at 2K 0.316 against 0.357, B=1,024 at 2K
+        # with issue 12's 256-token window 1.192 against 1.346; at three stages 1.137 / 0.336 / 1.218;
+        # 16-key ring tiles alone 1.205 / 0.341 / 1.264; the table ahead at three stages with 32-key ring
+        # tiles 1.636 / 0.470 ms, 1.739 at B=1,024 (attention_sweep.py, two runs; docs pass 17).
         table_ahead=True,
         tail_n=16,
     ),
 }
-# Pass 17's keys of `DECODE_LAUNCH[True]` back at pass 12's values, for the 4-bit launches measured
-# without them: int4 (H200: ``table_ahead`` at three stages B=64 at 32K 1.878 ms against 1.266 at its one
-# stage; 16-key ring tiles at one stage 1.286 against 1.268, B=1,024 at 2K 1.356 against 1.389), the
-# other 4-bit layers and heads wider than `DECODE4_CAPPED_HEAD_DIM` (not measured).
+# Pass 17's keys of `DECODE_LAUNCH[True]` back at pass 12's values (`decode4_launch`), for the 4-bit
+# layers measured without them: int4 (H200, B=64 at 32K: ``table_ahead`` at three stages 3.151 ms, with
+# 16-key ring tiles 1.878, against 1.266 at its one stage; 16-key ring tiles alone at one stage 1.286,
+# and 1.356 against 1.389 at B=1,024 2K), layers of int4 keys and fp4 values or the reverse (``kv_plan``
+# raises failing fp4 keys to int4; not measured), the other 4-bit layers and heads wider than
+# `DECODE4_CAPPED_HEAD_DIM` (not measured).
 DECODE4_PASS12 = dict(table_ahead=False, tail_n=32)
 # 4-bit decode layers `decode4` does not read (one side 8/16-bit, or head_dim not a power of two): the
 # shape this kernel had by blocks before pass 7 (4 warps, 128 registers; one warp is tuned for decode4).
@@ -1215,7 +1218,8 @@ class PassLaunch(NamedTuple):
 def decode4_launch(launch: dict, k_fmt: int, v_fmt: int, d: int, page: int) -> dict:
     """The 4-bit decode table entry ``launch`` as a layer of formats ``k_fmt``/``v_fmt``, head_dim ``d``
     and ``page``-token pages runs it: by blocks in this module's kernel where `decode4` does not read the
-    layer (`OTHER_4BIT_DECODE`), int4's own shape (`INT4_DECODE`), wider heads uncapped."""
+    layer (`OTHER_4BIT_DECODE`), int4's own shape (`INT4_DECODE`), pass 12's keys for int4 on one side
+    (`DECODE4_PASS12`), wider heads uncapped."""
     from kvstrata.radix.kernels import decode4
 
     if not decode4.applies(k_fmt, v_fmt, d, page):  # by blocks here, in this kernel's own shape
@@ -1224,6 +1228,8 @@ def decode4_launch(launch: dict, k_fmt: int, v_fmt: int, d: int, page: int) -> d
         return {**launch, **INT4_DECODE}
     if d > DECODE4_CAPPED_HEAD_DIM:
         return {**launch, **DECODE4_PASS12, "maxnreg": None}
+    if INT4_FORMAT in (k_fmt, v_fmt):
+        return {**launch, **DECODE4_PASS12}
     return launch
 
 
