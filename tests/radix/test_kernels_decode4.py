@@ -220,9 +220,9 @@ def _use(monkeypatch, launch: dict, asm: bool) -> list[tuple]:
     for key, value in {**shape, **dict.fromkeys(options, False), **launch}.items():
         monkeypatch.setitem(attend.DECODE_LAUNCH[True], key, value)
     # The entry's pass 17 keys run on int4 layers too (`attend.decode4_launch` sets them back there).
-    monkeypatch.setattr(attend, "DECODE4_PASS12", {})
-    int4 = {k: v for k, v in attend.INT4_DECODE.items() if k not in ("table_ahead", "tail_n")}
+    int4 = {k: v for k, v in attend.INT4_DECODE.items() if k not in attend.DECODE4_PASS12}
     monkeypatch.setattr(attend, "INT4_DECODE", int4)
+    monkeypatch.setattr(attend, "DECODE4_PASS12", {})
     grids: list[tuple] = []
     kernel = decode4._decode4_kernel
 
