@@ -11,17 +11,21 @@ the speedup over `scaled_dot_product_attention` on contiguous BF16 K/V of the sa
 in the same run (GQA, one query token), and its bandwidth as a share of SDPA's. The old torch backend
 (dequantize, then attend) is timed on the same data for fp8_e4m3 where it fits (plain launches: it
 syncs with the host). Extend: a 2,048-token chunk over 30,720 cached tokens (B=1, 8B layer) against
-SDPA (flash) on BF16 K/V without a mask (the causal chunk is ~3% less work).
+SDPA (flash) on BF16 K/V without a mask (the causal chunk is ~3% less work). ``--peers flashinfer``:
+FlashInfer's paged decode (what SGLang's flashinfer backend runs) on BF16 and FP8 KV of each decode
+case, as rows of their own (`flashinfer_peer`).
 Writes a JSON of every row to --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 from functools import partial
 
+import flashinfer_peer
 import torch
 import torch.nn.functional as F
 import triton
@@ -33,6 +37,7 @@ from kvstrata.radix.plan import GroupPlan
 
 GEOMETRIES = {"8b": (32, 8, 128), "default": (9, 3, 64)}
 CODECS = ["bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "fp4_e2m1"]
+PEERS = ("flashinfer",)
 P, WINDOW = 16, 128
 
 
@@ -145,7 +150,12 @@ def codec_rows(geometry: str, batch: int, context: int, codec: str, old_torch: b
 
 
 def decode_rows(
-    geometry: str, batch: int, context: int, old_torch: bool, codecs: list[str] = CODECS
+    geometry: str,
+    batch: int,
+    context: int,
+    old_torch: bool,
+    codecs: list[str] = CODECS,
+    peers: tuple[str, ...] = (),
 ) -> list[dict]:
     hq, hkv, d = GEOMETRIES[geometry]
     fn, moved = sdpa_case(batch, context, hq, hkv, d)
@@ -157,6 +167,8 @@ def decode_rows(
     for codec in codecs:
         rows += codec_rows(geometry, batch, context, codec, old_torch and codec == "fp8_e4m3")
         torch.cuda.empty_cache()
+    if "flashinfer" in peers:
+        rows += flashinfer_peer.rows(bench, geometry, batch, context, hq, hkv, d)
     for r in rows:
         r["tbs"] = r["bytes"] / r["ms"] / 1e9
         r["vs_sdpa"] = base_ms / r["ms"]
@@ -198,7 +210,20 @@ def main() -> None:
     ap.add_argument("--no-extend", action="store_true")
     ap.add_argument("--codecs", default=",".join(CODECS), help="the history codecs timed for decode")
     ap.add_argument("--out", default="attention_gpu.json")
+    ap.add_argument(
+        "--peers",
+        default="",
+        help="peer kernels timed on the same cases: 'flashinfer' (its paged decode, BF16 and FP8 KV)",
+    )
     args = ap.parse_args()
+    peers = tuple(p for p in args.peers.split(",") if p)
+    if set(peers) - set(PEERS):
+        ap.error(f"unknown peer(s) {sorted(set(peers) - set(PEERS))}; known: {', '.join(PEERS)}")
+    if "flashinfer" in peers and importlib.util.find_spec("flashinfer") is None:
+        ap.error(
+            "--peers flashinfer: flashinfer is not importable (on the GPU machine, put the SGLang "
+            "payload's site on PYTHONPATH)"
+        )
     name = torch.cuda.get_device_name()
     print(f"# {name}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
     rows: list[dict] = []
@@ -206,7 +231,7 @@ def main() -> None:
         for context in map(int, args.context.split(",")):
             for batch in map(int, args.batch.split(",")):
                 old_torch = batch * context <= 64 * 32768
-                got = decode_rows(geometry, batch, context, old_torch, args.codecs.split(","))
+                got = decode_rows(geometry, batch, context, old_torch, args.codecs.split(","), peers)
                 rows += got
                 for r in got:
                     print(json.dumps(r), flush=True)

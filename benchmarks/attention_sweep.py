@@ -440,6 +440,9 @@ DECODE_4BIT: list[dict] = [
     # (offline, B=1,024 2K: cold loop 975 -> 1,035 instructions with 15 reloads a tile, ring tile 572
     # -> 636 with 34).
     dict(_D4_AHEAD, num_stages=2, tail_n=16, maxnreg=144),
+    # 12 with 64-key tiles in two-warp programs (6 programs an SM at 168 registers), and 12 uncapped.
+    dict(_D4_AHEAD, num_stages=2, tail_n=16, blocks=4, num_warps=2),
+    dict(_D4_AHEAD, num_stages=2, tail_n=16, maxnreg=None),
 ]
 
 
