@@ -332,12 +332,20 @@ DECODE_BF16 = [
     _BF16_64,
     dict(_BF16_64, num_warps=2),
 ]
-# int8 keys (per-channel scales) by keys or by 16-token blocks; not part of the fastest-shape pick
-# (it would set the entry FP8 shares).
+# int8 keys (per-channel scales); not part of the fastest-shape pick (it would set the entry FP8 shares).
+# The shipped entry with ``int8_rows`` (`attend.INT8_DECODE`: 16-key tiles in FP8's ``keys_as_rows``
+# layout, the page's key scales on the codes; prepared offline on 2026-12-05, Triton 3.6 for sm_90, B=64
+# 32K: 644 instructions a 16-key tile, 198 registers, no spills, copies in flight with 0x6), the same
+# entry without it (by 16-token blocks in `attend._attend_kernel`, the shape before: H200, B=64 32K
+# 2.221 ms), by keys and by 4 blocks.
 DECODE_INT8 = [
-    shape(64, 128, 4, 2, False, programs=1024, **_NEW),
-    shape(64, 128, 4, 2, False, blocks=8, scaled_keys_by_blocks=True, programs=1024, **_NEW),
-    shape(64, 128, 4, 2, False, blocks=4, scaled_keys_by_blocks=True, programs=1024, **_NEW),
+    dict(_DEFAULT, int8_rows=True),
+    dict(_DEFAULT, int8_rows=False),
+    dict(shape(64, 128, 4, 2, False, programs=1024, **_NEW), int8_rows=False),
+    dict(
+        shape(64, 128, 4, 2, False, blocks=4, scaled_keys_by_blocks=True, programs=1024, **_NEW),
+        int8_rows=False,
+    ),
 ]
 # 4-bit decode: the `decode4` kernel (whole-byte tiles of ``blocks`` 16-token blocks, FP16 operands,
 # ``asm``: packed PTX nibble decoding, ``prefetch``: page-table entries and the scales Triton does not
@@ -558,6 +566,8 @@ def warm(index: int) -> None:
             least = launch.get("min_pages", least)
         elif kernels.takes_raw_many_decode(fmt, fmt, batch * hkv, True, 2):  # BF16: its shape at B=4 too
             kernels.RAW_MANY_PROGRAMS = 0
+        elif kernels.takes_int8_decode(fmt, fmt, bench.GEOMETRIES[GEOMETRY][2], bench.P, launch):
+            launch.update(kernels.INT8_DECODE)  # its programs target, as `attend.pass_launch` takes it
         splits = kernels._num_splits(batch * hkv, n_pages, launch["programs"], least)
     kernels.attend_group(*args, splits=splits)
     torch.cuda.synchronize()
@@ -642,7 +652,11 @@ def sweep() -> dict[tuple[str, bool | str], dict]:
         blocks += ", dequantized first" if kind == "extend" and s.get("dequant_bytes") else ""
         blocks += ", tail by parts" if kind == "decode" and not s.get("merged_tail", True) else ""
         blocks += ", tail apart" if kind == "decode" and s.get("tail_apart") else ""
-        blocks += f", int8 keys by {s['blocks']} blocks" if s.get("scaled_keys_by_blocks") else ""
+        int8_rows = codec == "int8" and s.get("int8_rows")
+        blocks += ", int8 rows (16-key tiles)" if int8_rows else ""
+        blocks += (
+            f", int8 keys by {s['blocks']} blocks" if s.get("scaled_keys_by_blocks") and not int8_rows else ""
+        )
         blocks += ", decode4" + (" asm" if s.get("asm") else "") if s.get("module") == "decode4" else ""
         blocks += ", folded key scales" if s.get("fold_key_scales") else ""
         blocks += ", heads together" if s.get("heads_together") else ""

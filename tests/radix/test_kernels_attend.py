@@ -154,6 +154,16 @@ def test_extend_chunks_causal(codec, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("page", [16, 32, 64])
+def test_int8_decode_in_page_aligned_tiles(page, device):
+    """Symmetric int8 history decodes in 16-key tiles, each inside one page, the page's key scales
+    folded into the query once a tile (`decode._int8_rows_tile`): pages of 16, 32 and 64 tokens (one,
+    two and four tiles a page; a split's masked last tile can end inside a page), forced splits, sinks."""
+    cache = make_cache("int8", device, page=page, window=page, sinks=True)
+    assert check_steps(cache, [9, 70, 300], steps=2, n_new=1, tol=2e-5, splits=2) == 6
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("codec", ["fp8_e4m3", "int4", "int8_asym"])
 def test_pages_not_a_multiple_of_16(codec, device):
     """8-token pages: cold tiles cross pages and decode per element (decode and extend)."""

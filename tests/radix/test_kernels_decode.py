@@ -219,12 +219,14 @@ def test_splits_hold_whole_tiles():
 @pytest.mark.parametrize("codec", ["int8", "int8_asym/fp8_e4m3", "fp8_e4m3"])
 def test_scaled_keys_by_blocks(codec, device, monkeypatch):
     """``scaled_keys_by_blocks``: int8 keys (per-channel scales) read by 16-token blocks while FP8
-    keys in the same launch table entry stay read by keys; both against the float64 reference."""
+    keys in the same launch table entry stay read by keys; both against the float64 reference. (With
+    ``int8_rows`` on, the shipped entry, int8 keys and values take `attend.INT8_DECODE` instead.)"""
     from test_kernels_attend import check_steps, make_cache
 
     from kvstrata.radix.kernels import attend
 
     monkeypatch.setitem(attend.DECODE_LAUNCH[False], "scaled_keys_by_blocks", True)
+    monkeypatch.setitem(attend.DECODE_LAUNCH[False], "int8_rows", False)
     cache = make_cache(codec, device, sinks=True)
     assert check_steps(cache, [9, 70, 300], steps=2, n_new=1, tol=2e-5, splits=3) == 6
 
@@ -452,6 +454,29 @@ def test_shipped_tables_merge_int4_in_the_kernel_not_fp4(monkeypatch):
     for codec, merges in (("int4", True), ("fp4_e2m1", False)):
         launch = _benchmark_launch(codec, 64, 4096, monkeypatch)
         assert launch.splits == 8 and launch.merges is merges, codec
+
+
+def test_int8_takes_its_rows_tile(monkeypatch):
+    """Symmetric int8 history at the 8B layer decodes by `decode._int8_rows_tile` (`attend.INT8_DECODE`:
+    16-key tiles, one warp, the products turned over); with the entry's ``int8_rows`` off, by blocks in
+    `attend._attend_kernel` as before. Not taken by int8_asym, pages of 8 tokens or a head_dim that is
+    not a power of two (no tile of whole channel halves)."""
+    from kvstrata.radix.kernels import attend, decode
+
+    launch = _benchmark_launch("int8", 64, 4096, monkeypatch)
+    assert launch.kernel is decode._decode_kernel
+    opts = launch.options
+    assert opts["INT8_ROWS"] and opts["KEYS_AS_ROWS"] and (opts["BLOCK_N"], opts["num_warps"]) == (16, 1)
+    fp8 = _benchmark_launch("fp8_e4m3", 64, 4096, monkeypatch).options
+    assert not fp8["INT8_ROWS"] and fp8["KEYS_AS_ROWS"] and fp8["BLOCK_N"] == 32
+    monkeypatch.setitem(attend.DECODE_LAUNCH[False], "int8_rows", False)
+    assert _benchmark_launch("int8", 64, 4096, monkeypatch).kernel is attend._attend_kernel
+    entry = dict(attend.DECODE_LAUNCH[False], int8_rows=True)
+    assert attend.takes_int8_decode(3, 3, 64, 32, entry)
+    assert not attend.takes_int8_decode(4, 4, 128, 16, entry)  # int8_asym
+    assert not attend.takes_int8_decode(3, 1, 128, 16, entry)  # int8 keys, fp8 values
+    assert not attend.takes_int8_decode(3, 3, 128, 8, entry)
+    assert not attend.takes_int8_decode(3, 3, 48, 16, entry)
 
 
 def _benchmark_launch(codec: str, batch: int, context: int, monkeypatch):

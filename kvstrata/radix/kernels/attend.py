@@ -123,6 +123,7 @@ DECODE_LAUNCH = {
         # codes alone so (``value_pairs``) 1.008 / 0.291 / 1.099 / 0.041 (attention_sweep.py, one run;
         # docs pass 13).
         keys_as_rows=True,
+        int8_rows=True,  # int8 keys and values take `INT8_DECODE` (off: this entry by blocks, as before)
     ),
     # 4-bit layers (int4/fp4 keys and values) decode by `kvstrata.radix.kernels.decode4` (``module``
     # "decode4"; `decode4.applies`; other 4-bit layers by blocks in this module's kernel): ``blocks``
@@ -220,6 +221,13 @@ OTHER_4BIT_DECODE = dict(DECODE4_PASS12, blocks=4, num_warps=4, programs=1024, m
 FP8_WIDE_DECODE = dict(
     block_n=32, num_warps=1, num_stages=3, prefetch=True, programs=4096, maxnreg=None, heads_together=True
 )
+# Symmetric int8 keys and values (``int8_rows`` in `DECODE_LAUNCH[False]`, `decode._int8_rows_tile`):
+# FP8's wide shape in 16-key tiles, one a page's block, so that a tile's keys share one key-scale vector
+# and the scales fold into the query once a tile; the codes read as uint16 channel pairs in FP8's
+# ``keys_as_rows`` layout. Before it int8 decoded in `_attend_kernel` by blocks (H200, B=64 at 32K: 2.221
+# ms, 0.86x SDPA BF16). Prepared offline (2026-12-05, no GPU lent that session): not yet measured.
+INT8_DECODE = dict(FP8_WIDE_DECODE, block_n=16, scaled_keys_by_blocks=False, keys_as_rows=True)
+INT8_FORMAT = 3
 # int4 keys and values (`decode4`): one pipeline stage (and 168 registers, as ``DECODE_LAUNCH[True]``
 # since pass 12). Pass 9, H200: B=64 at 32K 1.326 ms against 1.689 with fp4's 2 stages and no cap, B=256
 # at 2K 0.404 against 0.453, B=1,024 at 2K 1.434 against 1.700 (attention_sweep.py, one run). Pass 12,
@@ -979,6 +987,15 @@ def takes_wide_decode(
     return programs * splits >= FP8_WIDE_PROGRAMS
 
 
+def takes_int8_decode(k_fmt: int, v_fmt: int, head_dim: int, page_size: int, launch: dict) -> bool:
+    """Whether a decode pass takes `INT8_DECODE`: symmetric int8 keys and values, the launch's
+    ``int8_rows`` on, pages of whole 16-key tiles (a tile's keys then share their page) and a
+    power-of-two head_dim of 32 or more (channel halves of 16 or more: `decode.int8_rows_apply`)."""
+    wanted = k_fmt == v_fmt == INT8_FORMAT and bool(launch.get("int8_rows"))
+    pow2 = head_dim >= 32 and head_dim & (head_dim - 1) == 0
+    return wanted and pow2 and page_size % INT8_DECODE["block_n"] == 0
+
+
 def takes_raw_many_decode(k_fmt: int, v_fmt: int, programs: int, direct: bool, element_size: int) -> bool:
     """Whether a decode pass of ``programs`` (sequences x KV heads) takes `RAW_MANY_DECODE`: model-dtype
     keys and values (format 0) of 2 bytes (``element_size``: a BF16 or FP16 model; float32 tiles were
@@ -1261,6 +1278,8 @@ def pass_launch(
     # tokens; other page sizes read keys across pages (`_cold_tile`).
     four_bit = k_fmt in HALF_FORMATS or v_fmt in HALF_FORMATS
     launch = DECODE_LAUNCH[four_bit] if T == 1 else EXTEND_LAUNCH[extend_kind(k_fmt, v_fmt)]
+    if T == 1 and takes_int8_decode(k_fmt, v_fmt, d, page, launch):
+        launch = {**launch, **INT8_DECODE}
     float32_cuda = q.is_cuda and q.element_size() == 4
     own = "dequant_bytes" in launch
     if (

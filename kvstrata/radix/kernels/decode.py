@@ -23,6 +23,7 @@ from kvstrata.quant.kernel_decode import (
     f16_opaque,
     fp8_f16,
     fp8_pairs,
+    int8_pairs,
     load_decoded,
     pow2_scale,
     value_tile_scales,
@@ -469,6 +470,47 @@ def _fp8_pairs_tile(
 
 
 @triton.jit
+def _int8_rows_tile(
+    q0t, q1t, acc, acc1, m_i, l_i, page, K0, K1, V0, V1, j, end, h, H,
+    P: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr, CODE_DTYPE: tl.constexpr,
+    ASM: tl.constexpr,
+):  # fmt: skip
+    """A cold tile of int8 keys and values (``int8_rows``): `_fp8_pairs_tile`'s ``ROWS`` layout, codes
+    read as uint16 channel pairs in ``[D/2, N]`` tiles and made FP16 by `int8_pairs`, scores ``k .
+    q^T`` over the channel halves, the output ``v^T . w`` in transposed halves ``acc``/``acc1``. All
+    the tile's keys lie in one page (the launch's tiles are page-aligned and at most a page), so the
+    keys' per-channel scales (one float32 vector a page and head) fold into the query once a tile:
+    ``q . (s * code) = (q * s) . code``, 64 products a lane instead of a scale on every key code. The
+    values' per-token scales go on the softmax weights, over the tile's largest so that the FP16
+    weights stay normal, and the tile's product is taken back to the accumulator's units after."""
+    ok = j < end
+    row = (page * P + (j % P).to(tl.int64)) * H + h
+    c = tl.arange(0, D // 2)
+    u16 = tl.pointer_type(tl.uint16)
+    at = row[None, :] * (D // 2) + c[:, None]  # [D/2, N]
+    scales = K1 + (tl.max(page, 0) * H + h) * D  # the tile's page (a masked key reads page 0)
+    k0, k1 = int8_pairs(tl.load(K0.to(u16) + at), ASM, CODE_DTYPE)
+    k0 = k0 * tl.load(scales + 2 * c).to(CODE_DTYPE)[:, None]
+    k1 = k1 * tl.load(scales + 2 * c + 1).to(CODE_DTYPE)[:, None]
+    s = tl.dot(tl.trans(k0), q0t, input_precision=DOT_PREC)
+    s = tl.dot(tl.trans(k1), q1t, s, input_precision=DOT_PREC)
+    vs = tl.load(V1 + row)
+    if MASKED:
+        s = tl.where(ok[:, None], s, float("-inf"))
+        vs = tl.where(ok, vs, 0.0)
+    m_new = tl.maximum(m_i, tl.max(s, 0))
+    p = tl.exp2(s - m_new[None, :])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 0)
+    top = tl.max(vs, 0) + 1.1754943508222875e-38
+    w = (p * (vs * (1.0 / top))[:, None]).to(CODE_DTYPE)
+    v0, v1 = int8_pairs(tl.load(V0.to(u16) + at), ASM, CODE_DTYPE)
+    acc = acc * alpha[None, :] + tl.dot(v0, w, input_precision=DOT_PREC) * top
+    acc1 = acc1 * alpha[None, :] + tl.dot(v1, w, input_precision=DOT_PREC) * top
+    return acc, acc1, m_new, l_i
+
+
+@triton.jit
 def _decode_cold_tile(
     qd,
     qc,
@@ -515,6 +557,7 @@ def _decode_cold_tile(
     VALUE_PAIRS: tl.constexpr,
     KEYS_AS_ROWS: tl.constexpr,
     PAIRS_ASM: tl.constexpr,
+    INT8_ROWS: tl.constexpr,
 ):
     """One cold tile of the decode loop: `_fp8_dot_tile` with ``FP8_DOT`` (``fp8_dot``), `_fp8_tile`
     where pass 9's options apply (``CODES_ASM`` or
@@ -523,8 +566,14 @@ def _decode_cold_tile(
     last one share a call. ``BITS_AHEAD``: `_cold_tile`'s scale exponents ``k_bits`` / ``v_bits`` were
     loaded a tile ahead (`_fp8_scale_bits`). Pass 13: `_fp8_pairs_tile` (``VALUE_PAIRS``, against ``q0t``,
     q in ``CODE_DTYPE``; ``KEYS_AS_ROWS``, against q's transposed halves ``q0t``/``q1t``), which alone
-    uses ``acc1``."""
-    if VALUE_PAIRS or KEYS_AS_ROWS:
+    uses ``acc1``. ``INT8_ROWS``: `_int8_rows_tile` (int8 keys and values, with ``KEYS_AS_ROWS``' q halves
+    and accumulator)."""
+    if INT8_ROWS:
+        acc, acc1, m_i, l_i = _int8_rows_tile(
+            q0t, q1t, acc, acc1, m_i, l_i, page, K0, K1, V0, V1, j, end, h, H, P, D, MASKED, DOT_PREC,
+            CODE_DTYPE, PAIRS_ASM,
+        )  # fmt: skip
+    elif VALUE_PAIRS or KEYS_AS_ROWS:
         acc, acc1, m_i, l_i = _fp8_pairs_tile(
             q0t, q1t, acc, acc1, m_i, l_i, page, K0, K1, V0, V1, j, end, d, h, H, P, D, K_FMT, V_FMT,
             MASKED, DOT_PREC, CODE_DTYPE, PAIRS_ASM, BITS_AHEAD, k_bits, v_bits, KEYS_AS_ROWS,
@@ -622,6 +671,7 @@ def _decode_kernel(
     VALUE_PAIRS: tl.constexpr,
     PAIRS_ASM: tl.constexpr,
     KEYS_AS_ROWS: tl.constexpr,
+    INT8_ROWS: tl.constexpr,
     HEADS_TOGETHER: tl.constexpr,
     COUNT,
     MERGE_S: tl.constexpr,
@@ -699,7 +749,7 @@ def _decode_kernel(
             qd, qc, qh, ql, kq, q0t, q1t, acc, acc1, m_i, l_i, page, K0, K1, K2, V0, V1, V2, j0 + n, end, d,
             h, H, P, D, BLOCK_D, K_FMT, V_FMT, False, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES, SWAP,
             CODES_ASM, LAZY_RESCALE, FP8_DOT, W_UNIT, BITS_AHEAD, k_bits, v_bits, VALUE_PAIRS, KEYS_AS_ROWS,
-            PAIRS_ASM,
+            PAIRS_ASM, INT8_ROWS,
         )  # fmt: skip
         if PREFETCH:
             page = page_ahead
@@ -713,7 +763,7 @@ def _decode_kernel(
             qd, qc, qh, ql, kq, q0t, q1t, acc, acc1, m_i, l_i, page, K0, K1, K2, V0, V1, V2, full + n, end, d,
             h, H, P, D, BLOCK_D, K_FMT, V_FMT, True, DOT_PREC, DOT_DTYPE, CODE_DTYPE, NORM_W, HALVES, SWAP,
             CODES_ASM, LAZY_RESCALE, FP8_DOT, W_UNIT, BITS_AHEAD, k_bits, v_bits, VALUE_PAIRS, KEYS_AS_ROWS,
-            PAIRS_ASM,
+            PAIRS_ASM, INT8_ROWS,
         )  # fmt: skip
     if FP8_DOT == 2:  # the weights' operands were in units of W_UNIT
         acc = acc * (1.0 / W_UNIT)
@@ -805,7 +855,8 @@ def decode_options(group: int, launch: dict, one_dtype: bool, meta: dict) -> dic
     only (`fp8_options`): ``codes_asm`` and ``lazy_rescale``; pass 13, where `pairs_apply`:
     ``value_pairs``, value codes as uint16 channel pairs (`_fp8_pairs_tile`), and ``keys_as_rows``, key
     and value codes so, the products turned over (`_fp8_pairs_tile`; the query rows padded to 8, not
-    16). ``heads_together``: program ids remapped so that consecutive programs are one sequence's KV
+    16); with int8 keys and values where `int8_rows_apply`, `_int8_rows_tile` (``INT8_ROWS``).
+    ``heads_together``: program ids remapped so that consecutive programs are one sequence's KV
     heads (as `decode4`'s). The runtime arguments are
     `_attend_kernel`'s without ``T``, its grid (sequences, KV heads, splits); `attend.merge_options`
     adds the split merge's (``COUNT`` by keyword, ``MERGE_S``, ``MERGE_G``)."""
@@ -815,7 +866,8 @@ def decode_options(group: int, launch: dict, one_dtype: bool, meta: dict) -> dic
     wanted = bool(launch["prefetch"] and launch.get("bits_ahead", True))
     ahead = wanted and bits_ahead(meta, fp8, swap, halves)
     pairs_ok = pairs_apply(meta, fp8, swap, halves)
-    rows = bool(launch.get("keys_as_rows")) and pairs_ok
+    int8 = bool(launch.get("keys_as_rows")) and int8_rows_apply(meta, launch["block_n"], swap, halves)
+    rows = (bool(launch.get("keys_as_rows")) and pairs_ok) or int8
     pairs = bool(launch.get("value_pairs")) and pairs_ok and not rows  # rows read values so already
     options = dict(
         meta,
@@ -832,6 +884,7 @@ def decode_options(group: int, launch: dict, one_dtype: bool, meta: dict) -> dic
         VALUE_PAIRS=pairs,
         PAIRS_ASM=(pairs or rows) and meta["CODE_DTYPE"] == tl.float16,
         KEYS_AS_ROWS=rows,
+        INT8_ROWS=int8,
         HEADS_TOGETHER=bool(launch.get("heads_together")),
         num_warps=launch["num_warps"],
         num_stages=launch["num_stages"],
@@ -839,6 +892,19 @@ def decode_options(group: int, launch: dict, one_dtype: bool, meta: dict) -> dic
     if launch.get("maxnreg") and (meta["K_FMT"], meta["V_FMT"]) != (0, 0):  # coded history only
         options["maxnreg"] = launch["maxnreg"]
     return options
+
+
+def int8_rows_apply(meta: dict, block_n: int, swap: bool, halves: bool) -> bool:
+    """Whether ``keys_as_rows`` reads int8 history by `_int8_rows_tile`: symmetric int8 keys and values
+    (format 3) in the plain layout, a power-of-two head_dim of 32 or more, and tiles that each lie in
+    one page (``block_n`` keys, a divisor of the page size), so that a tile has one key-scale vector."""
+    plain = not (swap or halves)
+    return (
+        meta["K_FMT"] == meta["V_FMT"] == 3
+        and plain
+        and meta["BLOCK_D"] == meta["D"] >= 32
+        and meta["P"] % block_n == 0
+    )
 
 
 def pairs_apply(meta: dict, fp8: dict, swap: bool, halves: bool) -> bool:
