@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from kvstrata.quant.fp4 import _table
-from kvstrata.quant.kernel_decode import e2m1_value, fp4_value_codes, fp8_pairs, nibble_value
+from kvstrata.quant.kernel_decode import e2m1_value, fp4_value_codes, fp8_pairs, int8_pairs, nibble_value
 from kvstrata.quant.nibbles import unpack
 from kvstrata.radix.kernels.decode import fp8_operand_scale, fp8_split
 
@@ -47,6 +47,28 @@ def _fp8_pairs_kernel(X, EVEN, ODD, E5M2: tl.constexpr, ASM: tl.constexpr):
     even, odd = fp8_pairs(tl.load(X + i), E5M2, ASM, tl.float16 if ASM else tl.float32)
     tl.store(EVEN + i, even.to(tl.float32))
     tl.store(ODD + i, odd.to(tl.float32))
+
+
+@triton.jit
+def _int8_pairs_kernel(X, EVEN, ODD, ASM: tl.constexpr):
+    i = tl.program_id(0) * 1024 + tl.arange(0, 1024)
+    even, odd = int8_pairs(tl.load(X + i), ASM, tl.float16 if ASM else tl.float32)
+    tl.store(EVEN + i, even.to(tl.float32))
+    tl.store(ODD + i, odd.to(tl.float32))
+
+
+@pytest.mark.parametrize("device", kernel_helpers.DEVICES)
+def test_every_int8_pair_decodes_as_torch_does(device):
+    """`kernel_decode.int8_pairs` (``int8_rows``' key and value codes) over all 65,536 16-bit elements:
+    the low byte is the even channel's int8 code, the high byte the odd one's, each equal to its value
+    in torch, exactly: on CUDA by the PTX (`INT8_PAIRS_ASM`: sign bits flipped, bytes under an FP16
+    exponent, 1,152 taken off), else by the float32 path."""
+    x = torch.arange(1 << 16, dtype=torch.int32).to(torch.uint16)
+    even, odd = (torch.full((1 << 16,), 999.0, device=device) for _ in range(2))
+    _int8_pairs_kernel[(64,)](x.to(device), even, odd, device == "cuda")
+    as_bytes = x.view(torch.int8).view(-1, 2)  # little-endian: the low byte first
+    for got, column in ((even, 0), (odd, 1)):
+        assert torch.equal(got.cpu(), as_bytes[:, column].float())
 
 
 @pytest.mark.parametrize("device", kernel_helpers.DEVICES)
