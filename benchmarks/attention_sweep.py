@@ -333,14 +333,15 @@ DECODE_BF16 = [
     dict(_BF16_64, num_warps=2),
 ]
 # int8 keys (per-channel scales); not part of the fastest-shape pick (it would set the entry FP8 shares).
-# The shipped entry with ``int8_rows`` (`attend.INT8_DECODE`: 16-key tiles in FP8's ``keys_as_rows``
-# layout, the page's key scales on the codes; prepared offline on 2026-12-05, Triton 3.6 for sm_90, B=64
-# 32K: 644 instructions a 16-key tile, 198 registers, no spills, copies in flight with 0x6), the same
-# entry without it (by 16-token blocks in `attend._attend_kernel`, the shape before: H200, B=64 32K
-# 2.221 ms), by keys and by 4 blocks.
+# The shipped entry without ``int8_rows`` first (by 16-token blocks in `attend._attend_kernel`: the shape
+# before, measured, H200, B=64 32K 2.221 ms; every other variant's output is checked against the first),
+# then with it (`attend.INT8_DECODE`: 16-key tiles in FP8's ``keys_as_rows`` layout, the page's key scales
+# on the codes; prepared offline on 2026-12-05, Triton 3.6 for sm_90, B=64 32K: 644 instructions a 16-key
+# tile, 198 registers, no spills, copies in flight with 0x6; the table's row shows the entry's shape, not
+# the 16-key, one-warp tiles that run), by keys and by 4 blocks.
 DECODE_INT8 = [
-    dict(_DEFAULT, int8_rows=True),
     dict(_DEFAULT, int8_rows=False),
+    dict(_DEFAULT, int8_rows=True),
     dict(shape(64, 128, 4, 2, False, programs=1024, **_NEW), int8_rows=False),
     dict(
         shape(64, 128, 4, 2, False, blocks=4, scaled_keys_by_blocks=True, programs=1024, **_NEW),

@@ -1,9 +1,10 @@
 """FlashInfer's paged decode as a peer column of `attention_gpu.py` (``--peers flashinfer``).
 
 What SGLang's flashinfer attention backend runs for a decode step: `BatchDecodeWithPagedKVCacheWrapper`
-over every token of the context in 16-token pages (NHD layout, the new token's K/V already written, as
-SGLang writes it before attending), BF16 queries and output, KV in BF16 or FP8 E4M3 with unit scales,
-tensor cores as SGLang chooses them (`should_use_tensor_core`: FP8 KV, or a GQA group of 4 or more).
+over every token of the context in 16-token pages (SGLang's ``--page-size 16``; its default on CUDA is
+1), NHD layout, the new token's K/V already written (as SGLang writes it before attending), BF16
+queries and output, KV in BF16 or FP8 E4M3 with unit scales, tensor cores as SGLang chooses them
+(`should_use_tensor_core`: FP8 KV, or a GQA group of 4 or more).
 The wrapper runs with fixed buffers (``use_cuda_graph``), so `attention_gpu.bench` replays it in a CUDA
 graph like the other rows. Each case is checked before it is timed: two sequences' outputs against
 float32 attention over the same (dequantized) pages, relative error under ``TOLERANCE``; a case that
@@ -21,6 +22,7 @@ PAGE = 16
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
 TOLERANCE = 2e-2
 WORKSPACE_BYTES = 256 << 20
+RANDOM_SLICE_ELEMENTS = 1 << 28  # `random_pages` draws this many BF16 values at a time (512 MB)
 
 
 def paged_layout(batch: int, context: int, page: int = PAGE, device: str = "cuda"):
@@ -57,6 +59,17 @@ def relative_error(out: torch.Tensor, want: torch.Tensor) -> float:
     return ((out.float() - want).norm() / want.norm()).item()
 
 
+def random_pages(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+    """Standard-normal K/V pages in ``dtype``, drawn in BF16 a slice of pages at a time, so that an FP8
+    cache never has a BF16 copy of its own size beside it (B=256 at 32K, 8B layer: 34 GB in BF16)."""
+    kv = torch.empty(shape, dtype=dtype, device=device)
+    step = max(1, RANDOM_SLICE_ELEMENTS // math.prod(shape[1:]))
+    for start in range(0, shape[0], step):
+        part = kv[start : start + step]
+        part.copy_(torch.randn(part.shape, device=device, dtype=torch.bfloat16))
+    return kv
+
+
 def rows(
     bench, geometry: str, batch: int, context: int, hq: int, hkv: int, d: int, device: str = "cuda"
 ) -> list[dict]:
@@ -69,7 +82,7 @@ def rows(
     out = torch.empty_like(q)
     got = []
     for name, dtype in KV_DTYPES.items():
-        kv = torch.randn(batch * pages, 2, PAGE, hkv, d, device=device, dtype=torch.bfloat16).to(dtype)
+        kv = random_pages((batch * pages, 2, PAGE, hkv, d), dtype, device)
         tensor_cores = uses_tensor_cores(dtype, hq, hkv)
         workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
@@ -107,7 +120,7 @@ def rows(
                 flashinfer=flashinfer.__version__,
             )
         )
-        del wrapper, workspace, kv
+        del step, wrapper, workspace, kv  # ``step`` holds the cache too: freed before the next dtype's
         if device != "cpu":
             torch.cuda.empty_cache()
     return got

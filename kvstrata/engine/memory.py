@@ -134,9 +134,9 @@ def step_workspace_bytes(
 def split_target_programs() -> int:
     """The largest ``programs`` target of the Triton decode launches (`kvstrata.radix.kernels.attend`):
     the most programs a split-KV decode launch runs."""
-    from kvstrata.radix.kernels.attend import DECODE_LAUNCH, FP8_WIDE_DECODE, OTHER_4BIT_DECODE
+    from kvstrata.radix.kernels.attend import DECODE_LAUNCH, FP8_WIDE_DECODE, INT8_DECODE, OTHER_4BIT_DECODE
 
-    launches = (*DECODE_LAUNCH.values(), OTHER_4BIT_DECODE, FP8_WIDE_DECODE)
+    launches = (*DECODE_LAUNCH.values(), OTHER_4BIT_DECODE, FP8_WIDE_DECODE, INT8_DECODE)
     return max(launch["programs"] for launch in launches)
 
 

@@ -128,3 +128,14 @@ def test_rows_refuse_a_wrong_output(fake_flashinfer, monkeypatch):
     monkeypatch.setattr(_Wrapper, "broken", True)
     with pytest.raises(RuntimeError, match="flashinfer bf16 B=2 40: sequence 0 off by"):
         peer.rows(lambda step: 0.5, "8b", 2, 40, 8, 2, 16, device="cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_random_pages_are_standard_normal_in_their_dtype(dtype, monkeypatch):
+    """Drawn three pages at a time (40 pages: the last slice short), every page standard normal."""
+    monkeypatch.setattr(peer, "RANDOM_SLICE_ELEMENTS", 3 * 2 * peer.PAGE * 2 * 16)
+    kv = peer.random_pages((40, 2, peer.PAGE, 2, 16), dtype, "cpu")
+    assert kv.dtype == dtype and kv.shape == (40, 2, peer.PAGE, 2, 16)
+    per_page = kv.float().flatten(1)
+    assert per_page.isfinite().all()
+    assert (per_page.mean(1).abs() < 0.2).all() and ((per_page.std(1) - 1).abs() < 0.15).all()

@@ -156,9 +156,9 @@ def test_extend_chunks_causal(codec, device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("page", [16, 32, 64])
 def test_int8_decode_in_page_aligned_tiles(page, device):
-    """Symmetric int8 history decodes in 16-key tiles, each inside one page, the page's key scales
-    folded into the query once a tile (`decode._int8_rows_tile`): pages of 16, 32 and 64 tokens (one,
-    two and four tiles a page; a split's masked last tile can end inside a page), forced splits, sinks."""
+    """Symmetric int8 history decodes in 16-key tiles, each inside one page, the page's key scales on
+    the decoded codes (`decode._int8_rows_tile`): pages of 16, 32 and 64 tokens (one, two and four
+    tiles a page: the tile's page is found among its keys), forced splits, sinks."""
     cache = make_cache("int8", device, page=page, window=page, sinks=True)
     assert check_steps(cache, [9, 70, 300], steps=2, n_new=1, tol=2e-5, splits=2) == 6
 

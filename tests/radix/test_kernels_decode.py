@@ -134,6 +134,7 @@ LAYOUTS["attend kernel"] = dict(module="attend")  # decode by `attend._attend_ke
 LAYOUTS["tail by parts"] = dict(merged_tail=False)  # sink page, ring rows and new key in tiles of their own
 _KEYS = (("swap_ab", False), ("halves", False), ("module", "decode"), ("merged_tail", True))
 _KEYS += (("scaled_keys_by_blocks", False),)  # int8 keys through the decode module too
+_KEYS += (("int8_rows", False),)  # int8 keys and values as the layout reads them (not `attend.INT8_DECODE`)
 
 
 @pytest.mark.parametrize("device", kernel_helpers.DEVICES)
@@ -493,6 +494,10 @@ def test_int8_takes_its_rows_tile(monkeypatch):
     assert not fp8["INT8_ROWS"] and fp8["KEYS_AS_ROWS"] and fp8["BLOCK_N"] == 32
     monkeypatch.setitem(attend.DECODE_LAUNCH[False], "int8_rows", False)
     assert _benchmark_launch("int8", 64, 4096, monkeypatch).kernel is attend._attend_kernel
+    monkeypatch.setitem(attend.DECODE_LAUNCH[False], "scaled_keys_by_blocks", False)
+    monkeypatch.setitem(attend.DECODE_LAUNCH[False], "block_n", 16)
+    by_keys = _benchmark_launch("int8", 64, 4096, monkeypatch)  # the decode module, 16-key tiles, rows off
+    assert by_keys.kernel is decode._decode_kernel and not by_keys.options["INT8_ROWS"]
     entry = dict(attend.DECODE_LAUNCH[False], int8_rows=True)
     assert attend.takes_int8_decode(3, 3, 64, 32, entry)
     assert not attend.takes_int8_decode(4, 4, 128, 16, entry)  # int8_asym

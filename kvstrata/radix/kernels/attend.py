@@ -223,7 +223,7 @@ FP8_WIDE_DECODE = dict(
 )
 # Symmetric int8 keys and values (``int8_rows`` in `DECODE_LAUNCH[False]`, `decode._int8_rows_tile`):
 # FP8's wide shape in 16-key tiles, one a page's block, so that a tile's keys share one key-scale vector
-# and the scales fold into the query once a tile; the codes read as uint16 channel pairs in FP8's
+# (put on the decoded codes in FP16); the codes read as uint16 channel pairs in FP8's
 # ``keys_as_rows`` layout. Before it int8 decoded in `_attend_kernel` by blocks (H200, B=64 at 32K: 2.221
 # ms, 0.86x SDPA BF16). Prepared offline (2026-12-05, no GPU lent that session): not yet measured.
 INT8_DECODE = dict(FP8_WIDE_DECODE, block_n=16, scaled_keys_by_blocks=False, keys_as_rows=True)

@@ -479,10 +479,13 @@ def _int8_rows_tile(
     read as uint16 channel pairs in ``[D/2, N]`` tiles and made FP16 by `int8_pairs`, scores ``k .
     q^T`` over the channel halves, the output ``v^T . w`` in transposed halves ``acc``/``acc1``. All
     the tile's keys lie in one page (the launch's tiles are page-aligned and at most a page), so the
-    keys' per-channel scales (one float32 vector a page and head) fold into the query once a tile:
-    ``q . (s * code) = (q * s) . code``, 64 products a lane instead of a scale on every key code. The
-    values' per-token scales go on the softmax weights, over the tile's largest so that the FP16
-    weights stay normal, and the tile's product is taken back to the accumulator's units after."""
+    keys' per-channel scales are one float32 vector a tile, put on the decoded codes in ``CODE_DTYPE``
+    (one FP16 pair product a channel pair; folded into the query instead, ``q * s``, the compiled loop
+    moved the scaled query through shared memory one element at a time). The values' per-token scales
+    go on the softmax weights, over the tile's largest so that the FP16 weights stay normal, and the
+    tile's product is taken back to the accumulator's units after. ``MASKED`` is never true here
+    (splits are whole pages, so a page of whole tiles leaves no partial tile); the branch serves the
+    kernel's masked call site, which compiles for every layout."""
     ok = j < end
     row = (page * P + (j % P).to(tl.int64)) * H + h
     c = tl.arange(0, D // 2)
@@ -866,7 +869,8 @@ def decode_options(group: int, launch: dict, one_dtype: bool, meta: dict) -> dic
     wanted = bool(launch["prefetch"] and launch.get("bits_ahead", True))
     ahead = wanted and bits_ahead(meta, fp8, swap, halves)
     pairs_ok = pairs_apply(meta, fp8, swap, halves)
-    int8 = bool(launch.get("keys_as_rows")) and int8_rows_apply(meta, launch["block_n"], swap, halves)
+    wanted = bool(launch.get("int8_rows") and launch.get("keys_as_rows"))
+    int8 = wanted and int8_rows_apply(meta, launch["block_n"], swap, halves)
     rows = (bool(launch.get("keys_as_rows")) and pairs_ok) or int8
     pairs = bool(launch.get("value_pairs")) and pairs_ok and not rows  # rows read values so already
     options = dict(
