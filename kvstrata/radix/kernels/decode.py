@@ -869,8 +869,8 @@ def decode_options(group: int, launch: dict, one_dtype: bool, meta: dict) -> dic
     wanted = bool(launch["prefetch"] and launch.get("bits_ahead", True))
     ahead = wanted and bits_ahead(meta, fp8, swap, halves)
     pairs_ok = pairs_apply(meta, fp8, swap, halves)
-    wanted = bool(launch.get("int8_rows") and launch.get("keys_as_rows"))
-    int8 = wanted and int8_rows_apply(meta, launch["block_n"], swap, halves)
+    int8_wanted = bool(launch.get("int8_rows") and launch.get("keys_as_rows"))
+    int8 = int8_wanted and int8_rows_apply(meta, launch["block_n"], swap, halves)
     rows = (bool(launch.get("keys_as_rows")) and pairs_ok) or int8
     pairs = bool(launch.get("value_pairs")) and pairs_ok and not rows  # rows read values so already
     options = dict(
