@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 PAGE = 16
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
@@ -42,17 +43,12 @@ def uses_tensor_cores(kv_dtype: torch.dtype, hq: int, hkv: int) -> bool:
 
 
 def reference(q: torch.Tensor, kv: torch.Tensor, seq: int, pages: int, context: int) -> torch.Tensor:
-    """Float32 attention of sequence ``seq`` (one query token, ``q`` ``[batch, hq, d]``) over its
-    ``context`` tokens in ``kv`` ``[pages_total, 2, page, hkv, d]`` (`paged_layout`'s order)."""
-    hq, d = q.shape[1], q.shape[2]
+    """Float32 attention (SDPA, GQA) of sequence ``seq`` (one query token, ``q`` ``[batch, hq, d]``)
+    over its ``context`` tokens in ``kv`` ``[pages_total, 2, page, hkv, d]`` (`paged_layout`'s order)."""
     own = kv[seq * pages : (seq + 1) * pages].float()
-    k = own[:, 0].reshape(-1, own.shape[-2], d)[:context]
-    v = own[:, 1].reshape(-1, own.shape[-2], d)[:context]
-    group = hq // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
-    s = torch.einsum("hd,thd->ht", q[seq].float(), k) / math.sqrt(d)
-    return torch.einsum("ht,thd->hd", torch.softmax(s, dim=-1), v)
+    hkv, d = kv.shape[-2], kv.shape[-1]
+    k, v = (own[:, i].reshape(-1, hkv, d)[:context].transpose(0, 1) for i in (0, 1))  # [hkv, context, d]
+    return F.scaled_dot_product_attention(q[seq, :, None].float(), k, v, enable_gqa=True)[:, 0]
 
 
 def relative_error(out: torch.Tensor, want: torch.Tensor) -> float:

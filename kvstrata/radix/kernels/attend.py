@@ -227,7 +227,6 @@ FP8_WIDE_DECODE = dict(
 # ``keys_as_rows`` layout. Before it int8 decoded in `_attend_kernel` by blocks (H200, B=64 at 32K: 2.221
 # ms, 0.86x SDPA BF16). Prepared offline (2026-12-05, no GPU lent that session): not yet measured.
 INT8_DECODE = dict(FP8_WIDE_DECODE, block_n=16, scaled_keys_by_blocks=False, keys_as_rows=True)
-INT8_FORMAT = 3
 # int4 keys and values (`decode4`): one pipeline stage (and 168 registers, as ``DECODE_LAUNCH[True]``
 # since pass 12). Pass 9, H200: B=64 at 32K 1.326 ms against 1.689 with fp4's 2 stages and no cap, B=256
 # at 2K 0.404 against 0.453, B=1,024 at 2K 1.434 against 1.700 (attention_sweep.py, one run). Pass 12,
@@ -347,13 +346,14 @@ _DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.flo
 
 
 @triton.jit
-def _online(s, m_i, l_i):
+def _online(s, m_i, l_i, KEYS_AXIS: tl.constexpr = 1):
     """Online-softmax bookkeeping of one score tile (base 2, masked scores at -inf): the tile's
-    weights, the rescale of what came before, and the new running max and sum."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    p = tl.exp2(s - m_new[:, None])
+    weights, the rescale of what came before, and the new running max and sum. ``KEYS_AXIS``: the
+    scores' axis of the keys (1: ``[rows, keys]``; 0: transposed, ``[keys, rows]``)."""
+    m_new = tl.maximum(m_i, tl.max(s, KEYS_AXIS))
+    p = tl.exp2(s - tl.expand_dims(m_new, KEYS_AXIS))
     alpha = tl.exp2(m_i - m_new)
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, KEYS_AXIS)
 
 
 @triton.jit
@@ -988,12 +988,15 @@ def takes_wide_decode(
 
 
 def takes_int8_decode(k_fmt: int, v_fmt: int, head_dim: int, page_size: int, launch: dict) -> bool:
-    """Whether a decode pass takes `INT8_DECODE`: symmetric int8 keys and values, the launch's
-    ``int8_rows`` on, pages of whole 16-key tiles (a tile's keys then share their page) and a
-    power-of-two head_dim of 32 or more (channel halves of 16 or more: `decode.int8_rows_apply`)."""
-    wanted = k_fmt == v_fmt == INT8_FORMAT and bool(launch.get("int8_rows"))
-    pow2 = head_dim >= 32 and head_dim & (head_dim - 1) == 0
-    return wanted and pow2 and page_size % INT8_DECODE["block_n"] == 0
+    """Whether a decode pass takes `INT8_DECODE`: the launch's ``int8_rows`` on, and a layer that
+    `decode.int8_rows_apply` reads in that shape's tiles (symmetric int8 keys and values, pages of whole
+    16-key tiles, a power-of-two head_dim of 32 or more)."""
+    from kvstrata.radix.kernels import decode  # it imports this module's tile functions
+
+    layer = dict(K_FMT=k_fmt, V_FMT=v_fmt, D=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), P=page_size)
+    return bool(launch.get("int8_rows")) and decode.int8_rows_apply(
+        layer, INT8_DECODE["block_n"], False, False
+    )
 
 
 def takes_raw_many_decode(k_fmt: int, v_fmt: int, programs: int, direct: bool, element_size: int) -> bool:

@@ -160,10 +160,7 @@ def _cold_tile_t(
         s = tl.dot(k, qt, input_precision=DOT_PREC)
     if MASKED:
         s = tl.where(ok[:, None], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 0))
-    p = tl.exp2(s - m_new[None, :])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 0)
+    p, alpha, m_new, l_i = _online(s, m_i, l_i, 0)
     if V_FMT == 0:
         v = _codes(V0, row[:, None], d[None, :], d_ok, D, BLOCK_D, V_FMT, DOT_DTYPE, False, HALVES)
         pv = tl.dot(tl.trans(v), p.to(DOT_DTYPE), input_precision=DOT_PREC)
@@ -501,16 +498,13 @@ def _int8_rows_tile(
     if MASKED:
         s = tl.where(ok[:, None], s, float("-inf"))
         vs = tl.where(ok, vs, 0.0)
-    m_new = tl.maximum(m_i, tl.max(s, 0))
-    p = tl.exp2(s - m_new[None, :])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 0)
+    p, alpha, m_i, l_i = _online(s, m_i, l_i, 0)
     top = tl.max(vs, 0) + 1.1754943508222875e-38
     w = (p * (vs * (1.0 / top))[:, None]).to(CODE_DTYPE)
     v0, v1 = int8_pairs(tl.load(V0.to(u16) + at), ASM, CODE_DTYPE)
     acc = acc * alpha[None, :] + tl.dot(v0, w, input_precision=DOT_PREC) * top
     acc1 = acc1 * alpha[None, :] + tl.dot(v1, w, input_precision=DOT_PREC) * top
-    return acc, acc1, m_new, l_i
+    return acc, acc1, m_i, l_i
 
 
 @triton.jit

@@ -348,11 +348,7 @@ def _cold_tile4(
         if K_FMT == 5:
             s += kc[None, :]
         s = tl.where((tl.arange(0, N) // 16)[:, None] == slot[None, :], s * kd[None, :], float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        p = tl.exp2(s - m_new[None, :])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 0)
-        m_i = m_new
+        p, alpha, m_i, l_i = _online(s, m_i, l_i, 0)
     else:
         s = tl.dot(qc0, tl.trans(k0), input_precision=DOT_PREC)
         s += tl.dot(qc1, tl.trans(k1), input_precision=DOT_PREC)
