@@ -204,6 +204,7 @@ _DEFAULT = dict(
     value_pairs=False,
     heads_together=False,
     ring_ahead=False,
+    tail_keys_as_rows=False,
     raw_many_programs=kernels.RAW_MANY_PROGRAMS,  # the shipped rule (BF16 variants turn it off)
 )
 # ``fp8_dot`` (prepared offline, `decode._fp8_dot_tile`): q.K^T on FP8 operands (q split in two FP8
@@ -301,6 +302,12 @@ DECODE = [
     # (H200, 2026-12-05, one run, the default model's geometry): B=16 4K 0.020 ms against 0.021, B=1 4K
     # 1.12x against 1.22x SDPA BF16, B=1 32K 0.012 against 0.014: mixed at 3 digits, not adopted.
     dict(_DEFAULT, prefetch=True, num_stages=3),
+    # Pass 19 (prepared offline, Triton 3.6 for sm_90, B=256 2K; B=64 32K the same): the merged tail's
+    # products turned over (``tail_keys_as_rows``, `decode._tail_tile`'s ``TURNED``): its loop 951 -> 752
+    # instructions a 32-key tile (HMMA 64 -> 32, the rescale's FMUL 64 -> 32, IMAD 246 -> 118), the
+    # cold loop 570 -> 568, 255 -> 238 registers. Not for BF16's 4-warp 64-key shape (its tail 523 ->
+    # 656) or int8's 16-key tiles (tail 536 -> 538, cold loop 644 -> 661), so the wide shape only.
+    dict(_DEFAULT, wide=dict(tail_keys_as_rows=True)),
 ]
 # BF16 history (format 0) reads the 4-warp entry's shape (FP8 takes the wide shape from 512 programs).
 # At the serving step (B=256, 2K) it ran at 0.93-0.96x SDPA BF16's bandwidth (0.509-0.527 ms against
@@ -395,6 +402,7 @@ _D4 = dict(
     table_ahead=False,
     wide_scales=False,
     tail_n=32,
+    tail_keys_as_rows=False,
 )
 _D4_ROWS = dict(_D4, keys_as_rows=True, value_reference=True)
 _D4_ROWS_1 = dict(_D4_ROWS, num_stages=1)
@@ -452,6 +460,17 @@ DECODE_4BIT: list[dict] = [
     # 12 with 64-key tiles in two-warp programs (6 programs an SM at 168 registers), and 12 uncapped.
     dict(_D4_AHEAD, num_stages=2, tail_n=16, blocks=4, num_warps=2),
     dict(_D4_AHEAD, num_stages=2, tail_n=16, maxnreg=None),
+    # Pass 19 (prepared offline, Triton 3.6 for sm_90, B=1,024 2K unless said): the decode tail's tiles
+    # turned over (``tail_keys_as_rows``, `decode4._tail_tile_t`: keys as the products' M side, 8 query
+    # columns instead of 16 padded rows, whole K and V rows by asynchronous copies and ldmatrix, no split
+    # into channel halves). fp4's default (12) with it: the ring loop a 16-key tile 572 -> 475
+    # instructions (HMMA 32 -> 16, the rescale's FMUL 64 -> 32, shared loads 51 -> 19, no spill stores);
+    # in 32-key tiles 538 a tile, 16.8 a key against 35.8 (568 at B=64 32K and B=256 2K, which split);
+    # the cold loop 975 -> 977-979. int4's default (3) with it: the ring loop a 32-key tile 1,093 -> 572
+    # (77 reloads and 39 stores -> none), cold loop 948 -> 952.
+    dict(_D4_AHEAD, num_stages=2, tail_n=16, tail_keys_as_rows=True),
+    dict(_D4_AHEAD, num_stages=2, tail_n=32, tail_keys_as_rows=True),
+    dict(_D4_ROWS_1, maxnreg=168, value_quads=True, tail_keys_as_rows=True),
 ]
 
 

@@ -413,6 +413,30 @@ def test_decode_merges_its_own_splits(codec, floats, device, monkeypatch):
 
 
 @pytest.mark.parametrize("device", kernel_helpers.DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("codec", ["fp8_e4m3", "fp8_e5m2", "int8", "bf16"])
+def test_decode_tail_turned_over(codec, dtype, device, monkeypatch):
+    """``tail_keys_as_rows`` (pass 19): the merged tail's products turned over (scores ``k . q^T``, the
+    output ``v^T . p``) in every 8/16-bit decode shape (the entry, FP8's wide shape, int8's, BF16's
+    many-programs shape): sinks on, mixed lengths with a ring-only sequence, the split heuristic and 3
+    forced splits, two steps, within the float64 reference's bound; every launch ran the merged tail
+    turned over."""
+    from test_kernels_attend import check_steps, make_cache
+
+    from kvstrata.radix.kernels import attend
+
+    monkeypatch.setitem(attend.DECODE_LAUNCH[False], "tail_keys_as_rows", True)
+    for shape in (attend.FP8_WIDE_DECODE, attend.INT8_DECODE, attend.RAW_MANY_DECODE):
+        monkeypatch.setitem(shape, "tail_keys_as_rows", True)
+    made = launches_made(monkeypatch)
+    tol = 2e-5 if dtype == torch.float32 else 1.5e-2
+    for splits in (None, 3):
+        cache = make_cache(codec, device, sinks=True, dtype=dtype)
+        check_steps(cache, [5, 37, 70, 101], steps=2, n_new=1, tol=tol, dtype=dtype, splits=splits)
+    assert made and all(m.options["TAIL_T"] and m.options["MERGED_TAIL"] for m in made)
+
+
+@pytest.mark.parametrize("device", kernel_helpers.DEVICES)
 @pytest.mark.parametrize("codec", ["fp8_e4m3", "bf16"])
 def test_decode_heads_together(codec, device, monkeypatch):
     """``heads_together`` (consecutive programs are one sequence's KV heads, `decode._decode_kernel`'s

@@ -201,6 +201,19 @@ LAUNCHES["2 blocks, folded, keys as rows, value reference, table ahead, 3 stages
     table_ahead=True,
     tail_n=16,  # the ring (up to 31 rows here) in two tiles: its rows loaded a tile ahead
 )
+# Pass 19: the decode tail's tiles turned over (keys as rows, whole rows), over pass 17's shape.
+TURNED_16 = "2 blocks, folded, keys as rows, value reference, table ahead, 16-key tail tiles turned over"
+LAUNCHES[TURNED_16] = dict(
+    LAUNCHES["2 blocks, folded, keys as rows, value reference"],
+    heads_together=True,
+    table_ahead=True,
+    tail_n=16,
+    tail_keys_as_rows=True,
+)
+# The same in 32-key tail tiles without the table ahead (int4's shape).
+LAUNCHES["2 blocks, folded, keys as rows, value reference, tail tiles turned over"] = dict(
+    LAUNCHES["2 blocks, folded, keys as rows, value reference"], heads_together=True, tail_keys_as_rows=True
+)
 # The ring in 16-key tiles without the table ahead (its row ids loaded in the tile).
 LAUNCHES["2 blocks, folded, keys as rows, value reference, 16-key tail tiles"] = dict(
     LAUNCHES["2 blocks, folded, keys as rows, value reference"], heads_together=True, tail_n=16
@@ -216,6 +229,7 @@ def _use(monkeypatch, launch: dict, asm: bool) -> list[tuple]:
     # all that it runs with).
     options = ("fold_key_scales", "heads_together", "tail_rows", "value_offsets_apart")
     options += ("keys_as_rows", "value_reference", "value_quads", "table_ahead", "wide_scales")
+    options += ("tail_keys_as_rows",)
     shape = {"module": "decode4", "asm": asm, "num_stages": 2, "tail_n": 32}  # pass 12's unless set
     for key, value in {**shape, **dict.fromkeys(options, False), **launch}.items():
         monkeypatch.setitem(attend.DECODE_LAUNCH[True], key, value)
@@ -257,6 +271,7 @@ def test_decode4_float32(codec, launch, monkeypatch):
         "2 blocks, folded, heads together, tail rows",
         "2 blocks, folded, keys as rows, value reference",
         "4 blocks, folded, table ahead, wide scales",
+        TURNED_16,
     ],
 )
 @pytest.mark.parametrize("asm", ASM)
@@ -310,6 +325,7 @@ QUAD_LAUNCHES = {
         "2 blocks, folded, keys as rows, value reference",
         "4 blocks, folded, keys as rows, prefetch, offsets per tile",
         "2 blocks, folded, keys as rows, value reference, table ahead, 3 stages, 16-key tail tiles",
+        TURNED_16,
     )
 }
 # Pass 17's shapes with value quads and the fp4 key scales read as channel pairs.

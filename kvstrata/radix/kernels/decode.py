@@ -209,12 +209,16 @@ def _tail_tile(
     HAS_SINKS: tl.constexpr,
     DOT_PREC: tl.constexpr,
     RING_AHEAD: tl.constexpr,
+    TURNED: tl.constexpr,
 ):
     """Keys ``j`` of the tail as one run: ``[0, sink_len)`` the sink page (slot ``slot``), then
     ``ring_len`` ring rows (their row ids at ``ring``; with ``RING_AHEAD`` given, ``ring_row``, loaded
     a tile ahead by `_tail_ring_rows`), then the new token, so a decode step's 16-key sink page, ring
     rows and one new key share tiles instead of taking a tile each. Each key row picks its source's
-    pointer (sinks, ring and new rows share one dtype), so a tile's K and V load once."""
+    pointer (sinks, ring and new rows share one dtype), so a tile's K and V load once. ``TURNED``: the
+    products turned over, as the cold tiles with ``KEYS_AS_ROWS`` (``qd`` and ``acc`` ``[BLOCK_D,
+    rows]``; scores ``k . q^T``, ``acc`` += ``v^T . p``): the keys the products' M side, the query rows
+    their N, and the values read transposed for a transposing ldmatrix."""
     in_sink = j < sink_len
     in_ring = (j >= sink_len) & (j < sink_len + ring_len)
     if not RING_AHEAD:
@@ -230,10 +234,17 @@ def _tail_tile(
     seen = j <= sink_len + ring_len
     ok = seen[:, None] & (d < D)[None, :]
     k = tl.load(k_row[:, None] + d[None, :], mask=ok, other=0.0).to(qd.dtype)
-    v = tl.load(v_row[:, None] + d[None, :], mask=ok, other=0.0).to(qd.dtype)
-    s = tl.where(seen[None, :], _scores(qd, qd, k, k, False, DOT_PREC), float("-inf"))
-    p, alpha, m_i, l_i = _online(s, m_i, l_i)
-    acc, _ = _accumulate(acc, acc, alpha, p, v, v, False, DOT_PREC)
+    if TURNED:
+        ok_t = (d < D)[:, None] & seen[None, :]
+        vt = tl.load(v_row[None, :] + d[:, None], mask=ok_t, other=0.0).to(qd.dtype)
+        s = tl.where(seen[:, None], tl.dot(k, qd, input_precision=DOT_PREC), float("-inf"))
+        p, alpha, m_i, l_i = _online(s, m_i, l_i, 0)
+        acc = tl.dot(vt, p.to(vt.dtype), acc * alpha[None, :], input_precision=DOT_PREC)
+    else:
+        v = tl.load(v_row[:, None] + d[None, :], mask=ok, other=0.0).to(qd.dtype)
+        s = tl.where(seen[None, :], _scores(qd, qd, k, k, False, DOT_PREC), float("-inf"))
+        p, alpha, m_i, l_i = _online(s, m_i, l_i)
+        acc, _ = _accumulate(acc, acc, alpha, p, v, v, False, DOT_PREC)
     return acc, m_i, l_i
 
 
@@ -670,6 +681,7 @@ def _decode_kernel(
     KEYS_AS_ROWS: tl.constexpr,
     INT8_ROWS: tl.constexpr,
     HEADS_TOGETHER: tl.constexpr,
+    TAIL_T: tl.constexpr,
     COUNT,
     MERGE_S: tl.constexpr,
     MERGE_G: tl.constexpr,
@@ -789,15 +801,22 @@ def _decode_kernel(
                 ring_row = _tail_ring_rows(ring, n, sink_len, ring_len)  # row ids a tile ahead
             else:
                 ring_row = 0
+            if TAIL_T:  # the query and output turned over for the tail's products, [BLOCK_D, rows]
+                acc = tl.trans(acc)
+                qt = tl.trans(qd)
+            else:
+                qt = qd
             for j0 in range(0, sink_len + ring_len + 1, BLOCK_N):
                 if RING_AHEAD:
                     row_ahead = _tail_ring_rows(ring, j0 + BLOCK_N + n, sink_len, ring_len)
                 acc, m_i, l_i = _tail_tile(
-                    qd, acc, m_i, l_i, j0 + n, sink_len, ring_len, slot, ring, ring_row, b, h, H, d,
-                    SK, SV, RK, RV, KN, VN, D, P, HAS_SINKS, DOT_PREC, RING_AHEAD,
+                    qt, acc, m_i, l_i, j0 + n, sink_len, ring_len, slot, ring, ring_row, b, h, H, d,
+                    SK, SV, RK, RV, KN, VN, D, P, HAS_SINKS, DOT_PREC, RING_AHEAD, TAIL_T,
                 )  # fmt: skip
                 if RING_AHEAD:
                     ring_row = row_ahead
+            if TAIL_T:
+                acc = tl.trans(acc)
         else:
             for j0 in range(0, sink_len, BLOCK_N):
                 ok = j0 + n < sink_len
@@ -848,7 +867,8 @@ def decode_options(group: int, launch: dict, one_dtype: bool, meta: dict) -> dic
     ``merged_tail``: the sink page, ring rows and new key as one run of tiles, where ``one_dtype``:
     the step's K/V, the ring and the sinks share a dtype); ``ring_ahead`` (with the merged tail; absent:
     off): each tail tile's ring row ids loaded a tile ahead, so that its K/V copies need not wait for
-    them (pass 17). Pass 9, FP8 keys and values of a BF16 model
+    them (pass 17); ``tail_keys_as_rows`` (with the merged tail; absent: off): its tiles' products
+    turned over (`_tail_tile`, pass 19). Pass 9, FP8 keys and values of a BF16 model
     only (`fp8_options`): ``codes_asm`` and ``lazy_rescale``; pass 13, where `pairs_apply`:
     ``value_pairs``, value codes as uint16 channel pairs (`_fp8_pairs_tile`), and ``keys_as_rows``, key
     and value codes so, the products turned over (`_fp8_pairs_tile`; the query rows padded to 8, not
@@ -884,6 +904,7 @@ def decode_options(group: int, launch: dict, one_dtype: bool, meta: dict) -> dic
         KEYS_AS_ROWS=rows,
         INT8_ROWS=int8,
         HEADS_TOGETHER=bool(launch.get("heads_together")),
+        TAIL_T=bool(launch.get("tail_keys_as_rows")),  # read by the merged tail only
         num_warps=launch["num_warps"],
         num_stages=launch["num_stages"],
     )

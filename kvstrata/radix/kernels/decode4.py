@@ -124,6 +124,41 @@ def _tail_tile(
 
 
 @triton.jit
+def _tail_tile_t(qt, acc, m_i, l_i, KP, VP, row, ok, seen, D: tl.constexpr, DOT_PREC: tl.constexpr):
+    """`_tail_tile` turned over, as the cold tiles with ``KEYS_AS_ROWS``: scores ``k . q^T`` ``[n,
+    rows]`` (``qt`` the whole query transposed, ``[D, rows]``; ``seen`` ``[n, rows]``) and the output
+    ``acc`` ``[D, rows]`` += ``v^T . p``. The keys are the products' M side and the query rows their
+    N (8, not 16 padded rows), and each key and value row loads whole into both products (ldmatrix,
+    transposing for the values) with no split into channel halves."""
+    d = tl.arange(0, D)
+    k = tl.load(KP + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0).to(qt.dtype)
+    vt = tl.load(VP + row[None, :] * D + d[:, None], mask=ok[None, :], other=0.0).to(qt.dtype)
+    s = tl.where(seen, tl.dot(k, qt, input_precision=DOT_PREC), float("-inf"))
+    p, alpha, m_i, l_i = _online(s, m_i, l_i, 0)
+    acc = tl.dot(vt, p.to(vt.dtype), acc * alpha[None, :], input_precision=DOT_PREC)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _tail_keys(
+    qd0, qd1, acc0, acc1, m_i, l_i, KP, VP, row, ok, first,
+    D: tl.constexpr, DOT_PREC: tl.constexpr, ROWS: tl.constexpr, TURNED: tl.constexpr,
+):  # fmt: skip
+    """One tile of the decode tail, seen by the query rows ``first`` (slot 0's): `_tail_tile` over the
+    channel halves, or with ``TURNED`` `_tail_tile_t` (``qd0`` the whole query ``[D, rows]``, ``acc0``
+    the whole output ``[D, rows]``; ``qd1`` and ``acc1`` unused, returned as given)."""
+    if TURNED:
+        acc0, m_i, l_i = _tail_tile_t(
+            qd0, acc0, m_i, l_i, KP, VP, row, ok, ok[:, None] & first[None, :], D, DOT_PREC
+        )  # fmt: skip
+    else:
+        acc0, acc1, m_i, l_i = _tail_tile(
+            qd0, qd1, acc0, acc1, m_i, l_i, KP, VP, row, ok, ok[None, :] & first[:, None], D, DOT_PREC, ROWS
+        )  # fmt: skip
+    return acc0, acc1, m_i, l_i
+
+
+@triton.jit
 def _rows(j0, pb, pv, h, H, P: tl.constexpr, BLOCKS: tl.constexpr):
     """Rows of a tile's keys in the parts: ``[BLOCKS, 1, 1]`` pages and first tokens of its blocks
     (keys' per-channel scales), and ``[16 * BLOCKS]`` (page, token, head) rows of its keys."""
@@ -498,6 +533,7 @@ def _decode4_kernel(
     SLOT_R: tl.constexpr,
     HEADS_TOGETHER: tl.constexpr,
     TAIL_ROWS: tl.constexpr,
+    TAIL_T: tl.constexpr,
     OFFSETS_APART: tl.constexpr,
     KEYS_AS_ROWS: tl.constexpr,
     VALUE_REF: tl.constexpr,
@@ -639,18 +675,24 @@ def _decode4_kernel(
         acc0 += o_i[:, None]
         acc1 += o_i[:, None]
     if split == tail_split:  # sinks, ring and the new key (slot 0's rows): the last split of the pass
-        qd0 = q0.to(DOT_DTYPE)
-        qd1 = q1.to(DOT_DTYPE)
         n = tl.arange(0, TAIL_N)
-        first = (slot == 0)[:, None]
+        first = slot == 0
+        if TAIL_T:  # the whole query and output, turned over: [D, rows] (acc1 unused until split back)
+            qd0 = tl.trans(tl.reshape(tl.join(q0, q1), [BLOCK_H, D]).to(DOT_DTYPE))
+            qd1 = qd0
+            acc0 = tl.trans(tl.reshape(tl.join(acc0, acc1), [BLOCK_H, D]))  # channel 2c + i from acc_i
+            acc1 = acc0
+        else:
+            qd0 = q0.to(DOT_DTYPE)
+            qd1 = q1.to(DOT_DTYPE)
         if HAS_SINKS:
             sink_len = tl.load(SINK_OK + b) * P  # P keys when the sequence has a sink page, else 0
             sink = tl.load(ST + b).to(tl.int64)
             for j0 in range(0, sink_len, TAIL_N):
                 ok = j0 + n < sink_len
-                acc0, acc1, m_i, l_i = _tail_tile(
-                    qd0, qd1, acc0, acc1, m_i, l_i, SK, SV, (sink * P + j0 + n) * H + h, ok,
-                    ok[None, :] & first, D, DOT_PREC, TAIL_ROWS,
+                acc0, acc1, m_i, l_i = _tail_keys(
+                    qd0, qd1, acc0, acc1, m_i, l_i, SK, SV, (sink * P + j0 + n) * H + h, ok, first,
+                    D, DOT_PREC, TAIL_ROWS, TAIL_T,
                 )  # fmt: skip
         ring_len = tl.load(RING_LEN + b)
         rr = RR + b * rr_stride
@@ -663,17 +705,19 @@ def _decode4_kernel(
                 row_ahead = tl.load(rr + ahead, mask=ahead < ring_len, other=0).to(tl.int64)
             else:
                 ring_row = tl.load(rr + j0 + n, mask=ok, other=0).to(tl.int64)
-            acc0, acc1, m_i, l_i = _tail_tile(
-                qd0, qd1, acc0, acc1, m_i, l_i, RK, RV, ring_row * H + h, ok, ok[None, :] & first,
-                D, DOT_PREC, TAIL_ROWS,
+            acc0, acc1, m_i, l_i = _tail_keys(
+                qd0, qd1, acc0, acc1, m_i, l_i, RK, RV, ring_row * H + h, ok, first,
+                D, DOT_PREC, TAIL_ROWS, TAIL_T,
             )  # fmt: skip
             if TABLE_AHEAD:
                 ring_row = row_ahead
         ok = n < 1
-        acc0, acc1, m_i, l_i = _tail_tile(
-            qd0, qd1, acc0, acc1, m_i, l_i, KN, VN, (b + n).to(tl.int64) * H + h, ok, ok[None, :] & first,
-            D, DOT_PREC, TAIL_ROWS,
+        acc0, acc1, m_i, l_i = _tail_keys(
+            qd0, qd1, acc0, acc1, m_i, l_i, KN, VN, (b + n).to(tl.int64) * H + h, ok, first,
+            D, DOT_PREC, TAIL_ROWS, TAIL_T,
         )  # fmt: skip
+        if TAIL_T:  # back to the even and odd channel halves, [rows, D/2]
+            acc0, acc1 = tl.split(tl.reshape(tl.trans(acc0), [BLOCK_H, D // 2, 2]))
 
     if BLOCK_H > SLOT_R:  # merge the slots' softmax states: one per query head
         m_s = tl.reshape(m_i, [BLOCK_H // SLOT_R, SLOT_R])
@@ -719,7 +763,8 @@ def decode4_options(group: int, launch: dict, interpreted: bool, meta: dict) -> 
     Triton's pipeliner then keeps the next tile's code copies in flight through the tile; the ring
     rows likewise, a tail tile ahead: pass 17); ``wide_scales`` (with ``fold_key_scales``): fp4 key
     block scales read as channel pairs (`_folded_query`); both off unless set; ``tail_n``: keys a
-    tile of the decode tail (`TAIL_N` unless set). Operands are FP16 for 16-bit models on a GPU, else
+    tile of the decode tail (`TAIL_N` unless set); ``tail_keys_as_rows``: the decode tail's tiles
+    turned over (`_tail_tile_t`), off unless set. Operands are FP16 for 16-bit models on a GPU, else
     float32 (``interpreted``, float32 models)."""
     f16 = not interpreted and meta["DOT_DTYPE"] in (tl.bfloat16, tl.float16)
     fold = bool(launch.get("fold_key_scales"))
@@ -753,6 +798,7 @@ def decode4_options(group: int, launch: dict, interpreted: bool, meta: dict) -> 
         SLOT_R=rows if fold else block_h,
         HEADS_TOGETHER=bool(launch.get("heads_together")),
         TAIL_ROWS=bool(launch.get("tail_rows")),
+        TAIL_T=bool(launch.get("tail_keys_as_rows")),
         OFFSETS_APART=bool(launch.get("value_offsets_apart")),
         KEYS_AS_ROWS=keys_as_rows,
         VALUE_REF=bool(launch.get("value_reference")),
