@@ -466,7 +466,7 @@ DECODE_4BIT: list[dict] = [
     # into channel halves). fp4's default (12) with it: the ring loop a 16-key tile 572 -> 475
     # instructions (HMMA 32 -> 16, the rescale's FMUL 64 -> 32, shared loads 51 -> 19, no spill stores);
     # in 32-key tiles 538 a tile, 16.8 a key against 35.8 (568 at B=64 32K and B=256 2K, which split);
-    # the cold loop 975 -> 977-979. int4's default (3) with it: the ring loop a 32-key tile 1,093 -> 572
+    # the cold loop 975 -> 977-979. int4's default (3) with it: the ring loop a 32-key tile 1,093 -> 571
     # (77 reloads and 39 stores -> none), cold loop 948 -> 952.
     dict(_D4_AHEAD, num_stages=2, tail_n=16, tail_keys_as_rows=True),
     dict(_D4_AHEAD, num_stages=2, tail_n=32, tail_keys_as_rows=True),
@@ -694,6 +694,7 @@ def sweep() -> dict[tuple[str, bool | str], dict]:
         blocks += ", ring ahead" if s.get("ring_ahead") else ""
         blocks += ", wide scales" if s.get("wide_scales") else ""
         blocks += f", {s['tail_n']}-key tail tiles" if s.get("tail_n", 32) != 32 else ""
+        blocks += ", tail turned over" if s.get("tail_keys_as_rows") else ""
         blocks += f", wide shape with {s['wide']}" if s.get("wide") else ""
         print(
             f"| {kind} | {batch} | {context} | {codec} | {s['block_m']} x {s['block_n']} | "

@@ -412,19 +412,35 @@ def test_decode_merges_its_own_splits(codec, floats, device, monkeypatch):
     assert reads <= {16, 64} if floats == 2048 else reads <= {1, 2}
 
 
+# The 8/16-bit decode shapes a layer can take (`attend.pass_launch`): the one-warp 32-key wide shape
+# (FP8), int8's 16-key tiles, BF16's 4-warp 64-key shape (2-byte models), each with its launch rule's
+# threshold at 1 program, and the 4-warp entry's 128-key tiles, with the thresholds out of reach.
+TURNED_CASES = {
+    "fp8_e4m3 wide": ("fp8_e4m3", torch.bfloat16, 32),
+    "fp8_e5m2 wide": ("fp8_e5m2", torch.bfloat16, 32),
+    "fp8_e4m3 entry": ("fp8_e4m3", torch.float32, 128),
+    "int8 rows": ("int8", torch.bfloat16, 16),
+    "bf16 many programs": ("bf16", torch.bfloat16, 64),
+    "bf16 entry": ("bf16", torch.float32, 128),
+}
+
+
 @pytest.mark.parametrize("device", kernel_helpers.DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("codec", ["fp8_e4m3", "fp8_e5m2", "int8", "bf16"])
-def test_decode_tail_turned_over(codec, dtype, device, monkeypatch):
+@pytest.mark.parametrize("case", list(TURNED_CASES))
+def test_decode_tail_turned_over(case, device, monkeypatch):
     """``tail_keys_as_rows`` (pass 19): the merged tail's products turned over (scores ``k . q^T``, the
-    output ``v^T . p``) in every 8/16-bit decode shape (the entry, FP8's wide shape, int8's, BF16's
-    many-programs shape): sinks on, mixed lengths with a ring-only sequence, the split heuristic and 3
-    forced splits, two steps, within the float64 reference's bound; every launch ran the merged tail
-    turned over."""
+    output ``v^T . p``) in each 8/16-bit decode shape (`TURNED_CASES`; sinks on, so the tail spans
+    several tiles of the 16- to 64-key shapes, whose rescale between tail tiles is then exercised):
+    mixed lengths with a ring-only sequence, the split heuristic and 3 forced splits, two steps, within
+    the float64 reference's bound; every launch ran the merged tail turned over, in the case's tiles."""
     from test_kernels_attend import check_steps, make_cache
 
     from kvstrata.radix.kernels import attend
 
+    codec, dtype, block_n = TURNED_CASES[case]
+    rule = 10**9 if block_n == 128 else 1  # the entry: no launch takes the wide or many-programs shape
+    monkeypatch.setattr(attend, "FP8_WIDE_PROGRAMS", rule)
+    monkeypatch.setattr(attend, "RAW_MANY_PROGRAMS", rule)
     monkeypatch.setitem(attend.DECODE_LAUNCH[False], "tail_keys_as_rows", True)
     for shape in (attend.FP8_WIDE_DECODE, attend.INT8_DECODE, attend.RAW_MANY_DECODE):
         monkeypatch.setitem(shape, "tail_keys_as_rows", True)
@@ -434,6 +450,7 @@ def test_decode_tail_turned_over(codec, dtype, device, monkeypatch):
         cache = make_cache(codec, device, sinks=True, dtype=dtype)
         check_steps(cache, [5, 37, 70, 101], steps=2, n_new=1, tol=tol, dtype=dtype, splits=splits)
     assert made and all(m.options["TAIL_T"] and m.options["MERGED_TAIL"] for m in made)
+    assert {m.options["BLOCK_N"] for m in made} == {block_n}
 
 
 @pytest.mark.parametrize("device", kernel_helpers.DEVICES)

@@ -201,7 +201,8 @@ LAUNCHES["2 blocks, folded, keys as rows, value reference, table ahead, 3 stages
     table_ahead=True,
     tail_n=16,  # the ring (up to 31 rows here) in two tiles: its rows loaded a tile ahead
 )
-# Pass 19: the decode tail's tiles turned over (keys as rows, whole rows), over pass 17's shape.
+# Pass 19: the decode tail's tiles turned over (keys as rows, whole rows), over fp4's shipped shape
+# (pass 17's at two stages).
 TURNED_16 = "2 blocks, folded, keys as rows, value reference, table ahead, 16-key tail tiles turned over"
 LAUNCHES[TURNED_16] = dict(
     LAUNCHES["2 blocks, folded, keys as rows, value reference"],

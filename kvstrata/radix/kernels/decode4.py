@@ -31,7 +31,8 @@ FP16 rather than BF16 operands: 11-bit significands (E2M1 and E4M3 products are 
 cost of range (hence the power of two on q; a product under 2**-14 is an FP16 subnormal, off by under
 2**-25 of q's largest element). A float32 model (and the interpreter) keeps float32 operands
 (``CODE_DTYPE``). The sink page, ring rows and the new key (BF16/float32) are read by
-`_tail_tile` in the same channel halves, in tiles of ``TAIL_N`` keys, by slot 0's rows; the
+`_tail_tile` in the same channel halves (with ``TAIL_T``, `_tail_tile_t`: turned over, whole rows),
+in tiles of ``TAIL_N`` keys, by slot 0's rows; the
 cold blocks a split has past its last whole tile one block at a time (slot 0; a split's cold keys
 are whole pages of whole blocks: no tile is ever masked). ``PREFETCH`` loads the page-table entries
 and the scales Triton's pipeliner leaves in the loop (`_side_scales`) a tile ahead. Measured on the
@@ -128,8 +129,9 @@ def _tail_tile_t(qt, acc, m_i, l_i, KP, VP, row, ok, seen, D: tl.constexpr, DOT_
     """`_tail_tile` turned over, as the cold tiles with ``KEYS_AS_ROWS``: scores ``k . q^T`` ``[n,
     rows]`` (``qt`` the whole query transposed, ``[D, rows]``; ``seen`` ``[n, rows]``) and the output
     ``acc`` ``[D, rows]`` += ``v^T . p``. The keys are the products' M side and the query rows their
-    N (8, not 16 padded rows), and each key and value row loads whole into both products (ldmatrix,
-    transposing for the values) with no split into channel halves."""
+    N (8 rows with ``keys_as_rows``' 8-row slots, not 16 padded ones), and each key and value row
+    loads whole into both products (ldmatrix, transposing for the values) with no split into channel
+    halves."""
     d = tl.arange(0, D)
     k = tl.load(KP + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0).to(qt.dtype)
     vt = tl.load(VP + row[None, :] * D + d[:, None], mask=ok[None, :], other=0.0).to(qt.dtype)
@@ -146,7 +148,8 @@ def _tail_keys(
 ):  # fmt: skip
     """One tile of the decode tail, seen by the query rows ``first`` (slot 0's): `_tail_tile` over the
     channel halves, or with ``TURNED`` `_tail_tile_t` (``qd0`` the whole query ``[D, rows]``, ``acc0``
-    the whole output ``[D, rows]``; ``qd1`` and ``acc1`` unused, returned as given)."""
+    the whole output ``[D, rows]``; ``qd1`` and ``acc1`` unused, returned as given; ``ROWS`` unused:
+    its rows always load whole)."""
     if TURNED:
         acc0, m_i, l_i = _tail_tile_t(
             qd0, acc0, m_i, l_i, KP, VP, row, ok, ok[:, None] & first[None, :], D, DOT_PREC
