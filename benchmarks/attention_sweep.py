@@ -466,7 +466,7 @@ DECODE_4BIT: list[dict] = [
     # into channel halves). fp4's default (12) with it: the ring loop a 16-key tile 572 -> 475
     # instructions (HMMA 32 -> 16, the rescale's FMUL 64 -> 32, shared loads 51 -> 19, no spill stores);
     # in 32-key tiles 538 a tile, 16.8 a key against 35.8 (568 at B=64 32K and B=256 2K, which split);
-    # the cold loop 975 -> 977-979. int4's default (3) with it: the ring loop a 32-key tile 1,093 -> 571
+    # the cold loop 975 -> 977-979. int4's default (3) with it: the ring loop a 32-key tile 1,071 -> 571
     # (77 reloads and 39 stores -> none), cold loop 948 -> 952.
     dict(_D4_AHEAD, num_stages=2, tail_n=16, tail_keys_as_rows=True),
     dict(_D4_AHEAD, num_stages=2, tail_n=32, tail_keys_as_rows=True),
