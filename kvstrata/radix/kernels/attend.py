@@ -386,6 +386,19 @@ def _scores(q0, q1, k0, k1, HALF: tl.constexpr, DOT_PREC: tl.constexpr):
 
 
 @triton.jit
+def _turned_tile(k, vt, qt, seen, acc, m_i, l_i, DOT_PREC: tl.constexpr):
+    """One tile of model-dtype keys with the products turned over (keys as rows, as the decode
+    kernels' cold tiles with ``keys_as_rows``): scores ``k . q^T`` ``[keys, rows]`` (``qt`` ``[D,
+    rows]``; ``seen`` the keys each row sees, the others at -inf), the online softmax along the keys,
+    and the output ``acc`` ``[D, rows]`` rescaled plus ``v^T . p`` (``vt`` the values transposed,
+    ``[D, keys]``). Returns ``(acc, m_i, l_i)``."""
+    s = tl.where(seen, tl.dot(k, qt, input_precision=DOT_PREC), float("-inf"))
+    p, alpha, m_i, l_i = _online(s, m_i, l_i, 0)
+    acc = tl.dot(vt, p.to(vt.dtype), acc * alpha[None, :], input_precision=DOT_PREC)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _accumulate(acc0, acc1, alpha, w, v0, v1, HALF: tl.constexpr, DOT_PREC: tl.constexpr):
     """``acc * alpha + w . v`` for the accumulator (``HALF``: both channel halves)."""
     wd = w.to(v0.dtype)

@@ -38,6 +38,7 @@ from kvstrata.radix.kernels.attend import (
     _online_pow2_scaled,
     _raw_tile,
     _scores,
+    _turned_tile,
     decode_program,
     merge_if_last,
 )
@@ -237,9 +238,7 @@ def _tail_tile(
     if TURNED:
         ok_t = (d < D)[:, None] & seen[None, :]
         vt = tl.load(v_row[None, :] + d[:, None], mask=ok_t, other=0.0).to(qd.dtype)
-        s = tl.where(seen[:, None], tl.dot(k, qd, input_precision=DOT_PREC), float("-inf"))
-        p, alpha, m_i, l_i = _online(s, m_i, l_i, 0)
-        acc = tl.dot(vt, p.to(vt.dtype), acc * alpha[None, :], input_precision=DOT_PREC)
+        acc, m_i, l_i = _turned_tile(k, vt, qd, seen[:, None], acc, m_i, l_i, DOT_PREC)
     else:
         v = tl.load(v_row[:, None] + d[None, :], mask=ok, other=0.0).to(qd.dtype)
         s = tl.where(seen[None, :], _scores(qd, qd, k, k, False, DOT_PREC), float("-inf"))

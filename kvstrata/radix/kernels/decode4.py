@@ -74,6 +74,7 @@ from kvstrata.radix.kernels.attend import (
     _online,
     _raw_tile,
     _scores,
+    _turned_tile,
     decode_program,
     merge_if_last,
 )
@@ -135,10 +136,7 @@ def _tail_tile_t(qt, acc, m_i, l_i, KP, VP, row, ok, seen, D: tl.constexpr, DOT_
     d = tl.arange(0, D)
     k = tl.load(KP + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0).to(qt.dtype)
     vt = tl.load(VP + row[None, :] * D + d[:, None], mask=ok[None, :], other=0.0).to(qt.dtype)
-    s = tl.where(seen, tl.dot(k, qt, input_precision=DOT_PREC), float("-inf"))
-    p, alpha, m_i, l_i = _online(s, m_i, l_i, 0)
-    acc = tl.dot(vt, p.to(vt.dtype), acc * alpha[None, :], input_precision=DOT_PREC)
-    return acc, m_i, l_i
+    return _turned_tile(k, vt, qt, seen, acc, m_i, l_i, DOT_PREC)
 
 
 @triton.jit
