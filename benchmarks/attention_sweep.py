@@ -307,6 +307,8 @@ DECODE = [
     # instructions a 32-key tile (HMMA 64 -> 32, the rescale's FMUL 64 -> 32, IMAD 246 -> 118), the
     # cold loop 570 -> 568, 255 -> 238 registers. Not for BF16's 4-warp 64-key shape (its tail 523 ->
     # 656) or int8's 16-key tiles (tail 536 -> 538, cold loop 644 -> 661), so the wide shape only.
+    # Measured on an H100 (sixteenth session): B=256 2K 0.416 ms against 0.419, B=64 32K 1.494 against
+    # 1.481: no gain, not adopted.
     dict(_DEFAULT, wide=dict(tail_keys_as_rows=True)),
 ]
 # BF16 history (format 0) reads the 4-warp entry's shape (FP8 takes the wide shape from 512 programs).
@@ -467,7 +469,10 @@ DECODE_4BIT: list[dict] = [
     # instructions (HMMA 32 -> 16, the rescale's FMUL 64 -> 32, shared loads 51 -> 19, no spill stores);
     # in 32-key tiles 538 a tile, 16.8 a key against 35.8 (568 at B=64 32K and B=256 2K, which split);
     # the cold loop 975 -> 977-979. int4's default (3) with it: the ring loop a 32-key tile 1,071 -> 571
-    # (77 reloads and 39 stores -> none), cold loop 948 -> 952.
+    # (77 reloads and 39 stores -> none), cold loop 948 -> 952. Measured on an H100 (sixteenth session,
+    # window 256): fp4 B=1,024 2K / B=64 32K / B=256 2K 12: 1.394 / 1.146 / 0.387 ms, 19: 1.395 / 1.145 /
+    # 0.386, 20: 1.419 / 1.162; int4 B=1,024 2K / B=256 2K / B=64 32K 3: 1.726 / 0.463 / 1.352, 21: 1.592 /
+    # 0.439 / 1.410 (two runs alike). Shorter loops, no faster for fp4; int4 mixed: the defaults stay.
     dict(_D4_AHEAD, num_stages=2, tail_n=16, tail_keys_as_rows=True),
     dict(_D4_AHEAD, num_stages=2, tail_n=32, tail_keys_as_rows=True),
     dict(_D4_ROWS_1, maxnreg=168, value_quads=True, tail_keys_as_rows=True),

@@ -225,7 +225,9 @@ FP8_WIDE_DECODE = dict(
 # FP8's wide shape in 16-key tiles, one a page's block, so that a tile's keys share one key-scale vector
 # (put on the decoded codes in FP16); the codes read as uint16 channel pairs in FP8's
 # ``keys_as_rows`` layout. Before it int8 decoded in `_attend_kernel` by blocks (H200, B=64 at 32K: 2.221
-# ms, 0.86x SDPA BF16). Prepared offline (2026-12-05, no GPU lent that session): not yet measured.
+# ms, 0.86x SDPA BF16). Measured on an H100 (2026-12-05, sixteenth session; attention_sweep.py, SDPA BF16
+# 2.773 / 0.708 / 0.098 ms): B=64 at 32K 1.684 ms against 2.321 by blocks, B=256 at 2K 0.472 against 0.631,
+# B=16 at 4K 0.069 against 0.092 (94% / 90% / 83% of SDPA's bandwidth; docs pass 18-19 measured).
 INT8_DECODE = dict(FP8_WIDE_DECODE, block_n=16, scaled_keys_by_blocks=False, keys_as_rows=True)
 # int4 keys and values (`decode4`): one pipeline stage (and 168 registers, as ``DECODE_LAUNCH[True]``
 # since pass 12). Pass 9, H200: B=64 at 32K 1.326 ms against 1.689 with fp4's 2 stages and no cap, B=256
