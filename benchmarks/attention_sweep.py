@@ -476,6 +476,11 @@ DECODE_4BIT: list[dict] = [
     dict(_D4_AHEAD, num_stages=2, tail_n=16, tail_keys_as_rows=True),
     dict(_D4_AHEAD, num_stages=2, tail_n=32, tail_keys_as_rows=True),
     dict(_D4_ROWS_1, maxnreg=168, value_quads=True, tail_keys_as_rows=True),
+    # 21 in 16-key ring tiles. 21's turned 32-key tiles take 16 KB of shared memory a program (int4's
+    # default 4 KB; 12 one-warp programs an SM, so 192 KB against 48 KB, less left for L1), a possible
+    # cause of its B=64 32K loss where the ring is under 1% of the keys; 16-key tiles take 8 KB, as fp4's
+    # default does (offline: ring loop 402 instructions a 16-key tile, cold loop 952; not yet measured).
+    dict(_D4_ROWS_1, maxnreg=168, value_quads=True, tail_keys_as_rows=True, tail_n=16),
 ]
 
 
