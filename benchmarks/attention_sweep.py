@@ -472,7 +472,8 @@ DECODE_4BIT: list[dict] = [
     # (77 reloads and 39 stores -> none), cold loop 948 -> 952. Measured on an H100 (sixteenth session,
     # window 256): fp4 B=1,024 2K / B=64 32K / B=256 2K 12: 1.394 / 1.146 / 0.387 ms, 19: 1.395 / 1.145 /
     # 0.386, 20: 1.419 / 1.162; int4 B=1,024 2K / B=256 2K / B=64 32K 3: 1.726 / 0.463 / 1.352, 21: 1.592 /
-    # 0.439 / 1.410 (two runs alike). Shorter loops, no faster for fp4; int4 mixed: the defaults stay.
+    # 0.439 / 1.410 (B=1,024 2K and B=64 32K twice, within 0.004 ms). Shorter loops, no faster for fp4;
+    # int4 mixed: the defaults stay.
     dict(_D4_AHEAD, num_stages=2, tail_n=16, tail_keys_as_rows=True),
     dict(_D4_AHEAD, num_stages=2, tail_n=32, tail_keys_as_rows=True),
     dict(_D4_ROWS_1, maxnreg=168, value_quads=True, tail_keys_as_rows=True),
