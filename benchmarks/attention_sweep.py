@@ -480,7 +480,10 @@ DECODE_4BIT: list[dict] = [
     # 21 in 16-key ring tiles. 21's turned 32-key tiles take 16 KB of shared memory a program (int4's
     # default 4 KB; 12 one-warp programs an SM, so 192 KB against 48 KB, less left for L1), a possible
     # cause of its B=64 32K loss where the ring is under 1% of the keys; 16-key tiles take 8 KB, as fp4's
-    # default does (offline: ring loop 402 instructions a 16-key tile, cold loop 952; not yet measured).
+    # default does (offline: ring loop 402 instructions a 16-key tile, cold loop 952). Measured on an H100
+    # (seventeenth session, window 256), 3 / 22: B=256 2K 0.462 / 0.431-0.433 ms, B=1,024 2K 1.714-1.724 /
+    # 1.542-1.545, B=64 32K 1.351 / 1.351, B=256 4K 0.782 / 0.752, B=16 4K 0.091 / 0.096: int4's launch
+    # from 512 rows at head_dim 128 (`attend.INT4_TURNED_TAIL`).
     dict(_D4_ROWS_1, maxnreg=168, value_quads=True, tail_keys_as_rows=True, tail_n=16),
 ]
 

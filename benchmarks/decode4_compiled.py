@@ -105,7 +105,8 @@ def launch_args(cache, plan, q, k, v, launch) -> list:
 
 def compile_case(codec: str, batch: int, context: int):
     """``(launch, options, compiled kernel)`` of the step with the current `DECODE_LAUNCH[True]`, as the
-    layer runs it (`attend.decode4_launch`: int4's own shape, wider heads uncapped)."""
+    layer runs it (`attend.decode4_launch`: int4's own shape, its tail turned over in launches of many
+    rows, wider heads uncapped)."""
     cache, plan, q, k, v = step(codec, batch, context)
     k_fmt, kp, v_fmt, vp = attend.layer_parts(cache.pool, 0)
     launch = attend.pass_launch(plan, k_fmt, v_fmt, q, k, v, 0.088, cache.ring, None, None, True, True)
@@ -113,7 +114,8 @@ def compile_case(codec: str, batch: int, context: int):
         n: launch.options[n] for n in ("D", "BLOCK_D", "P", "K_FMT", "V_FMT", "HAS_SINKS", "SPLIT", "NORM_W")
     }
     meta.update(DOT_PREC="tf32", DOT_DTYPE=tl.bfloat16, CODE_DTYPE=tl.bfloat16)  # a BF16 model on a GPU
-    table = attend.decode4_launch(attend.DECODE_LAUNCH[True], k_fmt, v_fmt, meta["D"], meta["P"])
+    rows = plan.batch * k.shape[1]
+    table = attend.decode4_launch(attend.DECODE_LAUNCH[True], k_fmt, v_fmt, meta["D"], meta["P"], rows)
     options = decode4.decode4_options(q.shape[1] // k.shape[1], table, False, meta)
     options.update({n: launch.options[n] for n in ("COUNT", "MERGE_S", "MERGE_G")})  # its split merge
     args = launch_args(cache, plan, q, k, v, launch)

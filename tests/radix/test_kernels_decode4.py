@@ -416,6 +416,42 @@ def test_register_cap_by_head_dim(codec, head_dim, cap, monkeypatch):
     assert all(options["TAIL_N"] == (16 if pass17 else 32) for _, options in seen)
 
 
+@pytest.mark.parametrize(
+    ("head_dim", "min_rows", "turned"), [(128, 6, True), (128, 7, False), (64, 1, False), (256, 1, False)]
+)
+def test_int4_turned_tail_rule(head_dim, min_rows, turned, monkeypatch):
+    """int4's decode tail runs turned over in 16-key tiles (`attend.INT4_TURNED_TAIL`) at head_dim 128
+    from `attend.INT4_TURNED_MIN_ROWS` sequence x KV-head rows a launch, and nowhere else; its one-stage
+    shape stays. Three sequences of `test_kernels_attend`'s 2 KV heads are 6 rows (3 if the rule counted
+    sequences). The default launch, float32 model, against the float64 reference."""
+    from test_kernels_attend import check_steps, make_cache
+
+    from kvstrata.radix.kernels import attend
+
+    monkeypatch.setattr(attend, "INT4_TURNED_MIN_ROWS", min_rows)
+    seen = _at_head_dim(monkeypatch, head_dim)
+    cache = make_cache("int4", DEVICE)
+    assert check_steps(cache, [12, 40, 70], steps=2, n_new=1, tol=2e-5) == 6
+    assert seen and all(launch["num_stages"] == 1 and launch.get("merge_reads") == 2 for launch, _ in seen)
+    tail_n = 16 if turned else 32
+    assert all(options["TAIL_T"] == turned and options["TAIL_N"] == tail_n for _, options in seen)
+
+
+def test_int4_turned_tail_threshold():
+    """The rule's threshold counts sequence x KV-head rows: 511 keeps the 32-key tail, 512 turns it."""
+    from kvstrata.radix.kernels import attend
+
+    entry, int4 = attend.DECODE_LAUNCH[True], attend.INT4_FORMAT
+    below = attend.decode4_launch(entry, int4, int4, 128, 16, attend.INT4_TURNED_MIN_ROWS - 1)
+    at = attend.decode4_launch(entry, int4, int4, 128, 16, attend.INT4_TURNED_MIN_ROWS)
+    assert attend.INT4_TURNED_MIN_ROWS == 512
+    assert not below.get("tail_keys_as_rows") and below["tail_n"] == 32
+    assert at["tail_keys_as_rows"] and at["tail_n"] == 16
+    assert {k: v for k, v in at.items() if k not in attend.INT4_TURNED_TAIL} == {
+        k: v for k, v in below.items() if k not in attend.INT4_TURNED_TAIL
+    }
+
+
 def test_value_quads_options():
     """``value_quads`` needs ``keys_as_rows`` (refused without) and applies from head_dim 64 (ignored
     below: parts of D/4 channels are the product's M)."""

@@ -235,6 +235,17 @@ INT8_DECODE = dict(FP8_WIDE_DECODE, block_n=16, scaled_keys_by_blocks=False, key
 # with ``value_quads``: one stage 1.268 / 0.385 / 1.387 ms, two stages 1.502 / 0.403 / 1.474 uncapped,
 # 1.540 / 0.436 / 1.566 capped.
 INT4_DECODE = dict(DECODE4_PASS12, num_stages=1, maxnreg=168, merge_reads=2)
+# int4 at head_dim 128 in launches of many sequence x KV-head rows: the decode tail turned over in
+# 16-key tiles (pass 19's ``tail_keys_as_rows``, 8 KB of shared memory a program against 16 KB in
+# 32-key tiles). Measured on an H100 (2026-12-05, seventeenth session), 8B layer, against `INT4_DECODE`
+# alone in the same run: attention_gpu.py (window 128) B=64 at 4K 0.222 against 0.231 ms, B=256 at 4K
+# 0.712 / 0.735, B=64 at 32K 1.350 / 1.368, B=256 at 32K 5.255 / 5.277; attention_sweep.py (window 256)
+# B=256 at 2K 0.431 / 0.462, B=1,024 at 2K 1.542 / 1.714, B=64 at 32K 1.351 / 1.351. Not taken below
+# 512 rows (B=1 at 4K 0.029 against 0.023 ms; B=16 at 4K mixed across the two benchmarks) nor at
+# head_dim 64 (the default model's layer at 4K: 3-15% slower at B=16-256, 56% at B=1).
+INT4_TURNED_TAIL = dict(tail_keys_as_rows=True, tail_n=16)
+INT4_TURNED_HEAD_DIM = 128
+INT4_TURNED_MIN_ROWS = 512
 # The 4-bit decode's register cap (`DECODE_LAUNCH[True]`'s ``maxnreg``, other than int4's) up to this
 # head_dim: measured at 128 (the 8B layer) and run at 64; at 256 the capped cold loop spills (an offline
 # compile for sm_90 with Triton 3.9, fp4: 70 reloads and 17 stores a tile, 2 reloads uncapped), so wider
@@ -1250,17 +1261,19 @@ class PassLaunch(NamedTuple):
         return Partials(po, pl) if self.partial and not self.merges else None
 
 
-def decode4_launch(launch: dict, k_fmt: int, v_fmt: int, d: int, page: int) -> dict:
+def decode4_launch(launch: dict, k_fmt: int, v_fmt: int, d: int, page: int, rows: int) -> dict:
     """The 4-bit decode table entry ``launch`` as a layer of formats ``k_fmt``/``v_fmt``, head_dim ``d``
-    and ``page``-token pages runs it: by blocks in this module's kernel where `decode4` does not read the
-    layer (`OTHER_4BIT_DECODE`), int4's own shape (`INT4_DECODE`), pass 12's keys for int4 on one side
-    (`DECODE4_PASS12`), wider heads uncapped."""
+    and ``page``-token pages runs it over ``rows`` sequence x KV-head rows: by blocks in this module's
+    kernel where `decode4` does not read the layer (`OTHER_4BIT_DECODE`), int4's own shape
+    (`INT4_DECODE`, its tail turned over at head_dim 128 from `INT4_TURNED_MIN_ROWS` rows), pass 12's keys
+    for int4 on one side (`DECODE4_PASS12`), wider heads uncapped."""
     from kvstrata.radix.kernels import decode4
 
     if not decode4.applies(k_fmt, v_fmt, d, page):  # by blocks here, in this kernel's own shape
         return {**launch, **OTHER_4BIT_DECODE}
     if k_fmt == v_fmt == INT4_FORMAT:
-        return {**launch, **INT4_DECODE}
+        turned = d == INT4_TURNED_HEAD_DIM and rows >= INT4_TURNED_MIN_ROWS
+        return {**launch, **INT4_DECODE, **(INT4_TURNED_TAIL if turned else {})}
     if d > DECODE4_CAPPED_HEAD_DIM:
         return {**launch, **DECODE4_PASS12, "maxnreg": None}
     if INT4_FORMAT in (k_fmt, v_fmt):
@@ -1319,7 +1332,7 @@ def pass_launch(
     if T == 1 and launch.get("module") == "decode4":
         from kvstrata.radix.kernels import decode4  # read again below
 
-        launch = decode4_launch(launch, k_fmt, v_fmt, d, page)
+        launch = decode4_launch(launch, k_fmt, v_fmt, d, page, B * h)
     if T == 1 and takes_wide_decode(
         k_fmt, v_fmt, B * h, n_pages, splits, launch.get("min_pages", MIN_PAGES_PER_SPLIT), page
     ):
