@@ -485,6 +485,22 @@ DECODE_4BIT: list[dict] = [
     # 1.542-1.545, B=64 32K 1.351 / 1.351, B=256 4K 0.782 / 0.752, B=16 4K 0.091 / 0.096: int4's launch
     # from 512 rows at head_dim 128 (`attend.INT4_TURNED_TAIL`).
     dict(_D4_ROWS_1, maxnreg=168, value_quads=True, tail_keys_as_rows=True, tail_n=16),
+    # Occupancy against spills (prepared offline, eighteenth session, Triton 3.6 for sm_90): one-warp
+    # programs at 168 registers are 12 an SM, 3 warps a scheduler, and the 4-bit loop issues at about
+    # 38% of the schedulers' rate at B=64 32K (H200, 1.27 ms against 0.48 for its 952 instructions a
+    # 32-key tile at one a cycle), so latency, not instruction count, is the gap. int4's launch from 512
+    # rows (22) at 144 registers (14 an SM): cold loop 952 -> 983 instructions, 18 reloads a tile; at
+    # 128 (16 an SM): 1,003, 36 reloads, 2 stores. fp4's default (12) at 128: cold loop 975 -> 1,049
+    # with 32 reloads, its 16-key ring tile 572 -> 661 with 52 reloads and 45 stores; with the tail
+    # turned over (``tail_keys_as_rows``) the ring tile is 548 with 41 / 19 (B=1,024 2K). Measured (H200,
+    # window 256; B=64 32K / B=256 2K / B=1,024 2K): int4 22 1.258 / 0.400 / 1.394 ms, 23 1.425 / 0.437 /
+    # 1.529, 24 1.200 / 0.345 / 1.304 (int4's launch from 512 rows on an H200 since,
+    # `attend.INT4_TURNED_MAXNREG`; on an H100 it lost); fp4 12 1.095 / 0.335 / 1.213, 16 1.150 / 0.382 /
+    # 1.324, 25 1.316 / 0.410 / 1.458, 26 1.292 / 0.375 / 1.411.
+    dict(_D4_ROWS_1, maxnreg=144, value_quads=True, tail_keys_as_rows=True, tail_n=16),
+    dict(_D4_ROWS_1, maxnreg=128, value_quads=True, tail_keys_as_rows=True, tail_n=16),
+    dict(_D4_AHEAD, num_stages=2, tail_n=16, maxnreg=128),
+    dict(_D4_AHEAD, num_stages=2, tail_n=16, maxnreg=128, tail_keys_as_rows=True),
 ]
 
 

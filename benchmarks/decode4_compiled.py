@@ -115,7 +115,8 @@ def compile_case(codec: str, batch: int, context: int):
     }
     meta.update(DOT_PREC="tf32", DOT_DTYPE=tl.bfloat16, CODE_DTYPE=tl.bfloat16)  # a BF16 model on a GPU
     rows = plan.batch * k.shape[1]
-    table = attend.decode4_launch(attend.DECODE_LAUNCH[True], k_fmt, v_fmt, meta["D"], meta["P"], rows)
+    entry = attend.DECODE_LAUNCH[True]  # the launch an H200 runs (per-card choices: its name)
+    table = attend.decode4_launch(entry, k_fmt, v_fmt, meta["D"], meta["P"], rows, "NVIDIA H200")
     options = decode4.decode4_options(q.shape[1] // k.shape[1], table, False, meta)
     options.update({n: launch.options[n] for n in ("COUNT", "MERGE_S", "MERGE_G")})  # its split merge
     args = launch_args(cache, plan, q, k, v, launch)

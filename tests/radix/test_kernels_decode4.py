@@ -421,35 +421,53 @@ def test_register_cap_by_head_dim(codec, head_dim, cap, monkeypatch):
 )
 def test_int4_turned_tail_rule(head_dim, min_rows, turned, monkeypatch):
     """int4's decode tail runs turned over in 16-key tiles (`attend.INT4_TURNED_TAIL`) at head_dim 128
-    from `attend.INT4_TURNED_MIN_ROWS` sequence x KV-head rows a launch, and nowhere else; its one-stage
-    shape stays. Three sequences of `test_kernels_attend`'s 2 KV heads are 6 rows (3 if the rule counted
-    sequences). The default launch, float32 model, against the float64 reference."""
+    from `attend.INT4_TURNED_MIN_ROWS` sequence x KV-head rows a launch, and nowhere else (32-key
+    tail); its one-stage shape stays. Three sequences of `test_kernels_attend`'s 2 KV heads are 6 rows
+    (3 if the rule counted sequences). The launch takes the card's register cap from the device name
+    `pass_launch` reads (here an H200's: 128 where turned, else 168). The default launch, float32
+    model, against the float64 reference."""
     from test_kernels_attend import check_steps, make_cache
 
     from kvstrata.radix.kernels import attend
 
     monkeypatch.setattr(attend, "INT4_TURNED_MIN_ROWS", min_rows)
+    monkeypatch.setattr(attend, "cuda_name", lambda t: "NVIDIA H200")
     seen = _at_head_dim(monkeypatch, head_dim)
     cache = make_cache("int4", DEVICE)
     assert check_steps(cache, [12, 40, 70], steps=2, n_new=1, tol=2e-5) == 6
     assert seen and all(launch["num_stages"] == 1 and launch.get("merge_reads") == 2 for launch, _ in seen)
-    tail_n = 16 if turned else 32
+    tail_n, cap = (16, 128) if turned else (32, 168)
     assert all(options["TAIL_T"] == turned and options["TAIL_N"] == tail_n for _, options in seen)
+    assert all(launch["maxnreg"] == options["maxnreg"] == cap for launch, options in seen)
 
 
 def test_int4_turned_tail_threshold():
-    """The rule's threshold counts sequence x KV-head rows: 511 keeps the 32-key tail, 512 turns it."""
+    """The rule's threshold counts sequence x KV-head rows: 511 keeps the 32-key tail, 512 turns it. The
+    register cap goes by card: 128 on an H200 where the tail turns, 168 below the threshold, on an H100
+    and off CUDA (measured per card, `attend.INT4_TURNED_MAXNREG`)."""
     from kvstrata.radix.kernels import attend
 
-    entry, int4 = attend.DECODE_LAUNCH[True], attend.INT4_FORMAT
-    below = attend.decode4_launch(entry, int4, int4, 128, 16, attend.INT4_TURNED_MIN_ROWS - 1)
-    at = attend.decode4_launch(entry, int4, int4, 128, 16, attend.INT4_TURNED_MIN_ROWS)
+    entry, int4, h200 = attend.DECODE_LAUNCH[True], attend.INT4_FORMAT, "NVIDIA H200"
+    below = attend.decode4_launch(entry, int4, int4, 128, 16, attend.INT4_TURNED_MIN_ROWS - 1, h200)
+    at = attend.decode4_launch(entry, int4, int4, 128, 16, attend.INT4_TURNED_MIN_ROWS, h200)
     assert attend.INT4_TURNED_MIN_ROWS == 512
-    assert not below.get("tail_keys_as_rows") and below["tail_n"] == 32
-    assert at["tail_keys_as_rows"] and at["tail_n"] == 16
-    assert {k: v for k, v in at.items() if k not in attend.INT4_TURNED_TAIL} == {
-        k: v for k, v in below.items() if k not in attend.INT4_TURNED_TAIL
+    assert not below.get("tail_keys_as_rows") and below["tail_n"] == 32 and below["maxnreg"] == 168
+    assert at["tail_keys_as_rows"] and at["tail_n"] == 16 and at["maxnreg"] == 128
+    assert {k: v for k, v in at.items() if k not in (*attend.INT4_TURNED_TAIL, "maxnreg")} == {
+        k: v for k, v in below.items() if k not in (*attend.INT4_TURNED_TAIL, "maxnreg")
     }
+    for name in ("NVIDIA H100 80GB HBM3", ""):
+        other = attend.decode4_launch(entry, int4, int4, 128, 16, attend.INT4_TURNED_MIN_ROWS, name)
+        assert other == {**at, "maxnreg": 168}
+    wide = attend.decode4_launch(entry, int4, int4, 64, 16, 4 * attend.INT4_TURNED_MIN_ROWS, h200)
+    assert wide["maxnreg"] == 168 and not wide.get("tail_keys_as_rows")
+
+
+def test_cuda_name_off_cuda():
+    """Tensors off CUDA have no card name: no per-card launch choice applies."""
+    from kvstrata.radix.kernels import attend
+
+    assert attend.cuda_name(torch.zeros(1)) == ""
 
 
 def test_value_quads_options():

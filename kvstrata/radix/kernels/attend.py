@@ -32,6 +32,7 @@ in `_cold_passes` (`GroupPlan.raised_plan`), read the same way.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 from weakref import WeakKeyDictionary
 
@@ -244,6 +245,20 @@ INT4_DECODE = dict(DECODE4_PASS12, num_stages=1, maxnreg=168, merge_reads=2)
 # 512 rows (B=1 at 4K 0.029 against 0.023 ms; B=16 at 4K mixed across the two benchmarks) nor at
 # head_dim 64 (the default model's layer at 4K: 3-15% slower at B=16-256, 56% at B=1).
 INT4_TURNED_TAIL = dict(tail_keys_as_rows=True, tail_n=16)
+# The register cap of those launches by CUDA device name (`torch.cuda.get_device_name`; tuned per card,
+# as SGLang keys its Triton MoE configs), `INT4_DECODE`'s 168 on every other card. 128 registers make 16
+# one-warp programs an SM instead of 12 (offline, Triton 3.6 for sm_90: cold loop 952 -> 1,003
+# instructions a 32-key tile, 36 reloads). Eighteenth session, 8B layer, against 168 on the same machine:
+# - H200, attention_gpu.py twice each way: B=64 at 4K 0.191 against 0.207 ms, B=256 at 4K 0.605 / 0.668,
+#   B=64 at 32K 1.181 / 1.262, B=256 at 32K 4.687 and 4.752 / 4.766 and 4.774; attention_sweep.py
+#   (window 256) B=256 at 2K 0.345 / 0.400, B=1,024 at 2K 1.304 / 1.394; at 144 registers slower than
+#   both (1.425 ms at B=64 32K).
+# - H100 80GB HBM3, attention_gpu.py twice each way: B=64 at 32K 1.557 / 1.356 ms, B=256 at 32K 6.472 /
+#   5.240, B=256 at 4K 0.744 / 0.718, B=64 at 4K 0.219 / 0.221: a loss, hence per card.
+# On the H200 below 512 rows (the 32-key tail) the cap was mixed (B=16 at 32K 0.315 against 0.347 ms,
+# B=16 at 4K 0.082 / 0.071, B=1 at 32K 0.044 / 0.040), and at head_dim 64 too (B=64 at 32K 0.257 /
+# 0.330, B=256 at 32K 1.154 / 1.100): those keep 168.
+INT4_TURNED_MAXNREG = {"NVIDIA H200": 128}
 INT4_TURNED_HEAD_DIM = 128
 INT4_TURNED_MIN_ROWS = 512
 # The 4-bit decode's register cap (`DECODE_LAUNCH[True]`'s ``maxnreg``, other than int4's) up to this
@@ -1261,19 +1276,36 @@ class PassLaunch(NamedTuple):
         return Partials(po, pl) if self.partial and not self.merges else None
 
 
-def decode4_launch(launch: dict, k_fmt: int, v_fmt: int, d: int, page: int, rows: int) -> dict:
+@functools.cache
+def _cuda_device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def cuda_name(t: torch.Tensor) -> str:
+    """The name of the CUDA device ``t`` is on (cached: a host query, also allowed while a CUDA graph
+    is captured), "" for other devices: the key of per-card launch choices (`INT4_TURNED_MAXNREG`)."""
+    return _cuda_device_name(t.device.index) if t.is_cuda else ""
+
+
+def decode4_launch(
+    launch: dict, k_fmt: int, v_fmt: int, d: int, page: int, rows: int, device_name: str = ""
+) -> dict:
     """The 4-bit decode table entry ``launch`` as a layer of formats ``k_fmt``/``v_fmt``, head_dim ``d``
-    and ``page``-token pages runs it over ``rows`` sequence x KV-head rows: by blocks in this module's
-    kernel where `decode4` does not read the layer (`OTHER_4BIT_DECODE`), int4's own shape
-    (`INT4_DECODE`, its tail turned over at head_dim 128 from `INT4_TURNED_MIN_ROWS` rows), pass 12's keys
-    for int4 on one side (`DECODE4_PASS12`), wider heads uncapped."""
+    and ``page``-token pages runs it over ``rows`` sequence x KV-head rows on the CUDA device named
+    ``device_name`` ("" off CUDA): by blocks in this module's kernel where `decode4` does not read the
+    layer (`OTHER_4BIT_DECODE`), int4's own shape (`INT4_DECODE`; at head_dim 128 from
+    `INT4_TURNED_MIN_ROWS` rows its tail turned over, `INT4_TURNED_TAIL`, at the card's register cap,
+    `INT4_TURNED_MAXNREG`), pass 12's keys for int4 on one side (`DECODE4_PASS12`), wider heads
+    uncapped."""
     from kvstrata.radix.kernels import decode4
 
     if not decode4.applies(k_fmt, v_fmt, d, page):  # by blocks here, in this kernel's own shape
         return {**launch, **OTHER_4BIT_DECODE}
     if k_fmt == v_fmt == INT4_FORMAT:
-        turned = d == INT4_TURNED_HEAD_DIM and rows >= INT4_TURNED_MIN_ROWS
-        return {**launch, **INT4_DECODE, **(INT4_TURNED_TAIL if turned else {})}
+        if d != INT4_TURNED_HEAD_DIM or rows < INT4_TURNED_MIN_ROWS:
+            return {**launch, **INT4_DECODE}
+        cap = INT4_TURNED_MAXNREG.get(device_name, INT4_DECODE["maxnreg"])
+        return {**launch, **INT4_DECODE, **INT4_TURNED_TAIL, "maxnreg": cap}
     if d > DECODE4_CAPPED_HEAD_DIM:
         return {**launch, **DECODE4_PASS12, "maxnreg": None}
     if INT4_FORMAT in (k_fmt, v_fmt):
@@ -1332,7 +1364,7 @@ def pass_launch(
     if T == 1 and launch.get("module") == "decode4":
         from kvstrata.radix.kernels import decode4  # read again below
 
-        launch = decode4_launch(launch, k_fmt, v_fmt, d, page, B * h)
+        launch = decode4_launch(launch, k_fmt, v_fmt, d, page, B * h, cuda_name(q))
     if T == 1 and takes_wide_decode(
         k_fmt, v_fmt, B * h, n_pages, splits, launch.get("min_pages", MIN_PAGES_PER_SPLIT), page
     ):
