@@ -487,7 +487,7 @@ DECODE_4BIT: list[dict] = [
     dict(_D4_ROWS_1, maxnreg=168, value_quads=True, tail_keys_as_rows=True, tail_n=16),
     # Occupancy against spills (prepared offline, eighteenth session, Triton 3.6 for sm_90): one-warp
     # programs at 168 registers are 12 an SM, 3 warps a scheduler, and the 4-bit loop issues at about
-    # 38% of the schedulers' rate at B=64 32K (H200, 1.27 ms against 0.48 for its 952 instructions a
+    # 38% of the schedulers' rate at B=64 32K (H200, 1.26 ms against 0.48 for its 952 instructions a
     # 32-key tile at one a cycle), so latency, not instruction count, is the gap. int4's launch from 512
     # rows (22) at 144 registers (14 an SM): cold loop 952 -> 983 instructions, 18 reloads a tile; at
     # 128 (16 an SM): 1,003, 36 reloads, 2 stores. fp4's default (12) at 128: cold loop 975 -> 1,049

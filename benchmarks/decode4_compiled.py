@@ -5,7 +5,8 @@ the instructions of each loop of its SASS (docs/kernels-h200.md, passes 6-8, "co
 
 Builds the step `attention_gpu.py` times (8B layer, codec, batch, context) on CPU tensors, takes the
 launch `attend.pass_launch` gives it with `DECODE_LAUNCH[True]` updated by the ``key=value`` arguments
-(which also win over `attend.decode4_launch`'s per-layer keys, e.g. int4's one stage),
+(which also win over `attend.decode4_launch`'s per-layer keys, e.g. int4's one stage, its turned
+tail and the H200's register cap; the launch is the one an H200 runs),
 and compiles `_decode4_kernel` with the constexprs a BF16 model gets on the GPU (FP16 code operands,
 the packed PTX), 16-byte aligned pointers where a launch has them. Run it with the GPU's Triton
 version (its compiler and `cuobjdump` come with the wheel): other versions compile other code.
@@ -105,8 +106,8 @@ def launch_args(cache, plan, q, k, v, launch) -> list:
 
 def compile_case(codec: str, batch: int, context: int):
     """``(launch, options, compiled kernel)`` of the step with the current `DECODE_LAUNCH[True]`, as the
-    layer runs it (`attend.decode4_launch`: int4's own shape, its tail turned over in launches of many
-    rows, wider heads uncapped)."""
+    layer runs it on an H200 (`attend.decode4_launch`: int4's own shape, its tail turned over at 128
+    registers in launches of many rows, wider heads uncapped)."""
     cache, plan, q, k, v = step(codec, batch, context)
     k_fmt, kp, v_fmt, vp = attend.layer_parts(cache.pool, 0)
     launch = attend.pass_launch(plan, k_fmt, v_fmt, q, k, v, 0.088, cache.ring, None, None, True, True)
@@ -208,8 +209,11 @@ def main() -> None:
     args = ap.parse_args()
     overrides: dict = {}
     set_launch(overrides, args.launch)
-    for entry in (attend.DECODE_LAUNCH[True], attend.INT4_DECODE, attend.DECODE4_PASS12):
+    entries = (attend.DECODE_LAUNCH[True], attend.INT4_DECODE, attend.DECODE4_PASS12, attend.INT4_TURNED_TAIL)
+    for entry in entries:
         entry.update(overrides)  # over the per-layer keys too, in the launch's splits and merge as well
+    if "maxnreg" in overrides:  # and over the per-card register caps
+        attend.INT4_TURNED_MAXNREG.update(dict.fromkeys(attend.INT4_TURNED_MAXNREG, overrides["maxnreg"]))
     launch, options, kernel = compile_case(args.codec, args.batch, args.context)
     head = (
         f"{args.codec} B={args.batch} context {args.context}, Triton {triton.__version__}: "

@@ -257,7 +257,8 @@ INT4_TURNED_TAIL = dict(tail_keys_as_rows=True, tail_n=16)
 #   5.240, B=256 at 4K 0.744 / 0.718, B=64 at 4K 0.219 / 0.221: a loss, hence per card.
 # On the H200 below 512 rows (the 32-key tail) the cap was mixed (B=16 at 32K 0.315 against 0.347 ms,
 # B=16 at 4K 0.082 / 0.071, B=1 at 32K 0.044 / 0.040), and at head_dim 64 too (B=64 at 32K 0.257 /
-# 0.330, B=256 at 32K 1.154 / 1.100): those keep 168.
+# 0.330, B=256 at 32K 1.154 / 1.100): those keep 168. Names match exactly: an "NVIDIA H200 NVL" or a GH200
+# (not measured) keeps 168.
 INT4_TURNED_MAXNREG = {"NVIDIA H200": 128}
 INT4_TURNED_HEAD_DIM = 128
 INT4_TURNED_MIN_ROWS = 512
