@@ -460,6 +460,8 @@ DECODE_4BIT: list[dict] = [
     # -> 636 with 34).
     dict(_D4_AHEAD, num_stages=2, tail_n=16, maxnreg=144),
     # 12 with 64-key tiles in two-warp programs (6 programs an SM at 168 registers), and 12 uncapped.
+    # Measured on an H100 (nineteenth session, window 256; B=64 32K / B=256 2K / B=1,024 2K): 12 1.146 /
+    # 0.388 / 1.392 ms, 17 1.491 / 0.455 / 1.597, 18 1.190 / 0.365 / 1.347 (docs/kernels-h200.md pass 21).
     dict(_D4_AHEAD, num_stages=2, tail_n=16, blocks=4, num_warps=2),
     dict(_D4_AHEAD, num_stages=2, tail_n=16, maxnreg=None),
     # Pass 19 (prepared offline, Triton 3.6 for sm_90, B=1,024 2K unless said): the decode tail's tiles

@@ -277,6 +277,11 @@ class StepBatch:
     layers_done: set[int] = field(default_factory=set)
     closed: bool = False
 
+    @cached_property
+    def one_token_each(self) -> bool:
+        """Every sequence of the step has one new token (a decode step)."""
+        return all(n == 1 for n in self.n_new)
+
 
 NO_PAGE = -1  # the page id of a static decode entry that completes no page: the page quantize skips it
 

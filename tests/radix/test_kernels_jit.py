@@ -59,5 +59,9 @@ def test_step_varying_arguments_are_not_specialized():
         "_decode4_kernel": {**attention, "pointers": sorted([*attention["pointers"], "COUNT"])},
         "_merge_kernel": {"ints": ["num_splits"], "pointers": []},
         "_dequant_kernel": {"ints": [], "pointers": ["PT"]},
-        "_page_quantize_kernel": {"ints": [], "pointers": sorted(["SRC", "PAGE_IDS", "SINK_SLOTS"])},
+        # and the step's page and new-row counts (the ring rows it writes where `ring_rows_fused`)
+        "_page_quantize_kernel": {
+            "ints": ["n_pages", "n_rows"],
+            "pointers": sorted(["SRC", "PAGE_IDS", "SINK_SLOTS", "RING_DST", "RING_SRC"]),
+        },
     }

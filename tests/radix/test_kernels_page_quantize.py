@@ -53,6 +53,7 @@ def run_both(
     dtype,
     head_dim: int = D,
     page_size: int = P,
+    window: int = 16,
 ):
     caches = [
         small_cache(
@@ -60,7 +61,7 @@ def run_both(
             kv_heads=HKV,
             head_dim=head_dim,
             page_size=page_size,
-            recent_window=16,
+            recent_window=window,
             layer_codecs=[codec],
             ring_dtype=dtype,
             num_pages=40,
@@ -131,3 +132,29 @@ def test_page_codes_equal_at_other_geometries(codec, head_dim, page_size, device
         page_size=page_size,
     )  # fmt: skip
     assert pages >= 4
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("codec", "dtype", "window"),
+    [
+        ("fp8_e4m3", torch.float32, 16),
+        ("int4", torch.float32, 0),
+        ("bf16", torch.bfloat16, 0),
+        ("fp4_e2m1", torch.bfloat16, 16),
+    ],
+)
+def test_decode_ring_rows_in_the_encoder_launch(codec, dtype, window, device, monkeypatch):
+    """Decode steps write their new rows into the ring in the page-quantize launch (`ring_rows_fused`),
+    not by `write_ring` after it: over 40 steps the ring wraps (a page and ``window`` rows a sequence;
+    at window 0 a token that completes its page stays out of the ring, and the next takes the row its
+    page's first token left) while pages complete from ring rows, and pages, sinks and ring stay equal
+    to the torch path's. Only the prefill step (several new rows a sequence) writes the ring apart."""
+    from kvstrata.radix.kernels import page_quantize
+
+    calls = []
+    apart = page_quantize.write_ring
+    monkeypatch.setattr(page_quantize, "write_ring", lambda *a: calls.append(a) or apart(*a))
+    pages = run_both(codec, device, [5, 16, 33], steps=40, n_new=1, sinks=True, dtype=dtype, window=window)
+    assert pages == 9
+    assert len(calls) == 1

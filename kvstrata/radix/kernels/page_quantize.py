@@ -124,7 +124,9 @@ def _quantize_head(
     tl.store(STATS + stat_off + 1, nonfinite)
 
 
-@jit_unspecialized(pointers=("SRC", "PAGE_IDS", "SINK_SLOTS"))
+@jit_unspecialized(
+    ints=("n_pages", "n_rows"), pointers=("SRC", "PAGE_IDS", "SINK_SLOTS", "RING_DST", "RING_SRC")
+)
 def _page_quantize_kernel(
     RK,
     RV,
@@ -133,6 +135,10 @@ def _page_quantize_kernel(
     SRC,
     PAGE_IDS,
     SINK_SLOTS,
+    RING_DST,
+    RING_SRC,
+    n_pages,
+    n_rows,
     K0,
     K1,
     K2,
@@ -151,73 +157,44 @@ def _page_quantize_kernel(
     V_FMT: tl.constexpr,
     HAS_SINKS: tl.constexpr,
 ):
+    """Program ``(w, h)``: entry ``w`` of ``PAGE_IDS`` (``w < n_pages``), head ``h``; then, where ``w <
+    n_rows``, head ``h`` of new row ``RING_SRC[w]`` copied into ring row ``RING_DST[w]``
+    (`ring_rows_fused`: no program reads a ring row another one writes)."""
     w = tl.program_id(0)
     h = tl.program_id(1)
-    page = tl.load(PAGE_IDS + w).to(tl.int64)
-    if page < 0:  # an entry of a static (CUDA-graph) grid that completes no page: nothing to write
-        tl.store(STATS + (w * H + h) * 4 + tl.arange(0, 4), tl.zeros((4,), tl.float32))
-        return
-    tok = tl.arange(0, BLOCK_P)[:, None]
-    i = tl.arange(0, BLOCK_D2)[None, :]
-    # SRC: >= 0 a ring row, < 0 the new row -1 - SRC.
-    src = tl.load(SRC + w * P + tok, mask=tok < P, other=0)
-    from_ring = src >= 0
-    ring_row = tl.where(from_ring, src, 0)
-    new_row = tl.where(from_ring, 0, -1 - src)
-    sink_slot = tl.load(SINK_SLOTS + w).to(tl.int64)
-    stat = (w * H + h) * 4
-    _quantize_head(
-        RK,
-        KN,
-        ring_row,
-        new_row,
-        from_ring,
-        tok,
-        i,
-        K0,
-        K1,
-        K2,
-        SK,
-        sink_slot,
-        STATS,
-        stat,
-        page,
-        h,
-        H,
-        P,
-        D,
-        BLOCK_P,
-        BLOCK_D2,
-        K_FMT,
-        True,
-        HAS_SINKS,
-    )
-    _quantize_head(
-        RV,
-        VN,
-        ring_row,
-        new_row,
-        from_ring,
-        tok,
-        i,
-        V0,
-        V1,
-        V2,
-        SV,
-        sink_slot,
-        STATS,
-        stat + 2,
-        page,
-        h,
-        H,
-        P,
-        D,
-        BLOCK_P,
-        BLOCK_D2,
-        V_FMT,
-        False,
-        HAS_SINKS,
-    )
+    # The new row's loads issue first, so that their latency overlaps the page's. Its indices load in
+    # every lane (a scalar mask trips the interpreter).
+    c = tl.arange(0, 2 * BLOCK_D2)
+    c_ok = (c < D) & (c * 0 + w < n_rows)
+    at_new = (tl.load(RING_SRC + w + c * 0, mask=c_ok, other=0).to(tl.int64) * H + h) * D + c
+    new_k = tl.load(KN + at_new, mask=c_ok)
+    new_v = tl.load(VN + at_new, mask=c_ok)
+    dst = tl.load(RING_DST + w + c * 0, mask=c_ok, other=0).to(tl.int64)
+    if w < n_pages:
+        page = tl.load(PAGE_IDS + w).to(tl.int64)
+        stat = (w * H + h) * 4
+        if page < 0:  # an entry of a static (CUDA-graph) grid that completes no page: nothing to write
+            tl.store(STATS + stat + tl.arange(0, 4), tl.zeros((4,), tl.float32))
+        else:
+            tok = tl.arange(0, BLOCK_P)[:, None]
+            i = tl.arange(0, BLOCK_D2)[None, :]
+            # SRC: >= 0 a ring row, < 0 the new row -1 - SRC.
+            src = tl.load(SRC + w * P + tok, mask=tok < P, other=0)
+            from_ring = src >= 0
+            ring_row = tl.where(from_ring, src, 0)
+            new_row = tl.where(from_ring, 0, -1 - src)
+            sink_slot = tl.load(SINK_SLOTS + w).to(tl.int64)
+            _quantize_head(
+                RK, KN, ring_row, new_row, from_ring, tok, i, K0, K1, K2, SK, sink_slot, STATS, stat,
+                page, h, H, P, D, BLOCK_P, BLOCK_D2, K_FMT, True, HAS_SINKS,
+            )  # fmt: skip
+            _quantize_head(
+                RV, VN, ring_row, new_row, from_ring, tok, i, V0, V1, V2, SV, sink_slot, STATS, stat + 2,
+                page, h, H, P, D, BLOCK_P, BLOCK_D2, V_FMT, False, HAS_SINKS,
+            )  # fmt: skip
+    at_ring = (dst * H + h) * D + c
+    tl.store(RK + at_ring, new_k, mask=c_ok)
+    tl.store(RV + at_ring, new_v, mask=c_ok)
 
 
 def quantize_pages(
@@ -230,11 +207,13 @@ def quantize_pages(
     sinks: SinkStore | None,
     image_pool: ColdPool | None = None,
     raised_pool: ColdPool | None = None,
+    ring_rows: bool = False,
 ) -> torch.Tensor | None:
     """Encode the step's completed pages of ``layer`` into the pool (and sinks); ``k``/``v`` are the
-    step's new rows ``[T, H, D]``. Must run before the new rows are written to the ring. Image pages
-    (``w.image_split``) go to ``image_pool`` and raised pages (``w.raised_split``) to ``raised_pool``,
-    one launch per pool.
+    step's new rows ``[T, H, D]``. Must run before the new rows are written to the ring, unless the
+    first launch writes them itself (``ring_rows``, where `ring_rows_fused`: new row ``w.ring_src[i]``
+    into ring row ``w.ring_dst[i]``). Image pages (``w.image_split``) go to ``image_pool`` and
+    raised pages (``w.raised_split``) to ``raised_pool``, one launch per pool.
 
     Returns what the encoder counted, one ``[H, 4]`` float32 row per page (`reduce_counts` makes
     them ``[2, 2]``), on the device and read by nobody until the caller wants it (no host sync and
@@ -248,8 +227,10 @@ def quantize_pages(
         if which is not None:  # some of the step's pages: their rows and sink slots
             rows_src = src.view(-1, P).index_select(0, which).view(-1)
             slots = sink_slots.index_select(0, which)
-        part = _quantize(layer, page_ids, rows_src, slots, has_sinks, k, v, target, ring, sinks)
+        writes = (w.ring_src, w.ring_dst) if ring_rows else None
+        part = _quantize(layer, page_ids, rows_src, slots, has_sinks, k, v, target, ring, sinks, writes)
         stats = _merge_counts(stats, part)
+        ring_rows = False
     return stats
 
 
@@ -277,14 +258,18 @@ def _quantize(
     pool: ColdPool,
     ring: HotRing,
     sinks: SinkStore | None,
+    ring_writes: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
     """One launch: pages ``page_ids`` of ``pool`` from the rows ``src`` (see `WritePlan.kernel_sources`),
-    each page also filling its sink slot (``sink_slots``, -1: none); its device counts, as
-    `quantize_pages` returns them."""
+    each page also filling its sink slot (``sink_slots``, -1: none), and with ``ring_writes`` (rows of
+    k/v, their ring rows) those new rows written into the ring; its device counts, as
+    `quantize_pages` returns them (None: no page)."""
     from kvstrata.quant.kernel_decode import kernel_format
 
     n = page_ids.numel()
-    if n == 0:
+    ring_src, ring_dst = (page_ids, page_ids) if ring_writes is None else ring_writes
+    rows = ring_dst.numel() if ring_writes is not None else 0
+    if n == 0 and rows == 0:
         return None
     k_fmt, k_names = kernel_format(pool.k_codecs[layer])
     v_fmt, v_names = kernel_format(pool.v_codecs[layer])
@@ -295,13 +280,17 @@ def _quantize(
     P, (_, _, H, D) = pool.page_size, ring.k.shape
     sk, sv = (as_bits(sinks.k[layer]), as_bits(sinks.v[layer])) if has_sinks and sinks is not None else (k, v)
     stats = torch.empty((n, H, 4), dtype=torch.float32, device=k.device)
-    _page_quantize_kernel[(n, H)](
+    _page_quantize_kernel[(max(n, rows), H)](
         *layer_kv(ring, layer),
         k.contiguous(),
         v.contiguous(),
         src,
         page_ids,
         sink_slots,
+        ring_dst,
+        ring_src,
+        n,
+        rows,
         *kp,
         *vp,
         sk,
@@ -317,7 +306,7 @@ def _quantize(
         HAS_SINKS=has_sinks,
         num_warps=quantize_warps(k_fmt, v_fmt),
     )
-    return stats
+    return stats if n else None
 
 
 def write_counts(stats: torch.Tensor | None) -> WriteCounts:
@@ -340,11 +329,25 @@ def store_async(
     raised_pool: ColdPool | None = None,
 ) -> torch.Tensor | None:
     """`kvstrata.radix.attention.store` with the Triton encoder: the step's completed pages are
-    quantized from the ring and the new rows, then the new rows go into the ring. Returns the
-    encoder's counts on the device (`quantize_pages`), so nothing waits for the device."""
-    stats = quantize_pages(layer, batch.write, k, v, pool, ring, sinks, image_pool, raised_pool)
-    write_ring(layer, batch, k, v, ring)
+    quantized from the ring and the new rows, then the new rows go into the ring, in the encoder's
+    launch where `ring_rows_fused` allows. Returns the encoder's counts on the device
+    (`quantize_pages`), so nothing waits for the device."""
+    fused = ring_rows_fused(batch, k, ring, pool.page_size)
+    stats = quantize_pages(layer, batch.write, k, v, pool, ring, sinks, image_pool, raised_pool, fused)
+    if not fused:
+        write_ring(layer, batch, k, v, ring)
     return stats
+
+
+def ring_rows_fused(batch: StepBatch, k: torch.Tensor, ring: HotRing, page_size: int) -> bool:
+    """Whether the page-quantize launch can write the step's new rows into the ring itself, instead of
+    `write_ring`'s two copies after it (a decode step: 64 fewer kernels at 32 layers). It can where no
+    program's ring write lands on a row another program reads: one new token a sequence and at least
+    a page of ring rows a sequence, so that token L's row (L mod capacity), where it is kept, is none
+    of the rows its completing page reads (L-P+1 to L-1; other sequences' rows are other slots';
+    padded entries of a static step write rows no page reads). The new rows copy as they are: the
+    ring's dtype must be theirs."""
+    return batch.one_token_each and ring.capacity >= page_size and ring.k.dtype == k.dtype
 
 
 def store(
