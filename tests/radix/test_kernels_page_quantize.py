@@ -158,3 +158,29 @@ def test_decode_ring_rows_in_the_encoder_launch(codec, dtype, window, device, mo
     pages = run_both(codec, device, [5, 16, 33], steps=40, n_new=1, sinks=True, dtype=dtype, window=window)
     assert pages == 9
     assert len(calls) == 1
+
+
+def test_ring_rows_fused_only_for_one_token_each_in_the_rings_dtype():
+    """The launch writes the ring only in a step of one new token a sequence whose rows are in the
+    ring's dtype (they copy as they are); a prefill step, or BF16 rows over a float32 ring, keep
+    `write_ring` after it."""
+    from kvstrata.radix.kernels.page_quantize import ring_rows_fused
+
+    cache = small_cache(
+        num_layers=1,
+        kv_heads=HKV,
+        head_dim=D,
+        page_size=P,
+        recent_window=0,
+        layer_codecs=["bf16"],
+        max_running=2,
+    )
+    seqs = [cache.admit(list(range(1000 * i, 1000 * i + 80))) for i in range(2)]
+    for n_new in ([5, 3], [1, 1]):
+        T = sum(n_new)
+        batch = cache.begin_step(seqs, n_new)
+        k = torch.randn(T, HKV, D)
+        assert ring_rows_fused(batch, k, cache.ring, P) == (T == 2)
+        assert not ring_rows_fused(batch, k.to(torch.bfloat16), cache.ring, P)
+        cache.attention(0, batch, torch.randn(T, HQ, D), k, torch.randn(T, HKV, D), 0.25)
+        cache.end_step(batch)

@@ -60,7 +60,8 @@ class TorchStrataKernels:
 
 class TritonStrataKernels:
     """kvstrata's Triton kernels; the pages a step completes are quantized from the ring and the new
-    rows before the new rows are written to the ring (as `StratifiedKVCache.attention` does)."""
+    rows before the new rows are written to the ring, or by the same launch in a decode step
+    (`page_quantize.ring_rows_fused`), as `StratifiedKVCache.attention` does."""
 
     def attend(self, layer, batch, q, k, v, scale, pool, ring):
         from kvstrata.radix.kernels import attend as kernel_attend
