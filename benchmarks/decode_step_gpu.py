@@ -36,6 +36,9 @@ between 33 dense graphs; the engine's default) and with the whole step in one gr
 (`kvstrata.engine.full_graph`, ``--cuda-graph-mode full``), one after the other in one process (on the
 CPU neither captures: both rows run the step without graphs).
 
+``--blas-library cublaslt`` has PyTorch prefer cuBLASLt for the matmuls (``cublas``: cuBLAS), for the
+whole process; run each in its own process to compare them.
+
 ``--geometry tiny --device cpu`` runs the same code on a small model on the CPU (a smoke test).
 """
 
@@ -535,6 +538,13 @@ def main() -> None:
         help="comma-separated (CUDA): piecewise (dense parts in graphs, attention eager between them), "
         "full (the whole step in one graph); each runs every codec",
     )
+    ap.add_argument(
+        "--blas-library",
+        default=None,
+        choices=["cublas", "cublaslt"],
+        help="the cuBLAS library PyTorch prefers for the matmuls, for the whole process "
+        "(torch.backends.cuda.preferred_blas_library; default: PyTorch's own choice)",
+    )
     ap.add_argument("--profile", default=None, help="write the kernel tables (markdown) here")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument(
@@ -544,6 +554,11 @@ def main() -> None:
     )
     args = ap.parse_args()
     device = torch.device(args.device)
+    if args.blas_library and device.type != "cuda":
+        ap.error("--blas-library needs a CUDA device")
+    if args.blas_library:
+        torch.backends.cuda.preferred_blas_library(args.blas_library)
+    blas = torch.backends.cuda.preferred_blas_library().name if device.type == "cuda" else "none"
     cfg = ModelConfig.from_hf(GEOMETRIES[args.geometry])
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     net = dummy_model(cfg, dtype, device, seed=args.seed)
@@ -568,7 +583,7 @@ def main() -> None:
     ]
     print(
         f"\ndecode step, {args.geometry} geometry (random BF16 weights), batch {args.batch}, context "
-        f"{args.context}; {gpu}, torch {torch.__version__}; copy bandwidth {bw / 1e9:.0f} GB/s\n"
+        f"{args.context}; {gpu}, torch {torch.__version__}, BLAS {blas}; copy bandwidth {bw / 1e9:.0f} GB/s\n"
     )
     print(
         "| code | history | ms/step (median) | mean | floor ms (weights + KV read) | ratio | begin_step ms "
