@@ -558,7 +558,7 @@ def main() -> None:
         ap.error("--blas-library needs a CUDA device")
     if args.blas_library:
         torch.backends.cuda.preferred_blas_library(args.blas_library)
-    blas = torch.backends.cuda.preferred_blas_library().name if device.type == "cuda" else "none"
+    blas = torch.backends.cuda.preferred_blas_library().name.lower() if device.type == "cuda" else "none"
     cfg = ModelConfig.from_hf(GEOMETRIES[args.geometry])
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     net = dummy_model(cfg, dtype, device, seed=args.seed)
@@ -608,11 +608,13 @@ def main() -> None:
             print(f"    {ms:7.3f} ms  {kernel}")
     if args.profile:
         with open(args.profile, "w") as f:
-            f.write(f"decode step profile, batch {args.batch}, context {args.context}, {gpu}\n\n")
+            head = f"decode step profile, batch {args.batch}, context {args.context}, {gpu}, BLAS {blas}"
+            f.write(head + "\n\n")
             f.write("\n".join(profile_table(r, args.batch) for r in results))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"label": args.label, "device": gpu, "bandwidth": bw, "results": results}, f, indent=1)
+            run = {"label": args.label, "device": gpu, "blas": blas, "bandwidth": bw}
+            json.dump({**run, "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -75,8 +75,8 @@ def test_bfloat16_graphs_equal_eager_on_a_bucket(tiny_path):
 def test_graph_memory_within_the_plans_estimate(tiny_path, dtype):
     model = load_model(tiny_path, dtype=dtype, device="cuda")
     torch.cuda.synchronize()
-    # Segments earlier tests freed stay reserved and may serve the capture: release them first, so that
-    # what the graphs take shows as growth.
+    # The capture ends with `empty_cache` (`release_warmup_blocks`), which also hands back the segments
+    # earlier tests left cached and so hides the graphs' growth: release those first.
     gc.collect()
     torch.cuda.empty_cache()
     before = torch.cuda.memory_reserved()
