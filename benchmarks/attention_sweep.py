@@ -503,6 +503,15 @@ DECODE_4BIT: list[dict] = [
     dict(_D4_ROWS_1, maxnreg=128, value_quads=True, tail_keys_as_rows=True, tail_n=16),
     dict(_D4_AHEAD, num_stages=2, tail_n=16, maxnreg=128),
     dict(_D4_AHEAD, num_stages=2, tail_n=16, maxnreg=128, tail_keys_as_rows=True),
+    # int4 codes with their FP16 offsets (``magic_codes``, `decode4._cold_tile4`; prepared offline,
+    # twentieth session, Triton 3.6 for sm_90): the packed decoding's subtractions (HADD2 136 -> 16 a
+    # 32-key tile) go; the scores' product starts from minus the offsets times the query (8 more HMMA),
+    # the value parts from minus the offsets times the weights' column sums. Cold loop a tile, int4's
+    # launch from 512 rows (22, 168 registers): 952 -> 885 instructions at B=64 32K and B=256 2K, no
+    # spills either way; at the H200's 128 registers (24): 1,003 -> 962, but reloads 36 -> 48 and spill
+    # stores 2 -> 13. Below 512 rows (3's shape, B=16 4K): 951 -> 881. Not measured on a GPU.
+    dict(_D4_ROWS_1, maxnreg=168, value_quads=True, tail_keys_as_rows=True, tail_n=16, magic_codes=True),
+    dict(_D4_ROWS_1, maxnreg=128, value_quads=True, tail_keys_as_rows=True, tail_n=16, magic_codes=True),
 ]
 
 

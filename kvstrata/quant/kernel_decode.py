@@ -512,6 +512,22 @@ INT4_QUADS_ASM = tl.constexpr("{\n" + _INT4_QUADS + _QUADS_OUT["plain"] + "}")
 
 
 INT4_CODES_ASM = tl.constexpr(_nibbles_asm(_INT4_NIBBLE, "plain"))
+# ``MAGIC`` int4 codes (`nibble_pairs`, `nibble_quads`): the lop3's FP16 values as they are, ``1024 + c``
+# (low nibbles, code positions 0 and 2 of a half-word) or ``64 + c`` (high nibbles, positions 1 and 3),
+# without the packed subtraction (a quarter of the decode's instructions); the kernel takes the offsets
+# off in its products' accumulators (`decode4._cold_tile4`).
+INT4_MAGIC_LO = tl.constexpr(1024.0)
+INT4_MAGIC_HI = tl.constexpr(64.0)
+_INT4_NIBBLE_MAGIC = "".join(
+    line + "\n" for line in _INT4_NIBBLE.strip().split("\n") if not line.startswith("sub.")
+)
+INT4_MAGIC_ASM = tl.constexpr(_nibbles_asm(_INT4_NIBBLE_MAGIC, "plain"))
+INT4_QUADS_MAGIC_ASM = tl.constexpr(
+    "{\n"
+    + "".join(line + "\n" for line in _INT4_QUADS.strip().split("\n") if not line.startswith("sub."))
+    + _QUADS_OUT["plain"]
+    + "}"
+)
 INT4_AFFINE_ASM = tl.constexpr(_nibbles_asm(_INT4_NIBBLE, "affine"))
 FP4_CODES_ASM = tl.constexpr(_nibbles_asm(_FP4_NIBBLE, "plain"))
 FP4_SCALED_ASM = tl.constexpr(_nibbles_asm(_FP4_NIBBLE, "scale"))
@@ -519,7 +535,16 @@ FP4_SCALED_ASM = tl.constexpr(_nibbles_asm(_FP4_NIBBLE, "scale"))
 
 @triton.jit
 def nibble_pairs(
-    byte, s0, o0, s1, o1, FMT: tl.constexpr, SCALED: tl.constexpr, ASM: tl.constexpr, OUT: tl.constexpr
+    byte,
+    s0,
+    o0,
+    s1,
+    o1,
+    FMT: tl.constexpr,
+    SCALED: tl.constexpr,
+    ASM: tl.constexpr,
+    OUT: tl.constexpr,
+    MAGIC: tl.constexpr = False,
 ):
     """Both nibbles of uint8 ``byte`` as ``OUT`` ``(x0, x1)``: low nibbles (even channels), high ones
     (odd). int4: the code, or with ``SCALED`` ``code * s + o``; fp4 (FMT 6): the E2M1 value times
@@ -527,8 +552,13 @@ def nibble_pairs(
     multiples of 2**-10 below 2688 with at most 6 significant bits). ``s0``/``o0`` go with the low
     nibbles, ``s1``/``o1`` with the high ones (broadcastable to ``byte``; unused ones may be
     anything). ``ASM``: packed PTX (`_nibbles_asm`; FP16 ``OUT`` on a GPU only), else float32
-    arithmetic cast to ``OUT``."""
-    if ASM:  # the asm's operands broadcast to ``byte`` (`tl.inline_asm_elementwise` broadcasts them)
+    arithmetic cast to ``OUT``. ``MAGIC`` (int4, unscaled): ``INT4_MAGIC_LO + code`` for the low
+    nibbles and ``INT4_MAGIC_HI + code`` for the high ones (`INT4_MAGIC_ASM`)."""
+    if ASM and MAGIC:
+        x0, x1 = tl.inline_asm_elementwise(
+            INT4_MAGIC_ASM, "=r,=r,=r,=r,r", [byte], (tl.float16, tl.float16), True, 4
+        )
+    elif ASM:  # the asm's operands broadcast to ``byte`` (`tl.inline_asm_elementwise` broadcasts them)
         if FMT == 6 and SCALED:
             x0, x1 = tl.inline_asm_elementwise(
                 FP4_SCALED_ASM, "=r,=r,=r,=r,r,r,r,r,r", [byte, s0.to(tl.float16), s1.to(tl.float16)],
@@ -556,6 +586,9 @@ def nibble_pairs(
         else:
             x0 = nibble_value(b & 15)
             x1 = nibble_value(b >> 4)
+            if MAGIC:
+                x0 += INT4_MAGIC_LO
+                x1 += INT4_MAGIC_HI
         if SCALED and FMT == 6:
             x0 = x0 * s0.to(tl.float32)
             x1 = x1 * s1.to(tl.float32)
@@ -566,12 +599,20 @@ def nibble_pairs(
 
 
 @triton.jit
-def nibble_quads(half, s, FMT: tl.constexpr, ASM: tl.constexpr, OUT: tl.constexpr):
+def nibble_quads(
+    half, s, FMT: tl.constexpr, ASM: tl.constexpr, OUT: tl.constexpr, MAGIC: tl.constexpr = False
+):
     """The four codes of uint16 ``half`` (bits 4i to 4i + 3: channel 4j + i of element j) as ``OUT``
     ``(x0, x1, x2, x3)``: int4 the code; fp4 (FMT 6) the E2M1 value times 2**-14 times ``s`` (a block
     scale broadcastable to ``half``; exact in FP16, as in `nibble_pairs`). ``ASM``: packed PTX
-    (`FP4_QUADS_SCALED_ASM` / `INT4_QUADS_ASM`, FP16 ``OUT`` on a GPU only), else float32 arithmetic."""
-    if ASM:
+    (`FP4_QUADS_SCALED_ASM` / `INT4_QUADS_ASM`, FP16 ``OUT`` on a GPU only), else float32 arithmetic.
+    ``MAGIC`` (int4): positions 0 and 2 ``INT4_MAGIC_LO + code``, 1 and 3 ``INT4_MAGIC_HI + code``
+    (`INT4_QUADS_MAGIC_ASM`)."""
+    if ASM and MAGIC:
+        x0, x1, x2, x3 = tl.inline_asm_elementwise(
+            INT4_QUADS_MAGIC_ASM, "=r,=r,=r,=r,r", [half], (tl.float16,) * 4, True, 2
+        )
+    elif ASM:
         if FMT == 6:
             x0, x1, x2, x3 = tl.inline_asm_elementwise(
                 FP4_QUADS_SCALED_ASM, "=r,=r,=r,=r,r,r", [half, s.to(tl.float16)], (tl.float16,) * 4, True, 2
@@ -593,6 +634,11 @@ def nibble_quads(half, s, FMT: tl.constexpr, ASM: tl.constexpr, OUT: tl.constexp
             x1 = nibble_value((h >> 4) & 15)
             x2 = nibble_value((h >> 8) & 15)
             x3 = nibble_value((h >> 12) & 15)
+            if MAGIC:
+                x0 += INT4_MAGIC_LO
+                x1 += INT4_MAGIC_HI
+                x2 += INT4_MAGIC_LO
+                x3 += INT4_MAGIC_HI
     return x0.to(OUT), x1.to(OUT), x2.to(OUT), x3.to(OUT)
 
 

@@ -27,21 +27,24 @@ ASM = [False, True] if DEVICE == "cuda" else [False]  # inline PTX runs on a GPU
 
 
 @triton.jit
-def _pairs_kernel(X, S0, O0, S1, O1, OUT0, OUT1, FMT: tl.constexpr, AFFINE: tl.constexpr, ASM: tl.constexpr):
+def _pairs_kernel(
+    X, S0, O0, S1, O1, OUT0, OUT1, FMT: tl.constexpr, AFFINE: tl.constexpr, ASM: tl.constexpr,
+    MAGIC: tl.constexpr = False,
+):  # fmt: skip
     i = tl.arange(0, 256)
     x0, x1 = nibble_pairs(
         tl.load(X + i), tl.load(S0 + i), tl.load(O0 + i), tl.load(S1 + i), tl.load(O1 + i),
-        FMT, AFFINE, ASM, tl.float16,
+        FMT, AFFINE, ASM, tl.float16, MAGIC,
     )  # fmt: skip
     tl.store(OUT0 + i, x0)
     tl.store(OUT1 + i, x1)
 
 
-def _pairs(fmt: int, affine: bool, asm: bool, s, o):
+def _pairs(fmt: int, affine: bool, asm: bool, s, o, magic: bool = False):
     x = torch.randperm(256, generator=torch.Generator().manual_seed(fmt)).to(torch.uint8)
     out = [torch.full((256,), float("nan"), dtype=torch.float16, device=DEVICE) for _ in range(2)]
     args = [t.to(DEVICE) for t in (x, s[0], o[0], s[1], o[1])]
-    _pairs_kernel[(1,)](*args, *out, FMT=fmt, AFFINE=affine, ASM=asm)
+    _pairs_kernel[(1,)](*args, *out, FMT=fmt, AFFINE=affine, ASM=asm, MAGIC=magic)
     return unpack(x), [t.cpu() for t in out]
 
 
@@ -76,9 +79,9 @@ def test_fp4_pairs_times_block_scales_exact(asm):
 
 
 @triton.jit
-def _quads_kernel(X, S, OUT, FMT: tl.constexpr, ASM: tl.constexpr):
+def _quads_kernel(X, S, OUT, FMT: tl.constexpr, ASM: tl.constexpr, MAGIC: tl.constexpr = False):
     i = tl.program_id(0) * 1024 + tl.arange(0, 1024)
-    x0, x1, x2, x3 = nibble_quads(tl.load(X + i), tl.load(S + i), FMT, ASM, tl.float16)
+    x0, x1, x2, x3 = nibble_quads(tl.load(X + i), tl.load(S + i), FMT, ASM, tl.float16, MAGIC)
     tl.store(OUT + 4 * i, x0)
     tl.store(OUT + 4 * i + 1, x1)
     tl.store(OUT + 4 * i + 2, x2)
@@ -103,6 +106,26 @@ def test_nibble_quads_every_half_word(fmt, asm):
         want = _table(torch.device("cpu")).double()[codes] * s.double()[:, None] * 2**-14
     else:
         want = codes.double()
+    assert torch.equal(out.cpu().view(65536, 4).double(), want)
+
+
+@pytest.mark.parametrize("asm", ASM)
+def test_int4_magic_codes(asm):
+    """``MAGIC`` int4 codes: every byte's low nibble as ``1024 + code`` and high nibble as ``64 + code``
+    (`nibble_pairs`), every 16-bit element's code positions 0 and 2 as ``1024 + code`` and 1 and 3 as
+    ``64 + code`` (`nibble_quads`), exactly: the FP16 values the PTX leaves before its subtraction."""
+    ones = [torch.ones(256, dtype=torch.float16)] * 2
+    codes, got = _pairs(5, False, asm, ones, ones, magic=True)
+    for half, offset in ((0, 1024.0), (1, 64.0)):
+        assert torch.equal(got[half].double(), codes[half::2].double() + offset), half
+    half = torch.randperm(65536, generator=torch.Generator().manual_seed(45)).to(torch.int32)
+    out = torch.full((65536 * 4,), float("nan"), dtype=torch.float16, device=DEVICE)
+    x = torch.where(half >= 32768, half - 65536, half).to(torch.int16)
+    _quads_kernel[(64,)](
+        x.to(DEVICE), torch.ones(65536, dtype=torch.float16, device=DEVICE), out, 5, asm, True
+    )
+    offsets = torch.tensor([1024.0, 64.0, 1024.0, 64.0], dtype=torch.float64)
+    want = torch.stack([(half >> (4 * i)) & 15 for i in range(4)], 1).double() + offsets
     assert torch.equal(out.cpu().view(65536, 4).double(), want)
 
 
@@ -329,6 +352,12 @@ QUAD_LAUNCHES = {
         TURNED_16,
     )
 }
+# int4 codes with their FP16 offsets (``magic_codes``, `decode4._cold_tile4`), over the value-quads shapes
+# with the value reference (fp4 layers run these without it).
+MAGIC_LAUNCHES = {
+    f"{name}, magic codes": dict(QUAD_LAUNCHES[f"{name}, value quads"], magic_codes=True)
+    for name in ("2 blocks, folded, keys as rows, value reference", TURNED_16)
+}
 # Pass 17's shapes with value quads and the fp4 key scales read as channel pairs.
 QUAD_LAUNCHES["2 blocks, folded, keys as rows, table ahead, 3 stages, wide scales, value quads"] = dict(
     LAUNCHES["2 blocks, folded, keys as rows, value reference, table ahead, 3 stages, 16-key tail tiles"],
@@ -392,6 +421,28 @@ def test_decode4_value_quads_bfloat16(codec, asm, launch, monkeypatch, head_dim_
     cache = make_cache(codec, DEVICE, dtype=torch.bfloat16)
     check_steps(cache, [12, 50, 299], steps=2, n_new=1, tol=1.5e-2, dtype=torch.bfloat16)
     assert grids and head_dim_64 and all(options["VALUE_QUADS"] for _, options in head_dim_64)
+
+
+@pytest.mark.parametrize("launch", list(MAGIC_LAUNCHES))
+# float32 operands: the offsets (1024 times the query) take about 2**-10 of the products' precision.
+@pytest.mark.parametrize(
+    ("dtype", "tol", "splits"), [(torch.float32, 1e-4, 3), (torch.bfloat16, 1.5e-2, None)]
+)
+@pytest.mark.parametrize("codec", ["int4", "int4/fp4_e2m1"])
+def test_decode4_magic_codes(codec, dtype, tol, splits, launch, monkeypatch, head_dim_64):
+    """``magic_codes``: int4 keys and values decoded with their FP16 offsets, taken off in the products'
+    accumulators, give the reference's output: a float32 model with sinks and forced splits within 1e-4
+    (2e-5 without), a BF16 model with the split heuristic within the same bound as without (on CUDA
+    through the PTX decoding). A layer of int4 keys and fp4 values runs without it."""
+    from test_kernels_attend import check_steps, make_cache
+
+    asm = DEVICE == "cuda"
+    grids = _use(monkeypatch, MAGIC_LAUNCHES[launch], asm)
+    cache = make_cache(codec, DEVICE, sinks=dtype == torch.float32, dtype=dtype)
+    lengths = [9, 70, 300] if dtype == torch.float32 else [12, 50, 299]
+    check_steps(cache, lengths, steps=2, n_new=1, tol=tol, splits=splits, dtype=dtype)
+    assert grids and head_dim_64
+    assert all(options["MAGIC"] == (codec == "int4") for _, options in head_dim_64)
 
 
 @pytest.mark.parametrize(
@@ -481,6 +532,27 @@ def test_value_quads_options():
     launch["keys_as_rows"] = True
     assert decode4_options(4, launch, True, dict(DOT_DTYPE=tl.float32, D=64))["VALUE_QUADS"]
     assert not decode4_options(4, launch, True, dict(DOT_DTYPE=tl.float32, D=32))["VALUE_QUADS"]
+
+
+def test_magic_codes_options():
+    """``magic_codes`` applies to int4 keys and values in the keys-as-rows shape with value quads and the
+    value reference, and is ignored elsewhere (fp4 or mixed layers, head_dim 32, no value reference)."""
+    from kvstrata.radix.kernels.decode4 import decode4_options
+
+    launch = dict(
+        blocks=2, num_warps=1, num_stages=2, fold_key_scales=True, keys_as_rows=True, value_quads=True
+    )
+    launch.update(value_reference=True, magic_codes=True)
+
+    def magic(launch: dict, k_fmt: int = 5, v_fmt: int = 5, d: int = 64) -> bool:
+        meta = dict(DOT_DTYPE=tl.bfloat16, D=d, K_FMT=k_fmt, V_FMT=v_fmt)
+        return decode4_options(4, launch, False, meta)["MAGIC"]
+
+    assert magic(launch)
+    assert not magic(launch, v_fmt=6) and not magic(launch, k_fmt=6, v_fmt=6)
+    assert not magic(launch, d=32)
+    assert not magic(dict(launch, value_reference=False))
+    assert not magic(dict(launch, magic_codes=False))
 
 
 def test_applies_only_to_4bit_layers():

@@ -54,6 +54,8 @@ import triton.language as tl
 
 from kvstrata.quant.kernel_decode import (
     INT4_KEY_F16_UNIT,
+    INT4_MAGIC_HI,
+    INT4_MAGIC_LO,
     bf16_bits_value,
     fp4_key_block_pairs,
     fp4_key_block_scales,
@@ -69,6 +71,7 @@ from kvstrata.quant.kernel_decode import (
 from kvstrata.radix.kernels.attend import (
     DECODE_POINTERS,
     HALF_FORMATS,
+    INT4_FORMAT,
     STEP_INTS,
     _accumulate,
     _online,
@@ -343,6 +346,7 @@ def _cold_tile4(
     KEYS_AS_ROWS: tl.constexpr,
     VALUE_REF: tl.constexpr,
     VALUE_QUADS: tl.constexpr,
+    MAGIC: tl.constexpr,
 ):
     """Keys ``j0`` to ``j0 + 16 * BLOCKS`` of the sequence's cold pages, in pages ``pb`` (``[BLOCKS]``,
     each block's) and ``pv`` (``[16 * BLOCKS]``, each key's), with the tile's `_side_scales`
@@ -359,7 +363,12 @@ def _cold_tile4(
     (``acc * alpha * old / new``) with no multiply of the product by the tile's scale.
     ``VALUE_QUADS`` (with ``KEYS_AS_ROWS``): the value codes read as 16-bit elements (`nibble_quads`),
     the output in four ``[D/4, rows]`` parts ``acc0`` to ``acc3`` (part i: channels 4j + i), else in
-    the even/odd halves ``acc0``/``acc1`` (``acc2``/``acc3`` unused)."""
+    the even/odd halves ``acc0``/``acc1`` (``acc2``/``acc3`` unused). ``MAGIC`` (int4 keys and values,
+    with ``FOLD``, ``KEYS_AS_ROWS``, ``VALUE_QUADS`` and ``VALUE_REF``): the codes come with their FP16
+    offsets (`nibble_pairs`, `nibble_quads`); the scores' product starts from minus the offsets times
+    the folded query (a product with a constant operand, in the same tensor-core accumulation), and
+    each accumulator part from its carried value minus its offset times the column sums of the
+    tile's FP16 weights."""
     HD: tl.constexpr = D // 2
     N: tl.constexpr = BLOCKS * 16
     ka, kb, kc, kd, vx, vy = side
@@ -368,7 +377,7 @@ def _cold_tile4(
     ck = c[None, None, :]
     kbytes = tl.load(K0 + ((pb * P + tb + tl.arange(0, 16)[None, :, None]) * H + h) * HD + ck)
     if FOLD:
-        k0, k1 = nibble_pairs(kbytes, 1.0, 0.0, 1.0, 0.0, K_FMT, False, ASM, CODE_DTYPE)
+        k0, k1 = nibble_pairs(kbytes, 1.0, 0.0, 1.0, 0.0, K_FMT, False, ASM, CODE_DTYPE, MAGIC)
         qc0 = ka
         qc1 = kb
     elif K_FMT == 6:
@@ -379,7 +388,14 @@ def _cold_tile4(
     k0 = tl.reshape(k0, [N, HD])
     k1 = tl.reshape(k1, [N, HD])
     if KEYS_AS_ROWS:  # scores k . q^T [N, rows], the softmax along the keys (axis 0)
-        s = tl.dot(k0, tl.trans(qc0), input_precision=DOT_PREC)
+        if MAGIC:  # minus the codes' offsets times the query, then the offset codes' products
+            s = tl.dot(tl.full([N, HD], -INT4_MAGIC_LO, CODE_DTYPE), tl.trans(qc0), input_precision=DOT_PREC)
+            s = tl.dot(
+                tl.full([N, HD], -INT4_MAGIC_HI, CODE_DTYPE), tl.trans(qc1), s, input_precision=DOT_PREC
+            )
+            s = tl.dot(k0, tl.trans(qc0), s, input_precision=DOT_PREC)
+        else:
+            s = tl.dot(k0, tl.trans(qc0), input_precision=DOT_PREC)
         s += tl.dot(k1, tl.trans(qc1), input_precision=DOT_PREC)
         if K_FMT == 5:
             s += kc[None, :]
@@ -405,7 +421,7 @@ def _cold_tile4(
             vs = vy
         else:
             vh = tl.load(v16 + rv[:, None] * (D // 4) + tl.arange(0, D // 4)[None, :])
-            u0, u1, u2, u3 = nibble_quads(vh, 1.0, 5, ASM, CODE_DTYPE)
+            u0, u1, u2, u3 = nibble_quads(vh, 1.0, 5, ASM, CODE_DTYPE, MAGIC)
             vs = vx
         v0 = tl.reshape(u0, [N, D // 4])
         v1 = tl.reshape(u1, [N, D // 4])
@@ -441,7 +457,13 @@ def _cold_tile4(
     else:
         w = (p * (vs * (1.0 / top))[None, :]).to(CODE_DTYPE)
         carry = carry[:, None]
-    if VALUE_REF and KEYS_AS_ROWS:  # (VALUE_QUADS comes with KEYS_AS_ROWS)
+    if MAGIC:  # parts 0 and 2 hold the low offset, 1 and 3 the high one, times the weights' column sums
+        w_sum = tl.sum(w.to(tl.float32), 0)[None, :]
+        acc0 = tl.dot(v0, w, acc0 * carry - w_sum * INT4_MAGIC_LO, input_precision=DOT_PREC)
+        acc1 = tl.dot(v1, w, acc1 * carry - w_sum * INT4_MAGIC_HI, input_precision=DOT_PREC)
+        acc2 = tl.dot(v2, w, acc2 * carry - w_sum * INT4_MAGIC_LO, input_precision=DOT_PREC)
+        acc3 = tl.dot(v3, w, acc3 * carry - w_sum * INT4_MAGIC_HI, input_precision=DOT_PREC)
+    elif VALUE_REF and KEYS_AS_ROWS:  # (VALUE_QUADS comes with KEYS_AS_ROWS)
         acc0 = tl.dot(v0, w, acc0 * carry, input_precision=DOT_PREC)
         acc1 = tl.dot(v1, w, acc1 * carry, input_precision=DOT_PREC)
         if VALUE_QUADS:
@@ -542,6 +564,7 @@ def _decode4_kernel(
     COUNT,
     MERGE_S: tl.constexpr,
     MERGE_G: tl.constexpr,
+    MAGIC: tl.constexpr = False,
 ):
     b, h = decode_program(H, HEADS_TOGETHER)
     split = tl.program_id(2)
@@ -638,7 +661,7 @@ def _decode4_kernel(
         acc0, acc1, acc2, acc3, m_i, l_i, o_i, v_ref, v_hi = _cold_tile4(
             qc0, qc1, acc0, acc1, acc2, acc3, m_i, l_i, o_i, v_ref, v_hi, K0, K1, K2, V0, j0, pb, pv, side,
             slot, h, H, P, D, BLOCKS, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC, FOLD, OFFSETS_APART,
-            KEYS_AS_ROWS, VALUE_REF, VALUE_QUADS,
+            KEYS_AS_ROWS, VALUE_REF, VALUE_QUADS, MAGIC,
         )  # fmt: skip
         if PREFETCH or TABLE_AHEAD:
             pb = pb_ahead
@@ -660,7 +683,7 @@ def _decode4_kernel(
         acc0, acc1, acc2, acc3, m_i, l_i, o_i, v_ref, v_hi = _cold_tile4(
             qc0, qc1, acc0, acc1, acc2, acc3, m_i, l_i, o_i, v_ref, v_hi, K0, K1, K2, V0, j0, pb1, pv1, side1,
             slot, h, H, P, D, 1, K_FMT, V_FMT, ASM, CODE_DTYPE, DOT_PREC, FOLD, OFFSETS_APART,
-            KEYS_AS_ROWS, VALUE_REF, VALUE_QUADS,
+            KEYS_AS_ROWS, VALUE_REF, VALUE_QUADS, MAGIC,
         )  # fmt: skip
 
     if VALUE_QUADS:  # channels 4j + i in part i: the even halves from parts 0 and 2, the odd from 1 and 3
@@ -765,8 +788,10 @@ def decode4_options(group: int, launch: dict, interpreted: bool, meta: dict) -> 
     rows likewise, a tail tile ahead: pass 17); ``wide_scales`` (with ``fold_key_scales``): fp4 key
     block scales read as channel pairs (`_folded_query`); both off unless set; ``tail_n``: keys a
     tile of the decode tail (`TAIL_N` unless set); ``tail_keys_as_rows``: the decode tail's tiles
-    turned over (`_tail_tile_t`), off unless set. Operands are FP16 for 16-bit models on a GPU, else
-    float32 (``interpreted``, float32 models)."""
+    turned over (`_tail_tile_t`), off unless set; ``magic_codes``: int4 codes with their FP16 offsets,
+    taken off in the products (`_cold_tile4`; int4 keys and values with ``keys_as_rows``,
+    ``value_quads`` and ``value_reference`` only, else ignored), off unless set. Operands are FP16 for
+    16-bit models on a GPU, else float32 (``interpreted``, float32 models)."""
     f16 = not interpreted and meta["DOT_DTYPE"] in (tl.bfloat16, tl.float16)
     fold = bool(launch.get("fold_key_scales"))
     keys_as_rows = bool(launch.get("keys_as_rows"))
@@ -781,6 +806,8 @@ def decode4_options(group: int, launch: dict, interpreted: bool, meta: dict) -> 
     if value_quads and not keys_as_rows:
         raise ValueError("decode4: value_quads needs keys_as_rows")
     value_quads = value_quads and meta["D"] >= 64  # parts of D/4 >= 16 channels: the product's M
+    magic = bool(launch.get("magic_codes")) and meta["K_FMT"] == meta["V_FMT"] == INT4_FORMAT
+    magic = magic and keys_as_rows and value_quads and bool(launch.get("value_reference"))
     least = 8 if keys_as_rows else 16  # a tile's query rows at least: the product's N, or its M
     rows = max(triton.next_power_of_2(group), least // launch["blocks"])  # a block's rows with ``fold``
     block_h = rows * launch["blocks"] if fold else max(16, triton.next_power_of_2(group))
@@ -804,6 +831,7 @@ def decode4_options(group: int, launch: dict, interpreted: bool, meta: dict) -> 
         KEYS_AS_ROWS=keys_as_rows,
         VALUE_REF=bool(launch.get("value_reference")),
         VALUE_QUADS=value_quads,
+        MAGIC=magic,
         num_warps=launch["num_warps"],
         num_stages=launch["num_stages"],
     )
