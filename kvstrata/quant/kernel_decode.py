@@ -554,6 +554,7 @@ def nibble_pairs(
     anything). ``ASM``: packed PTX (`_nibbles_asm`; FP16 ``OUT`` on a GPU only), else float32
     arithmetic cast to ``OUT``. ``MAGIC`` (int4, unscaled): ``INT4_MAGIC_LO + code`` for the low
     nibbles and ``INT4_MAGIC_HI + code`` for the high ones (`INT4_MAGIC_ASM`)."""
+    tl.static_assert(not MAGIC or (FMT == 5 and not SCALED), "MAGIC codes are unscaled int4 codes")
     if ASM and MAGIC:
         x0, x1 = tl.inline_asm_elementwise(
             INT4_MAGIC_ASM, "=r,=r,=r,=r,r", [byte], (tl.float16, tl.float16), True, 4
@@ -608,6 +609,7 @@ def nibble_quads(
     (`FP4_QUADS_SCALED_ASM` / `INT4_QUADS_ASM`, FP16 ``OUT`` on a GPU only), else float32 arithmetic.
     ``MAGIC`` (int4): positions 0 and 2 ``INT4_MAGIC_LO + code``, 1 and 3 ``INT4_MAGIC_HI + code``
     (`INT4_QUADS_MAGIC_ASM`)."""
+    tl.static_assert(not MAGIC or FMT == 5, "MAGIC codes are int4 codes")
     if ASM and MAGIC:
         x0, x1, x2, x3 = tl.inline_asm_elementwise(
             INT4_QUADS_MAGIC_ASM, "=r,=r,=r,=r,r", [half], (tl.float16,) * 4, True, 2

@@ -253,7 +253,7 @@ def _use(monkeypatch, launch: dict, asm: bool) -> list[tuple]:
     # all that it runs with).
     options = ("fold_key_scales", "heads_together", "tail_rows", "value_offsets_apart")
     options += ("keys_as_rows", "value_reference", "value_quads", "table_ahead", "wide_scales")
-    options += ("tail_keys_as_rows",)
+    options += ("tail_keys_as_rows", "magic_codes")
     shape = {"module": "decode4", "asm": asm, "num_stages": 2, "tail_n": 32}  # pass 12's unless set
     for key, value in {**shape, **dict.fromkeys(options, False), **launch}.items():
         monkeypatch.setitem(attend.DECODE_LAUNCH[True], key, value)
@@ -428,20 +428,21 @@ def test_decode4_value_quads_bfloat16(codec, asm, launch, monkeypatch, head_dim_
 @pytest.mark.parametrize(
     ("dtype", "tol", "splits"), [(torch.float32, 1e-4, 3), (torch.bfloat16, 1.5e-2, None)]
 )
-@pytest.mark.parametrize("codec", ["int4", "int4/fp4_e2m1"])
+@pytest.mark.parametrize("codec", ["int4", "int4/fp4_e2m1", "fp4_e2m1/int4"])
 def test_decode4_magic_codes(codec, dtype, tol, splits, launch, monkeypatch, head_dim_64):
     """``magic_codes``: int4 keys and values decoded with their FP16 offsets, taken off in the products'
     accumulators, give the reference's output: a float32 model with sinks and forced splits within 1e-4
     (2e-5 without), a BF16 model with the split heuristic within the same bound as without (on CUDA
-    through the PTX decoding). A layer of int4 keys and fp4 values runs without it."""
+    through the PTX decoding). Layers of int4 keys and fp4 values, or the reverse, run without it."""
     from test_kernels_attend import check_steps, make_cache
 
     asm = DEVICE == "cuda"
     grids = _use(monkeypatch, MAGIC_LAUNCHES[launch], asm)
     cache = make_cache(codec, DEVICE, sinks=dtype == torch.float32, dtype=dtype)
     lengths = [9, 70, 300] if dtype == torch.float32 else [12, 50, 299]
-    check_steps(cache, lengths, steps=2, n_new=1, tol=tol, splits=splits, dtype=dtype)
-    assert grids and head_dim_64
+    compared = check_steps(cache, lengths, steps=2, n_new=1, tol=tol, splits=splits, dtype=dtype)
+    assert compared == 6 and grids and head_dim_64
+    assert splits is None or all(g[2] == splits for g in grids)
     assert all(options["MAGIC"] == (codec == "int4") for _, options in head_dim_64)
 
 
@@ -549,7 +550,7 @@ def test_magic_codes_options():
         return decode4_options(4, launch, False, meta)["MAGIC"]
 
     assert magic(launch)
-    assert not magic(launch, v_fmt=6) and not magic(launch, k_fmt=6, v_fmt=6)
+    assert not magic(launch, v_fmt=6) and not magic(launch, k_fmt=6) and not magic(launch, k_fmt=6, v_fmt=6)
     assert not magic(launch, d=32)
     assert not magic(dict(launch, value_reference=False))
     assert not magic(dict(launch, magic_codes=False))

@@ -371,6 +371,10 @@ def _cold_tile4(
     tile's FP16 weights."""
     HD: tl.constexpr = D // 2
     N: tl.constexpr = BLOCKS * 16
+    tl.static_assert(
+        not MAGIC or (K_FMT == 5 and V_FMT == 5 and FOLD and KEYS_AS_ROWS and VALUE_QUADS and VALUE_REF),
+        "MAGIC: int4 keys and values, folded, keys as rows, value quads and the value reference",
+    )
     ka, kb, kc, kd, vx, vy = side
     pb, tb, rv = _rows(j0, pb, pv, h, H, P, BLOCKS)
     c = tl.arange(0, HD)
