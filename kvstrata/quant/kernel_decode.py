@@ -518,16 +518,15 @@ INT4_CODES_ASM = tl.constexpr(_nibbles_asm(_INT4_NIBBLE, "plain"))
 # off in its products' accumulators (`decode4._cold_tile4`).
 INT4_MAGIC_LO = tl.constexpr(1024.0)
 INT4_MAGIC_HI = tl.constexpr(64.0)
-_INT4_NIBBLE_MAGIC = "".join(
-    line + "\n" for line in _INT4_NIBBLE.strip().split("\n") if not line.startswith("sub.")
-)
-INT4_MAGIC_ASM = tl.constexpr(_nibbles_asm(_INT4_NIBBLE_MAGIC, "plain"))
-INT4_QUADS_MAGIC_ASM = tl.constexpr(
-    "{\n"
-    + "".join(line + "\n" for line in _INT4_QUADS.strip().split("\n") if not line.startswith("sub."))
-    + _QUADS_OUT["plain"]
-    + "}"
-)
+
+
+def _without_subtractions(ptx: str) -> str:
+    """``ptx`` without its ``sub`` instructions (one a line)."""
+    return "".join(line + "\n" for line in ptx.strip().split("\n") if not line.startswith("sub."))
+
+
+INT4_MAGIC_ASM = tl.constexpr(_nibbles_asm(_without_subtractions(_INT4_NIBBLE), "plain"))
+INT4_QUADS_MAGIC_ASM = tl.constexpr("{\n" + _without_subtractions(_INT4_QUADS) + _QUADS_OUT["plain"] + "}")
 INT4_AFFINE_ASM = tl.constexpr(_nibbles_asm(_INT4_NIBBLE, "affine"))
 FP4_CODES_ASM = tl.constexpr(_nibbles_asm(_FP4_NIBBLE, "plain"))
 FP4_SCALED_ASM = tl.constexpr(_nibbles_asm(_FP4_NIBBLE, "scale"))
