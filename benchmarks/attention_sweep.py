@@ -596,8 +596,10 @@ def apply(key: tuple[str, bool | str], launch: dict) -> None:
     its ``wide`` over `attend.FP8_WIDE_DECODE`'s own entries (which win over the table's), its
     ``raw_many_programs`` to `attend.RAW_MANY_PROGRAMS`."""
     launch = dict(launch)
-    if key == ("decode", True):  # a 4-bit variant runs as written, int4 too (not `attend.INT4_DECODE`)
-        kernels.INT4_DECODE = {}
+    if key == ("decode", True):  # a 4-bit variant runs as written, int4 too: not `attend.INT4_DECODE`,
+        kernels.INT4_DECODE = {}  # nor, from 512 rows, its turned tail or the card's register cap
+        kernels.INT4_TURNED_TAIL = {}
+        kernels.INT4_TURNED_MAXNREG = {}
     if "wide_programs" in launch:
         kernels.FP8_WIDE_PROGRAMS = launch.pop("wide_programs")
     if "raw_many_programs" in launch:

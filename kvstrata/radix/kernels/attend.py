@@ -1303,10 +1303,11 @@ def decode4_launch(
     if not decode4.applies(k_fmt, v_fmt, d, page):  # by blocks here, in this kernel's own shape
         return {**launch, **OTHER_4BIT_DECODE}
     if k_fmt == v_fmt == INT4_FORMAT:
+        int4 = {**launch, **INT4_DECODE}
         if d != INT4_TURNED_HEAD_DIM or rows < INT4_TURNED_MIN_ROWS:
-            return {**launch, **INT4_DECODE}
-        cap = INT4_TURNED_MAXNREG.get(device_name, INT4_DECODE["maxnreg"])
-        return {**launch, **INT4_DECODE, **INT4_TURNED_TAIL, "maxnreg": cap}
+            return int4
+        cap = INT4_TURNED_MAXNREG.get(device_name, int4.get("maxnreg"))
+        return {**int4, **INT4_TURNED_TAIL, "maxnreg": cap}
     if d > DECODE4_CAPPED_HEAD_DIM:
         return {**launch, **DECODE4_PASS12, "maxnreg": None}
     if INT4_FORMAT in (k_fmt, v_fmt):

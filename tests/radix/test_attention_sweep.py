@@ -1,0 +1,47 @@
+"""`benchmarks/attention_sweep.py` on CPU: a 4-bit variant reaches the launch as written."""
+
+import importlib
+from pathlib import Path
+
+import pytest
+
+from kvstrata.radix.kernels import attend
+
+H200 = "NVIDIA H200"
+
+
+@pytest.fixture
+def sweep(monkeypatch):
+    """The sweep module, with every launch table and rule its ``apply`` replaces restored afterwards."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "benchmarks"))
+    monkeypatch.delenv("SWEEP_4BIT", raising=False)
+    for name in ("INT4_DECODE", "INT4_TURNED_TAIL", "INT4_TURNED_MAXNREG", "FP8_WIDE_DECODE"):
+        monkeypatch.setattr(attend, name, getattr(attend, name))
+    monkeypatch.setitem(attend.DECODE_LAUNCH, True, dict(attend.DECODE_LAUNCH[True]))
+    return importlib.import_module("attention_sweep")
+
+
+@pytest.mark.parametrize("rows", [128, 512, 4096])
+@pytest.mark.parametrize("device_name", ["", H200, "NVIDIA H100 80GB HBM3"])
+def test_4bit_variants_run_as_written(sweep, rows, device_name):
+    """Every 4-bit variant, applied as the sweep applies it, is the launch an int4 layer at head_dim 128
+    runs: no key of int4's default shape, turned tail or per-card register cap (the twenty-first
+    session's H100 sweep failed every case from 512 rows with a KeyError on ``maxnreg``)."""
+    fmt = attend.INT4_FORMAT
+    for variant in sweep.DECODE_4BIT:
+        sweep.apply(("decode", True), variant)
+        got = attend.decode4_launch(attend.DECODE_LAUNCH[True], fmt, fmt, 128, 16, rows, device_name)
+        for key, value in variant.items():
+            assert got[key] == value, (variant, key)
+        assert got.get("maxnreg") == variant.get("maxnreg", attend.DECODE_LAUNCH[True].get("maxnreg"))
+
+
+def test_shipped_int4_launch_keeps_the_card_cap():
+    """Off the sweep, int4 from 512 rows at head_dim 128 takes the turned tail and the card's cap."""
+    fmt = attend.INT4_FORMAT
+    base, default = attend.DECODE_LAUNCH[True], attend.INT4_DECODE["maxnreg"]
+    assert attend.decode4_launch(base, fmt, fmt, 128, 16, 512, H200)["maxnreg"] == 128
+    assert attend.decode4_launch(base, fmt, fmt, 128, 16, 512, "")["maxnreg"] == default
+    assert attend.decode4_launch(base, fmt, fmt, 128, 16, 511, H200)["maxnreg"] == default
+    turned = attend.decode4_launch(base, fmt, fmt, 128, 16, 512, "")
+    assert all(turned[k] == v for k, v in attend.INT4_TURNED_TAIL.items())
