@@ -509,8 +509,9 @@ DECODE_4BIT: list[dict] = [
     # the value parts from minus the offsets times the weights' column sums. Cold loop a tile, int4's
     # launch from 512 rows (22, 168 registers): 952 -> 885 instructions at B=64 32K and B=256 2K, no
     # spills either way; at the H200's 128 registers (24): 1,003 -> 962, but reloads 36 -> 48 and spill
-    # stores 2 -> 13. Below 512 rows (3's shape, int4's launch there, B=16 4K): 951 -> 881 (29). Not
-    # measured on a GPU.
+    # stores 2 -> 13. Below 512 rows (3's shape, int4's launch there, B=16 4K): 951 -> 881 (29). H100
+    # (twenty-first session, window 256): every pair within 0.8% at B=64 32K, B=256 and 1,024 at 2K,
+    # B=16 4K (22 / 27 at B=64 32K 1.342 / 1.353 ms): no gain, off. Not measured on an H200.
     dict(_D4_ROWS_1, maxnreg=168, value_quads=True, tail_keys_as_rows=True, tail_n=16, magic_codes=True),
     dict(_D4_ROWS_1, maxnreg=128, value_quads=True, tail_keys_as_rows=True, tail_n=16, magic_codes=True),
     dict(_D4_ROWS_1, maxnreg=168, value_quads=True, magic_codes=True),
