@@ -510,8 +510,8 @@ DECODE_4BIT: list[dict] = [
     # launch from 512 rows (22, 168 registers): 952 -> 885 instructions at B=64 32K and B=256 2K, no
     # spills either way; at the H200's 128 registers (24): 1,003 -> 962, but reloads 36 -> 48 and spill
     # stores 2 -> 13. Below 512 rows (3's shape, int4's launch there, B=16 4K): 951 -> 881 (29). H100
-    # (twenty-first session, window 256): every pair within 0.8% at B=64 32K, B=256 and 1,024 at 2K,
-    # B=16 4K (22 / 27 at B=64 32K 1.342 / 1.353 ms): no gain, off. Not measured on an H200.
+    # (twenty-first session, window 256): 22 / 27 at B=64 32K 1.342 / 1.353 ms, off; the sweep's other
+    # pairs ran with it on both sides (it leaked from 27 into later variants, since fixed: `apply`).
     dict(_D4_ROWS_1, maxnreg=168, value_quads=True, tail_keys_as_rows=True, tail_n=16, magic_codes=True),
     dict(_D4_ROWS_1, maxnreg=128, value_quads=True, tail_keys_as_rows=True, tail_n=16, magic_codes=True),
     dict(_D4_ROWS_1, maxnreg=168, value_quads=True, magic_codes=True),
@@ -586,13 +586,19 @@ def table_of(key: tuple[str, bool | str]) -> dict:
     return (kernels.EXTEND_LAUNCH if kind == "extend" else kernels.DECODE_LAUNCH)[which]
 
 
+# The launch table entries as shipped: a variant goes over these, not over the variant before it.
+SHIPPED = {("decode", w): dict(e) for w, e in kernels.DECODE_LAUNCH.items()}
+SHIPPED |= {("extend", w): dict(e) for w, e in kernels.EXTEND_LAUNCH.items()}
+
+
 def use(kind: str, codec: str, launch: dict | None) -> None:
     if launch is not None:
         apply(entry(kind, codec), launch)
 
 
 def apply(key: tuple[str, bool | str], launch: dict) -> None:
-    """Set launch table entry ``key`` to ``launch``; a decode variant's ``wide_programs`` goes to
+    """Set launch table entry ``key`` to ``launch`` over the shipped entry (a key the variant leaves out
+    is the shipped one, not the previous variant's); a decode variant's ``wide_programs`` goes to
     `attend.FP8_WIDE_PROGRAMS` (from how many programs FP8 history takes `attend.FP8_WIDE_DECODE`),
     its ``wide`` over `attend.FP8_WIDE_DECODE`'s own entries (which win over the table's), its
     ``raw_many_programs`` to `attend.RAW_MANY_PROGRAMS`."""
@@ -609,7 +615,9 @@ def apply(key: tuple[str, bool | str], launch: dict) -> None:
         kernels.WIDE_DECODE_FORMATS = tuple(launch.pop("wide_formats"))
     if key == ("decode", False):  # the entry whose wide shape it is
         kernels.FP8_WIDE_DECODE = {**WIDE_DECODE, **launch.pop("wide", {})}
-    table_of(key).update(launch)
+    table = table_of(key)
+    table.clear()
+    table.update(SHIPPED[key], **launch)
 
 
 def warm(index: int) -> None:

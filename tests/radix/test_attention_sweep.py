@@ -25,12 +25,15 @@ def sweep(monkeypatch):
 @pytest.mark.parametrize("device_name", ["", H200, "NVIDIA H100 80GB HBM3"])
 def test_4bit_variants_run_as_written(sweep, rows, device_name):
     """Every 4-bit variant, applied as the sweep applies it, is the launch an int4 layer at head_dim 128
-    runs: no key of int4's default shape, turned tail or per-card register cap (the twenty-first
-    session's H100 sweep failed every case from 512 rows with a KeyError on ``maxnreg``)."""
+    runs: over the shipped entry, not the variant before it (``magic_codes`` leaked into the variants
+    after 27 in the twenty-first session's H100 sweep), and no key of int4's default shape, turned tail
+    or per-card register cap (the first such sweep failed every case from 512 rows: KeyError
+    ``maxnreg``)."""
     fmt = attend.INT4_FORMAT
     for variant in sweep.DECODE_4BIT:
         sweep.apply(("decode", True), variant)
         got = attend.decode4_launch(attend.DECODE_LAUNCH[True], fmt, fmt, 128, 16, rows, device_name)
+        assert attend.DECODE_LAUNCH[True] == {**sweep.SHIPPED["decode", True], **variant}
         for key, value in variant.items():
             assert got[key] == value, (variant, key)
         assert got.get("maxnreg") == variant.get("maxnreg", attend.DECODE_LAUNCH[True].get("maxnreg"))
