@@ -195,7 +195,7 @@ _FP8 = dict(_NEW, blocks=8, scaled_keys_by_blocks=True, programs=1024, maxnreg=1
 # the 4-warp entry's 0.498 / 0.254 / 1.878 (4.3-4.6 TB/s, SDPA's 0.96-0.99x: BF16 is at the bandwidth
 # already), so BF16 stays on the entry; values asm + lazy rescale FP8 0.352 / 0.193 / 1.309 against
 # 0.354 / 0.197 / 1.292 (a second run of the table above's option).
-# Pass 13's options are named in every variant: a launch table entry keeps the keys a variant leaves out.
+# Pass 13's options are named in every variant (a key a variant leaves out is the shipped entry's, `apply`).
 _DEFAULT = dict(
     shape(64, 128, 4, 2, False, **_FP8),
     wide_programs=512,
@@ -389,8 +389,8 @@ DECODE_INT8 = [
 # 1.700 / 1.537 (fp4's default since); the same with one stage at 168 registers 1.326 / 1.533, 0.404 /
 # 0.446, 1.434 / 1.632 (int4's default since, `attend.INT4_DECODE`); one stage uncapped 1.526 / 1.713,
 # at 144 registers 1.441 / 1.579, two stages at 168 1.840 / 1.596. The list: fp4's default, int4's,
-# pass 8's (every entry sets every option, as `use` merges entries into the table; a 4-bit variant
-# runs as written for int4 too).
+# pass 8's (every entry sets every option; one left out is the shipped entry's, `apply`; a 4-bit
+# variant runs as written for int4 too).
 _D4 = dict(
     shape(64, 32, 1, 2, True, 2, programs=4096, module="decode4", tail_apart=True),
     asm=True,
@@ -601,7 +601,10 @@ def apply(key: tuple[str, bool | str], launch: dict) -> None:
     is the shipped one, not the previous variant's); a decode variant's ``wide_programs`` goes to
     `attend.FP8_WIDE_PROGRAMS` (from how many programs FP8 history takes `attend.FP8_WIDE_DECODE`),
     its ``wide`` over `attend.FP8_WIDE_DECODE`'s own entries (which win over the table's), its
-    ``raw_many_programs`` to `attend.RAW_MANY_PROGRAMS`."""
+    ``raw_many_programs`` to `attend.RAW_MANY_PROGRAMS`, its ``wide_formats`` to
+    `attend.WIDE_DECODE_FORMATS`. Those module rules are set only by a variant that names them and
+    otherwise keep what the last one set (the variant lists name them in every variant of an entry
+    or in none)."""
     launch = dict(launch)
     if key == ("decode", True):  # a 4-bit variant runs as written, int4 too: not `attend.INT4_DECODE`,
         kernels.INT4_DECODE = {}  # nor, from 512 rows, its turned tail or the card's register cap

@@ -30,7 +30,7 @@ def test_4bit_variants_run_as_written(sweep, rows, device_name):
     or per-card register cap (the first such sweep failed every case from 512 rows: KeyError
     ``maxnreg``)."""
     fmt = attend.INT4_FORMAT
-    for variant in sweep.DECODE_4BIT:
+    for variant in [*sweep.DECODE_4BIT, *sweep.DECODE_4BIT]:  # as the sweep's next case starts over
         sweep.apply(("decode", True), variant)
         got = attend.decode4_launch(attend.DECODE_LAUNCH[True], fmt, fmt, 128, 16, rows, device_name)
         assert attend.DECODE_LAUNCH[True] == {**sweep.SHIPPED["decode", True], **variant}
