@@ -316,12 +316,9 @@ def profile_steps(decoder: Any, steps: int, device: torch.device, trace: str | N
     if not windows:
         return {}
     t0, t1 = min(w[0] for w in windows), max(w[1] for w in windows)
-    # Longest first among equal starts, so that a record enclosing others (a graph-level record next
-    # to the kernels it ran) comes before them: one stream runs one kernel at a time, so any
-    # overlap marks an enclosing record, which counts for busy time but not in the breakdown.
-    inside = sorted(((max(s, t0), min(e, t1), n) for s, e, n in kernels if e > t0 and s < t1), key=_order)
-    busy = busy_us(inside)
-    leaves = [r for i, r in enumerate(inside) if i + 1 == len(inside) or inside[i + 1][0] >= r[1]]
+    inside = [(max(s, t0), min(e, t1), n) for s, e, n in kernels if e > t0 and s < t1]
+    leaves = leaf_records(inside)
+    busy = busy_us(sorted(inside, key=_order))
     by_kind: dict[str, float] = {}
     by_name: dict[str, float] = {}
     for s, e, name in leaves:
@@ -333,6 +330,7 @@ def profile_steps(decoder: Any, steps: int, device: torch.device, trace: str | N
         "wall_ms_per_step": wall / steps / 1e3,
         "busy_ms_per_step": busy / steps / 1e3,
         "idle_ms_per_step": (wall - busy) / steps / 1e3,
+        "leaf_busy_ms_per_step": busy_us(leaves) / steps / 1e3,
         "kernels_per_step": len(leaves) / steps,
         "enclosing_records": len(inside) - len(leaves),
         "kernel_ms_per_step_by_kind": {
@@ -344,6 +342,27 @@ def profile_steps(decoder: Any, steps: int, device: torch.device, trace: str | N
 
 def _order(record: tuple[float, float, str]) -> tuple[float, float]:
     return record[0], -record[1]
+
+
+def leaf_records(records: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
+    """The ``(start, end, name)`` records that enclose no other record, start-sorted.
+
+    A record that spans others (a graph-level record next to the kernels it ran) counts for busy time
+    but not in the breakdown. Kernels that merely overlap (a dependent launch starting before its
+    predecessor ends, or kernels on two streams) are all kept: an overlap is not an enclosure."""
+    ordered = sorted(records, key=_order)
+    leaves = []
+    for i, (s, e, name) in enumerate(ordered):
+        encloses = False
+        for s2, e2, _ in ordered[i + 1 :]:
+            if s2 >= e:
+                break
+            if e2 <= e:
+                encloses = True
+                break
+        if not encloses:
+            leaves.append((s, e, name))
+    return leaves
 
 
 def busy_us(spans: list[tuple[float, float, str]]) -> float:
@@ -495,7 +514,11 @@ def profile_table(r: dict[str, Any], batch: int) -> str:
         lines.append(f"| {kind}{note} | {ms:.2f} | {100 * ms / wall:.1f}% |")
     kernel_ms = sum(kinds.values())
     lines.append(f"| all kernels | {kernel_ms:.2f} | {100 * kernel_ms / wall:.1f}% |")
-    gap = wall - kernel_ms
+    running = p.get("leaf_busy_ms_per_step", kernel_ms)
+    if kernel_ms - running > 0.005:
+        over = kernel_ms - running
+        lines.append(f"| of which overlapped by other kernels | {over:.2f} | {100 * over / wall:.1f}% |")
+    gap = wall - running
     lines.append(f"| no kernel running (launch/host gaps) | {gap:.2f} | {100 * gap / wall:.1f}% |")
     lines += ["", "| top kernels | ms/step |", "|---|---:|"]
     lines += [f"| `{name}` | {ms:.3f} |" for name, ms in p["top_kernels_ms_per_step"].items()]

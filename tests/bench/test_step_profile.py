@@ -1,0 +1,58 @@
+"""`benchmarks/decode_step_gpu.py`'s profile arithmetic: which kernel records count in the per-kind
+breakdown, and the "no kernel running" row when kernels overlap (a dependent launch, two streams)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _module():
+    path = ROOT / "benchmarks" / "decode_step_gpu.py"
+    spec = importlib.util.spec_from_file_location("decode_step_gpu", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+step = _module()
+
+
+def test_an_enclosing_record_is_left_out_and_overlapping_kernels_are_kept() -> None:
+    records = [
+        (0.0, 100.0, "graph"),  # encloses the two kernels it ran
+        (0.0, 50.0, "nvjet_gemm"),
+        (40.0, 100.0, "_decode_kernel"),  # starts before the GEMM ends (PDL): kept
+        (120.0, 130.0, "rms_norm_kernel"),
+        (125.0, 140.0, "copy_kernel"),  # another stream: kept
+    ]
+    leaves = step.leaf_records(records)
+    assert [n for _, _, n in leaves] == ["nvjet_gemm", "_decode_kernel", "rms_norm_kernel", "copy_kernel"]
+    assert step.busy_us(records) == 140.0 - 20.0
+    assert step.busy_us(leaves) == 120.0
+
+
+def test_two_overlapping_records_around_one_kernel_are_both_left_out() -> None:
+    records = [(0.0, 10.0, "outer"), (5.0, 20.0, "overlaps outer"), (6.0, 9.0, "kernel")]
+    assert [n for _, _, n in step.leaf_records(records)] == ["kernel"]
+
+
+def test_the_table_counts_overlapped_kernel_time_once_in_the_gap() -> None:
+    records = [(0.0, 50.0, "nvjet_gemm"), (40.0, 100.0, "_decode_kernel")]
+    leaves = step.leaf_records(records)
+    profile = {
+        "wall_ms_per_step": 0.12,
+        "leaf_busy_ms_per_step": step.busy_us(leaves) / 1e3,
+        "kernels_per_step": 2,
+        "kernel_ms_per_step_by_kind": {"matmul (cuBLAS/CUTLASS)": 0.05, "attention (Triton)": 0.06},
+        "top_kernels_ms_per_step": {},
+    }
+    run = {"profile": profile, "weight_bytes": 2e6, "dense": "fused", "kv": "auto", "plan": "table",
+           "loop": "overlap", "graph": "full"}  # fmt: skip
+    table = step.profile_table(run, batch=1)
+    assert "| all kernels | 0.11 |" in table
+    assert "| of which overlapped by other kernels | 0.01 |" in table
+    assert "| no kernel running (launch/host gaps) | 0.02 |" in table
