@@ -8,7 +8,10 @@ random BF16 weights of the model's geometry, ``--config`` a model directory or `
 8B geometry by default). For each row count and each cuBLAS library PyTorch can prefer
 (`torch.backends.cuda.preferred_blas_library`), and for the same rows as two products of half the
 rows each ("halves"), it prints the median time of the four products, microseconds a token for the
-whole model (times its layers), TFLOP/s, and the kernel each product ran (one profiled call). The
+whole model (times its layers), TFLOP/s, and the kernel each product ran (one profiled call).
+``--split-k 2,4`` adds, for each row count, the four products split along their inputs by hand
+(`split_k_linear`: one batched product of S chunks, float32 out, then their sum): cuBLAS's split-K kernel
+for the decode step's down product, which SGLang's step on one H200 ran and ours on the H100 did not. The
 baseline is the first library at the first row count, measured in the same run. Configurations are
 timed in interleaved rounds after ``--warm-s`` seconds of untimed rounds (`time_round_robin`).
 """
@@ -37,12 +40,33 @@ def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     }
 
 
-def products(weights: dict[str, torch.Tensor], rows: int, halves: bool) -> list:
-    """Closures running each product on ``rows`` rows (as one product, or two of half the rows)."""
+def split_k_linear(x: torch.Tensor, w: torch.Tensor, splits: int) -> torch.Tensor:
+    """``F.linear(x, w)`` as ``splits`` products over consecutive chunks of the input features, run as one
+    strided batched product (no copies) into float32 partials, then summed into ``x``'s dtype. On CUDA the
+    partials come straight from the product's float32 accumulator (``out_dtype``); elsewhere the inputs
+    are taken to float32 first (the test's reference path)."""
+    rows, n_in = x.shape
+    if n_in % splits:
+        raise ValueError(f"{n_in} input features do not split into {splits} chunks")
+    k = n_in // splits
+    xs = x.view(rows, splits, k).transpose(0, 1)  # [S, rows, k]
+    ws = w.view(w.shape[0], splits, k).transpose(0, 1).transpose(1, 2)  # [S, k, out]
+    on_cuda = x.is_cuda
+    partials = torch.bmm(xs, ws, out_dtype=torch.float32) if on_cuda else torch.bmm(xs.float(), ws.float())
+    return partials.sum(0).to(x.dtype)
+
+
+def products(weights: dict[str, torch.Tensor], rows: int, halves: bool, split_k: int = 1) -> list:
+    """Closures running each product on ``rows`` rows (as one product, two of half the rows, or split
+    along the input features: `split_k_linear`)."""
     runs = []
     for w in weights.values():
         x = torch.randn(rows, w.shape[1], device=w.device, dtype=w.dtype)
-        if halves:
+        if split_k > 1:
+
+            def run(x=x, w=w) -> None:
+                split_k_linear(x, w, split_k)
+        elif halves:
             h = rows // 2
             y = torch.empty(rows, w.shape[0], device=w.device, dtype=w.dtype)
 
@@ -109,6 +133,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="7680,8192,16384", help="row counts (prefill tokens a step)")
     ap.add_argument("--libs", default="cublas,cublaslt", help="cuBLAS libraries PyTorch may prefer")
     ap.add_argument("--no-halves", action="store_true", help="skip the two-half-products variant")
+    ap.add_argument("--split-k", default="", help="also the products split by hand into S chunks, e.g. 2,4")
     ap.add_argument("--repeats", type=int, default=20, help="timed rounds over all configurations (>= 1)")
     ap.add_argument("--warm-s", type=float, default=10.0, help="seconds of untimed rounds first")
     args = ap.parse_args()
@@ -127,6 +152,9 @@ def main() -> None:
         for lib, halves in [(lib, False) for lib in libs] + ([] if args.no_halves else [(libs[0], True)]):
             labels.append((rows, f"{lib}{', halves' if halves else ''}"))
             configs.append((lib, products(weights, rows, halves)))
+        for splits in (int(s) for s in args.split_k.split(",") if s):
+            labels.append((rows, f"{libs[0]}, split-K {splits} by hand"))
+            configs.append((libs[0], products(weights, rows, False, splits)))
     times = time_round_robin(configs, args.repeats, args.warm_s)
     rows_out = []
     base = None
