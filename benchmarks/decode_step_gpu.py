@@ -316,9 +316,9 @@ def profile_steps(decoder: Any, steps: int, device: torch.device, trace: str | N
     if not windows:
         return {}
     t0, t1 = min(w[0] for w in windows), max(w[1] for w in windows)
-    inside = [(max(s, t0), min(e, t1), n) for s, e, n in kernels if e > t0 and s < t1]
+    inside = sorted(((max(s, t0), min(e, t1), n) for s, e, n in kernels if e > t0 and s < t1), key=_order)
     leaves = leaf_records(inside)
-    busy = busy_us(sorted(inside, key=_order))
+    busy = busy_us(inside)
     by_kind: dict[str, float] = {}
     by_name: dict[str, float] = {}
     for s, e, name in leaves:
@@ -345,16 +345,16 @@ def _order(record: tuple[float, float, str]) -> tuple[float, float]:
 
 
 def leaf_records(records: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
-    """The ``(start, end, name)`` records that enclose no other record, start-sorted.
+    """Of ``(start, end, name)`` records sorted by `_order` (longest first among equal starts), those
+    that enclose no other record.
 
     A record that spans others (a graph-level record next to the kernels it ran) counts for busy time
     but not in the breakdown. Kernels that merely overlap (a dependent launch starting before its
     predecessor ends, or kernels on two streams) are all kept: an overlap is not an enclosure."""
-    ordered = sorted(records, key=_order)
     leaves = []
-    for i, (s, e, name) in enumerate(ordered):
+    for i, (s, e, name) in enumerate(records):
         encloses = False
-        for s2, e2, _ in ordered[i + 1 :]:
+        for s2, e2, _ in records[i + 1 :]:
             if s2 >= e:
                 break
             if e2 <= e:
@@ -514,7 +514,7 @@ def profile_table(r: dict[str, Any], batch: int) -> str:
         lines.append(f"| {kind}{note} | {ms:.2f} | {100 * ms / wall:.1f}% |")
     kernel_ms = sum(kinds.values())
     lines.append(f"| all kernels | {kernel_ms:.2f} | {100 * kernel_ms / wall:.1f}% |")
-    running = p.get("leaf_busy_ms_per_step", kernel_ms)
+    running = p["leaf_busy_ms_per_step"]
     if kernel_ms - running > 0.005:
         over = kernel_ms - running
         lines.append(f"| of which overlapped by other kernels | {over:.2f} | {100 * over / wall:.1f}% |")

@@ -3,35 +3,24 @@ every split the input features allow, and a split that does not divide them is r
 
 from __future__ import annotations
 
-import importlib.util
-import sys
+import importlib
 from pathlib import Path
 
 import pytest
 import torch
 from torch.nn import functional as F
 
-ROOT = Path(__file__).resolve().parents[2]
 
-
-def _module():
-    sys.path.insert(0, str(ROOT / "benchmarks"))  # matmul_gpu imports decode_step_gpu
-    try:
-        spec = importlib.util.spec_from_file_location("matmul_gpu", ROOT / "benchmarks" / "matmul_gpu.py")
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return mod
-
-
-matmul = _module()
+@pytest.fixture
+def matmul(monkeypatch):
+    """The benchmark module, imported with ``benchmarks/`` on the path (as test_attention_sweep does)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "benchmarks"))
+    return importlib.import_module("matmul_gpu")
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3, 4, 6])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_split_k_equals_linear(splits: int, dtype: torch.dtype) -> None:
+def test_split_k_equals_linear(matmul, splits: int, dtype: torch.dtype) -> None:
     torch.manual_seed(splits)
     x = torch.randn(5, 96, dtype=dtype)
     w = torch.randn(40, 96, dtype=dtype)
@@ -42,7 +31,7 @@ def test_split_k_equals_linear(splits: int, dtype: torch.dtype) -> None:
     assert (got.double() - ref).abs().max().item() <= bound
 
 
-def test_split_k_sums_every_chunk() -> None:
+def test_split_k_sums_every_chunk(matmul) -> None:
     x = torch.zeros(2, 12)
     w = torch.zeros(3, 12)
     x[:, 8:] = 1.0  # only the last of three chunks contributes
@@ -50,6 +39,6 @@ def test_split_k_sums_every_chunk() -> None:
     assert torch.equal(matmul.split_k_linear(x, w, 3), torch.full((2, 3), 8.0))
 
 
-def test_split_k_refuses_an_uneven_split() -> None:
+def test_split_k_refuses_an_uneven_split(matmul) -> None:
     with pytest.raises(ValueError, match="do not split"):
         matmul.split_k_linear(torch.zeros(2, 10), torch.zeros(3, 10), 4)

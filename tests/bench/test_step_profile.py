@@ -3,25 +3,20 @@ breakdown, and the "no kernel running" row when kernels overlap (a dependent lau
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+import pytest
 
 
-def _module():
-    path = ROOT / "benchmarks" / "decode_step_gpu.py"
-    spec = importlib.util.spec_from_file_location("decode_step_gpu", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+@pytest.fixture
+def step(monkeypatch):
+    """The benchmark module, imported with ``benchmarks/`` on the path (as test_attention_sweep does)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "benchmarks"))
+    return importlib.import_module("decode_step_gpu")
 
 
-step = _module()
-
-
-def test_an_enclosing_record_is_left_out_and_overlapping_kernels_are_kept() -> None:
+def test_an_enclosing_record_is_left_out_and_overlapping_kernels_are_kept(step) -> None:
     records = [
         (0.0, 100.0, "graph"),  # encloses the two kernels it ran
         (0.0, 50.0, "nvjet_gemm"),
@@ -35,12 +30,12 @@ def test_an_enclosing_record_is_left_out_and_overlapping_kernels_are_kept() -> N
     assert step.busy_us(leaves) == 120.0
 
 
-def test_two_overlapping_records_around_one_kernel_are_both_left_out() -> None:
+def test_two_overlapping_records_around_one_kernel_are_both_left_out(step) -> None:
     records = [(0.0, 10.0, "outer"), (5.0, 20.0, "overlaps outer"), (6.0, 9.0, "kernel")]
     assert [n for _, _, n in step.leaf_records(records)] == ["kernel"]
 
 
-def test_the_table_counts_overlapped_kernel_time_once_in_the_gap() -> None:
+def test_the_table_counts_overlapped_kernel_time_once_in_the_gap(step) -> None:
     records = [(0.0, 50.0, "nvjet_gemm"), (40.0, 100.0, "_decode_kernel")]
     leaves = step.leaf_records(records)
     profile = {
