@@ -525,6 +525,18 @@ def profile_table(r: dict[str, Any], batch: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def set_split_k(net: torch.nn.Module, spec: str) -> None:
+    """Sets ``Linear.split_k`` of every layer's output (``o``) and down (``down``) products from
+    ``"o=S,down=S"`` (either may be left out)."""
+    modules = {"o": lambda layer: layer.attn.wo, "down": lambda layer: layer.mlp.w2}
+    for item in filter(None, spec.split(",")):
+        name, _, value = item.partition("=")
+        if name not in modules or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"--split-k takes o=S,down=S with S >= 1, got {item!r}")
+        for layer in net.layers:
+            modules[name](layer).split_k = int(value)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, default=256)
@@ -568,6 +580,12 @@ def main() -> None:
         help="the cuBLAS library PyTorch prefers for the matmuls, for the whole process "
         "(torch.backends.cuda.preferred_blas_library; default: PyTorch's own choice)",
     )
+    ap.add_argument(
+        "--split-k",
+        default="",
+        help="CUDA: run products split along their inputs by hand (`split_k_linear`), as o=S,down=S "
+        "(the attention output and MLP down products; default: neither)",
+    )
     ap.add_argument("--profile", default=None, help="write the kernel tables (markdown) here")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument(
@@ -585,6 +603,10 @@ def main() -> None:
     cfg = ModelConfig.from_hf(GEOMETRIES[args.geometry])
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     net = dummy_model(cfg, dtype, device, seed=args.seed)
+    try:
+        set_split_k(net, args.split_k)
+    except ValueError as err:
+        ap.error(str(err))
     bw = hbm_bandwidth(device) if device.type == "cuda" else 50e9
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     denses = args.dense.split(",")
@@ -636,7 +658,7 @@ def main() -> None:
             f.write("\n".join(profile_table(r, args.batch) for r in results))
     if args.json:
         with open(args.json, "w") as f:
-            run = {"label": args.label, "device": gpu, "blas": blas, "bandwidth": bw}
+            run = {"label": args.label, "device": gpu, "blas": blas, "bandwidth": bw, "split_k": args.split_k}
             json.dump({**run, "results": results}, f, indent=1)
 
 

@@ -27,6 +27,7 @@ from decode_step_gpu import GEOMETRIES
 from torch.nn import functional as F
 
 from kvstrata.engine.config import ModelConfig
+from kvstrata.engine.model import split_k_linear
 
 
 def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -38,22 +39,6 @@ def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
         "gate_up": (cfg.hidden_size, 2 * cfg.intermediate_size),
         "down": (cfg.intermediate_size, cfg.hidden_size),
     }
-
-
-def split_k_linear(x: torch.Tensor, w: torch.Tensor, splits: int) -> torch.Tensor:
-    """``F.linear(x, w)`` as ``splits`` products over consecutive chunks of the input features, run as one
-    strided batched product (no copies) into float32 partials, then summed into ``x``'s dtype. On CUDA the
-    partials come straight from the product's float32 accumulator (``out_dtype``); elsewhere the inputs
-    are taken to float32 first (the test's reference path)."""
-    rows, n_in = x.shape
-    if n_in % splits:
-        raise ValueError(f"{n_in} input features do not split into {splits} chunks")
-    k = n_in // splits
-    xs = x.view(rows, splits, k).transpose(0, 1)  # [S, rows, k]
-    ws = w.view(w.shape[0], splits, k).transpose(0, 1).transpose(1, 2)  # [S, k, out]
-    on_cuda = x.is_cuda
-    partials = torch.bmm(xs, ws, out_dtype=torch.float32) if on_cuda else torch.bmm(xs.float(), ws.float())
-    return partials.sum(0).to(x.dtype)
 
 
 def products(weights: dict[str, torch.Tensor], rows: int, halves: bool, split_k: int = 1) -> list:

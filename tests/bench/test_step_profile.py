@@ -51,3 +51,18 @@ def test_the_table_counts_overlapped_kernel_time_once_in_the_gap(step) -> None:
     assert "| all kernels | 0.11 |" in table
     assert "| of which overlapped by other kernels | 0.01 |" in table
     assert "| no kernel running (launch/host gaps) | 0.02 |" in table
+
+
+def test_split_k_option_sets_the_output_and_down_products(step) -> None:
+    from kvstrata.engine.config import ModelConfig
+    from kvstrata.engine.model import Transformer
+
+    net = Transformer(ModelConfig.from_hf(step.GEOMETRIES["tiny"]))
+    step.set_split_k(net, "down=2")
+    assert {(layer.attn.wo.split_k, layer.mlp.w2.split_k) for layer in net.layers} == {(1, 2)}
+    step.set_split_k(net, "o=4,down=1")
+    assert {(layer.attn.wo.split_k, layer.mlp.w2.split_k) for layer in net.layers} == {(4, 1)}
+    assert {layer.attn.wqkv.split_k for layer in net.layers} == {1}
+    for bad in ("up=2", "down=0", "o=", "down=two"):
+        with pytest.raises(ValueError, match="--split-k takes"):
+            step.set_split_k(net, bad)
