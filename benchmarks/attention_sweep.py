@@ -610,6 +610,7 @@ def apply(key: tuple[str, bool | str], launch: dict) -> None:
         kernels.INT4_DECODE = {}  # nor, from 512 rows, its turned tail or the card's register cap
         kernels.INT4_TURNED_TAIL = {}
         kernels.INT4_TURNED_MAXNREG = {}
+        kernels.FP4_UNCAPPED_MAX_PAGES = {}  # nor fp4's uncapped short tables
     if "wide_programs" in launch:
         kernels.FP8_WIDE_PROGRAMS = launch.pop("wide_programs")
     if "raw_many_programs" in launch:

@@ -268,6 +268,21 @@ INT4_TURNED_MIN_ROWS = 512
 # heads run uncapped.
 DECODE4_CAPPED_HEAD_DIM = 128
 INT4_FORMAT = 5
+FP4_FORMAT = 6
+# fp4 keys and values at head_dim 128 run without the register cap (`DECODE_LAUNCH[True]`'s 168) where the
+# step's page table is at most this many pages wide, by CUDA device name (as `INT4_TURNED_MAXNREG`; under a
+# CUDA graph the width is the captured class's, `full_graph.width_classes`, within 2x of the batch's own).
+# Short contexts spend more of the step outside the cold loop (the ring tail is an eighth of the keys at
+# 2K with fp4's 256-token window), where the cap's spills cost; at long ones the cold loop's 12 programs an
+# SM win. Measured on NVIDIA H100 80GB HBM3 (2026-12-05/06, three machines, 8B layer; ms capped against
+# uncapped), attention_sweep.py at window 256: at 2K B=64 0.127 / 0.119, B=128 0.219 / 0.205, B=256
+# 0.382-0.388 / 0.361-0.365, B=512 0.706 / 0.674, B=1,024 1.367-1.392 / 1.331-1.347; at 4K B=64 0.211 /
+# 0.198, B=256 0.732 / 0.672; at 8K B=128 0.623 / 0.627; at 32K B=64 1.138-1.146 / 1.185-1.190, B=256 4.448
+# / 4.644. attention_gpu.py at window 128, this rule against none: at 2K B=64 0.113 / 0.119, B=256 0.345 /
+# 0.369, B=1,024 1.275 / 1.354; at 4K B=64 0.195 / 0.207 but B=256 0.626 / 0.617. decode_step_gpu.py, fp4
+# at B=256, 1,536: 19.97 against 20.78 ms a step, the same tokens (docs/kernels-h200.md pass 21). The H200
+# is not measured and keeps the cap.
+FP4_UNCAPPED_MAX_PAGES = {"NVIDIA H100 80GB HBM3": 256}
 # Pass 13, counted after splitting (`cold_splits`, as the wide launch splits: whole 32-key tiles, so an
 # odd split size rounds down and adds a split): at 8 KV heads B=1 takes the wide shape from 2,017 cold
 # pages (the 32K step's 2,040: 63 splits of 33 pages, 64 of 32 once rounded, 512 programs), B=16 from 127
@@ -1289,15 +1304,23 @@ def cuda_name(t: torch.Tensor) -> str:
 
 
 def decode4_launch(
-    launch: dict, k_fmt: int, v_fmt: int, d: int, page: int, rows: int, device_name: str = ""
+    launch: dict,
+    k_fmt: int,
+    v_fmt: int,
+    d: int,
+    page: int,
+    rows: int,
+    device_name: str = "",
+    table_pages: int | None = None,
 ) -> dict:
     """The 4-bit decode table entry ``launch`` as a layer of formats ``k_fmt``/``v_fmt``, head_dim ``d``
-    and ``page``-token pages runs it over ``rows`` sequence x KV-head rows on the CUDA device named
-    ``device_name`` ("" off CUDA): by blocks in this module's kernel where `decode4` does not read the
-    layer (`OTHER_4BIT_DECODE`), int4's own shape (`INT4_DECODE`; at head_dim 128 from
-    `INT4_TURNED_MIN_ROWS` rows its tail turned over, `INT4_TURNED_TAIL`, at the card's register cap,
-    `INT4_TURNED_MAXNREG`), pass 12's keys for int4 on one side (`DECODE4_PASS12`), wider heads
-    uncapped."""
+    and ``page``-token pages runs it over ``rows`` sequence x KV-head rows and a page table
+    ``table_pages`` wide on the CUDA device named ``device_name`` ("" off CUDA): by blocks in this
+    module's kernel where `decode4` does not read the layer (`OTHER_4BIT_DECODE`), int4's own shape
+    (`INT4_DECODE`; at head_dim 128 from `INT4_TURNED_MIN_ROWS` rows its tail turned over,
+    `INT4_TURNED_TAIL`, at the card's register cap, `INT4_TURNED_MAXNREG`), pass 12's keys for int4 on
+    one side (`DECODE4_PASS12`), wider heads uncapped, and fp4 at head_dim 128 uncapped up to the card's
+    `FP4_UNCAPPED_MAX_PAGES`."""
     from kvstrata.radix.kernels import decode4
 
     if not decode4.applies(k_fmt, v_fmt, d, page):  # by blocks here, in this kernel's own shape
@@ -1312,6 +1335,10 @@ def decode4_launch(
         return {**launch, **DECODE4_PASS12, "maxnreg": None}
     if INT4_FORMAT in (k_fmt, v_fmt):
         return {**launch, **DECODE4_PASS12}
+    widest = FP4_UNCAPPED_MAX_PAGES.get(device_name, -1)
+    short_table = table_pages is not None and table_pages <= widest
+    if k_fmt == v_fmt == FP4_FORMAT and d == DECODE4_CAPPED_HEAD_DIM and short_table:
+        return {**launch, "maxnreg": None}
     return launch
 
 
@@ -1366,7 +1393,7 @@ def pass_launch(
     if T == 1 and launch.get("module") == "decode4":
         from kvstrata.radix.kernels import decode4  # read again below
 
-        launch = decode4_launch(launch, k_fmt, v_fmt, d, page, B * h, cuda_name(q))
+        launch = decode4_launch(launch, k_fmt, v_fmt, d, page, B * h, cuda_name(q), n_pages)
     if T == 1 and takes_wide_decode(
         k_fmt, v_fmt, B * h, n_pages, splits, launch.get("min_pages", MIN_PAGES_PER_SPLIT), page
     ):
