@@ -534,7 +534,12 @@ def set_split_k(net: torch.nn.Module, spec: str) -> None:
         if name not in modules or not value.isdigit() or int(value) < 1:
             raise ValueError(f"--split-k takes o=S,down=S with S >= 1, got {item!r}")
         for layer in net.layers:
-            modules[name](layer).split_k = int(value)
+            linear = modules[name](layer)
+            if linear.in_features % int(value):
+                raise ValueError(
+                    f"--split-k {item}: {linear.in_features} input features do not split in {value}"
+                )
+            linear.split_k = int(value)
 
 
 def main() -> None:

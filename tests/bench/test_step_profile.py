@@ -66,3 +66,6 @@ def test_split_k_option_sets_the_output_and_down_products(step) -> None:
     for bad in ("up=2", "down=0", "o=", "down=two"):
         with pytest.raises(ValueError, match="--split-k takes"):
             step.set_split_k(net, bad)
+    odd = net.layers[0].mlp.w2.in_features + 1  # more chunks than features: no even split
+    with pytest.raises(ValueError, match="do not split"):
+        step.set_split_k(net, f"down={odd}")

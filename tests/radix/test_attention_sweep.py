@@ -63,9 +63,10 @@ def test_shipped_int4_launch_keeps_the_card_cap():
 @pytest.mark.parametrize("pages", [1, 128, 256, 257, 2048])
 @pytest.mark.parametrize("device_name", ["", H200, "NVIDIA H100 80GB HBM3"])
 def test_shipped_fp4_launch_uncapped_on_short_tables(pages, device_name):
-    """Off the sweep, fp4 at head_dim 128 runs uncapped on a card named in `FP4_UNCAPPED_MAX_PAGES` where
-    the page table is at most that wide; everything else about the launch is the shipped entry's, and
-    other cards, wider tables, other head sizes and int4 or mixed layers keep their caps."""
+    """Off the sweep, fp4 at head_dim 128 in 16-token pages runs uncapped on a card named in
+    `FP4_UNCAPPED_MAX_PAGES` where the page table is at most that wide; everything else about the launch
+    is the shipped entry's, and other cards, wider tables, other head or page sizes and int4 or mixed
+    layers keep their caps."""
     fp4, int4 = attend.FP4_FORMAT, attend.INT4_FORMAT
     base = attend.DECODE_LAUNCH[True]
     got = attend.decode4_launch(base, fp4, fp4, 128, 16, 2048, device_name, pages)
@@ -77,5 +78,7 @@ def test_shipped_fp4_launch_uncapped_on_short_tables(pages, device_name):
     assert (
         attend.decode4_launch(base, fp4, fp4, 64, 16, 2048, device_name, pages)["maxnreg"] == base["maxnreg"]
     )
+    in_32_token_pages = attend.decode4_launch(base, fp4, fp4, 128, 32, 2048, device_name, pages)
+    assert in_32_token_pages["maxnreg"] == base["maxnreg"]
     for k_fmt, v_fmt in ((int4, int4), (int4, fp4), (fp4, int4)):
         assert attend.decode4_launch(base, k_fmt, v_fmt, 128, 16, 256, device_name, pages)["maxnreg"] == 168

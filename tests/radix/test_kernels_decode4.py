@@ -446,18 +446,33 @@ def test_decode4_magic_codes(codec, dtype, tol, splits, launch, monkeypatch, hea
     assert all(options["MAGIC"] == (codec == "int4") for _, options in head_dim_64)
 
 
+H100 = "NVIDIA H100 80GB HBM3"
+
+
 @pytest.mark.parametrize(
-    ("codec", "head_dim", "cap"),
-    [("fp4_e2m1", 128, 168), ("fp4_e2m1", 256, None), ("int4", 256, 168), ("int4/fp4_e2m1", 128, 168)],
+    ("codec", "head_dim", "card", "cap"),
+    [
+        ("fp4_e2m1", 128, "", 168),
+        ("fp4_e2m1", 128, H100, None),
+        ("fp4_e2m1", 256, "", None),
+        ("int4", 256, "", 168),
+        ("int4/fp4_e2m1", 128, "", 168),
+        ("int4/fp4_e2m1", 128, H100, 168),
+    ],
 )
-def test_register_cap_by_head_dim(codec, head_dim, cap, monkeypatch):
+def test_register_cap_by_head_dim(codec, head_dim, card, cap, monkeypatch):
     """The 4-bit decode's 168-register cap (`attend.DECODE_LAUNCH[True]`) holds up to
     `attend.DECODE4_CAPPED_HEAD_DIM`; wider heads run uncapped (their capped loop spills), except int4,
-    whose one-stage shape (`attend.INT4_DECODE`) keeps it. Pass 17's table ahead and 16-key ring tiles
-    are fp4's up to that head_dim only, not int4's on either side. The default launch, float32 model,
-    against the float64 reference at that head_dim."""
+    whose one-stage shape (`attend.INT4_DECODE`) keeps it, and fp4 on a card of
+    `attend.FP4_UNCAPPED_MAX_PAGES` (the step's short page table, passed through `pass_launch`). Pass
+    17's table ahead and 16-key ring tiles are fp4's up to that head_dim only, not int4's on either
+    side. The default launch, float32 model, against the float64 reference at that head_dim; the card
+    is the name `attend.cuda_name` reports, so the test runs the same on any device."""
     from test_kernels_attend import check_steps, make_cache
 
+    from kvstrata.radix.kernels import attend
+
+    monkeypatch.setattr(attend, "cuda_name", lambda t: card)
     seen = _at_head_dim(monkeypatch, head_dim)
     cache = make_cache(codec, DEVICE)
     assert check_steps(cache, [12, 40], steps=1, n_new=1, tol=2e-5) == 2

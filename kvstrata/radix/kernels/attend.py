@@ -269,20 +269,23 @@ INT4_TURNED_MIN_ROWS = 512
 DECODE4_CAPPED_HEAD_DIM = 128
 INT4_FORMAT = 5
 FP4_FORMAT = 6
-# fp4 keys and values at head_dim 128 run without the register cap (`DECODE_LAUNCH[True]`'s 168) where the
-# step's page table is at most this many pages wide, by CUDA device name (as `INT4_TURNED_MAXNREG`; under a
-# CUDA graph the width is the captured class's, `full_graph.width_classes`, within 2x of the batch's own).
-# Short contexts spend more of the step outside the cold loop (the ring tail is an eighth of the keys at
-# 2K with fp4's 256-token window), where the cap's spills cost; at long ones the cold loop's 12 programs an
-# SM win. Measured on NVIDIA H100 80GB HBM3 (2026-12-05/06, three machines, 8B layer; ms capped against
-# uncapped), attention_sweep.py at window 256: at 2K B=64 0.127 / 0.119, B=128 0.219 / 0.205, B=256
-# 0.382-0.388 / 0.361-0.365, B=512 0.706 / 0.674, B=1,024 1.367-1.392 / 1.331-1.347; at 4K B=64 0.211 /
-# 0.198, B=256 0.732 / 0.672; at 8K B=128 0.623 / 0.627; at 32K B=64 1.138-1.146 / 1.185-1.190, B=256 4.448
-# / 4.644. attention_gpu.py at window 128, this rule against none: at 2K B=64 0.113 / 0.119, B=256 0.345 /
-# 0.369, B=1,024 1.275 / 1.354; at 4K B=64 0.195 / 0.207 but B=256 0.626 / 0.617. decode_step_gpu.py, fp4
-# at B=256, 1,536: 19.97 against 20.78 ms a step, the same tokens (docs/kernels-h200.md pass 21). The H200
-# is not measured and keeps the cap.
+# fp4 keys and values at head_dim 128 in 16-token pages run without the register cap (`DECODE_LAUNCH[True]`'s
+# 168) where the pass's page table (the cold pages, the ring apart) is at most this many pages wide, by
+# CUDA device name (as `INT4_TURNED_MAXNREG`). Under a full CUDA graph the width is the captured class's
+# (`full_graph.width_classes`: 32, 64, 128, 256, ... pages), so a value should be one of those classes for
+# graph and eager steps to decide alike. Short contexts spend more of the step outside the cold loop (the
+# ring tail is an eighth of the keys at 2K with fp4's 256-token window), where the cap's spills cost; at
+# long ones the cold loop's 12 programs an SM win. Measured on NVIDIA H100 80GB HBM3 (2026-12-05/06, three
+# machines, 8B layer, 16-token pages; ms capped / uncapped throughout), attention_sweep.py at window 256:
+# at 2K B=64 0.127 / 0.119, B=128 0.219 / 0.205, B=256 0.382-0.388 / 0.361-0.365, B=512 0.706 / 0.674,
+# B=1,024 1.367-1.392 / 1.331-1.347; at 4K B=64 0.211 / 0.198, B=256 0.732 / 0.672; at 8K B=128 0.623 /
+# 0.627; at 32K B=64 1.138-1.146 / 1.185-1.190, B=256 4.448 / 4.644. attention_gpu.py at window 128
+# (without / with this rule): at 2K B=64 0.119 / 0.113, B=256 0.369 / 0.345, B=1,024 1.354 / 1.275; at 4K
+# B=64 0.207 / 0.195 but B=256 0.617 / 0.626. decode_step_gpu.py, fp4 at B=256, 1,536: 20.78 / 19.97 ms a
+# step, the same tokens (docs/kernels-h200.md pass 21). Passes over a raised pool or image pages (their
+# own, narrower tables) were not measured apart. The H200 is not measured and keeps the cap.
 FP4_UNCAPPED_MAX_PAGES = {"NVIDIA H100 80GB HBM3": 256}
+FP4_UNCAPPED_PAGE_SIZE = 16
 # Pass 13, counted after splitting (`cold_splits`, as the wide launch splits: whole 32-key tiles, so an
 # odd split size rounds down and adds a split): at 8 KV heads B=1 takes the wide shape from 2,017 cold
 # pages (the 32K step's 2,040: 63 splits of 33 pages, 64 of 32 once rounded, 512 programs), B=16 from 127
@@ -1319,8 +1322,8 @@ def decode4_launch(
     module's kernel where `decode4` does not read the layer (`OTHER_4BIT_DECODE`), int4's own shape
     (`INT4_DECODE`; at head_dim 128 from `INT4_TURNED_MIN_ROWS` rows its tail turned over,
     `INT4_TURNED_TAIL`, at the card's register cap, `INT4_TURNED_MAXNREG`), pass 12's keys for int4 on
-    one side (`DECODE4_PASS12`), wider heads uncapped, and fp4 at head_dim 128 uncapped up to the card's
-    `FP4_UNCAPPED_MAX_PAGES`."""
+    one side (`DECODE4_PASS12`), wider heads uncapped, and fp4 at head_dim 128 in 16-token pages
+    uncapped up to the card's `FP4_UNCAPPED_MAX_PAGES`."""
     from kvstrata.radix.kernels import decode4
 
     if not decode4.applies(k_fmt, v_fmt, d, page):  # by blocks here, in this kernel's own shape
@@ -1336,7 +1339,7 @@ def decode4_launch(
     if INT4_FORMAT in (k_fmt, v_fmt):
         return {**launch, **DECODE4_PASS12}
     widest = FP4_UNCAPPED_MAX_PAGES.get(device_name, -1)
-    short_table = table_pages is not None and table_pages <= widest
+    short_table = table_pages is not None and table_pages <= widest and page == FP4_UNCAPPED_PAGE_SIZE
     if k_fmt == v_fmt == FP4_FORMAT and d == DECODE4_CAPPED_HEAD_DIM and short_table:
         return {**launch, "maxnreg": None}
     return launch
