@@ -65,10 +65,12 @@ def split_k_linear(x: Tensor, w: Tensor, splits: int) -> Tensor:
     """``F.linear(x, w)`` as ``splits`` products over consecutive chunks of the input features, run as one
     strided batched product (no copies) into float32 partials, then summed and cast to ``x``'s dtype.
 
-    cuBLAS runs a decode step's down product (a few hundred rows, 14,336 inputs, 4,096 outputs at the
-    8B geometry) as one output tile grid that leaves most SMs idle; splitting the inputs gives it
-    ``splits`` times the tiles. On CUDA the partials come straight from the product's float32
-    accumulator (``out_dtype``); elsewhere the inputs are taken to float32 first (the tests' path)."""
+    At the 8B geometry cuBLAS runs a decode step's down product (256 rows, 14,336 inputs, 4,096
+    outputs) as one wave of 128 output tiles, each with a long inner loop; splitting the inputs gives
+    it ``splits`` times the tiles. Measured on an H100 it is slower, not faster (docs/engine.md,
+    "Split-K by hand"), so `Linear.split_k` stays 1 in the engine. On CUDA the partials come straight
+    from the product's float32 accumulator (``out_dtype``); elsewhere the inputs are taken to float32
+    first (the tests' path)."""
     rows, n_in = x.shape
     if n_in % splits:
         raise ValueError(f"{n_in} input features do not split into {splits} chunks")
