@@ -60,6 +60,7 @@ from kvstrata.engine.config import ModelConfig
 from kvstrata.engine.cuda_graph import DecodeGraphs
 from kvstrata.engine.full_graph import FullDecodeGraphs
 from kvstrata.engine.loader import dummy_model
+from kvstrata.engine.model import split_k_chunk
 from kvstrata.engine.options import EngineArgs
 from kvstrata.engine.runner import Launched, StepRunner
 from kvstrata.engine.sampler import SampleRow
@@ -535,10 +536,7 @@ def set_split_k(net: torch.nn.Module, spec: str) -> None:
             raise ValueError(f"--split-k takes o=S,down=S with S >= 1, got {item!r}")
         for layer in net.layers:
             linear = modules[name](layer)
-            if linear.in_features % int(value):
-                raise ValueError(
-                    f"--split-k {item}: {linear.in_features} input features do not split in {value}"
-                )
+            split_k_chunk(linear.in_features, int(value))
             linear.split_k = int(value)
 
 

@@ -61,6 +61,14 @@ class Linear(nn.Linear):
         return y if self.bias is None else y + self.bias
 
 
+def split_k_chunk(n_in: int, splits: int) -> int:
+    """The input features of each of `split_k_linear`'s ``splits`` chunks; a ValueError if they do not
+    divide evenly."""
+    if n_in % splits:
+        raise ValueError(f"{n_in} input features do not split into {splits} chunks")
+    return n_in // splits
+
+
 def split_k_linear(x: Tensor, w: Tensor, splits: int) -> Tensor:
     """``F.linear(x, w)`` as ``splits`` products over consecutive chunks of the input features, run as one
     strided batched product (no copies) into float32 partials, then summed and cast to ``x``'s dtype.
@@ -72,9 +80,7 @@ def split_k_linear(x: Tensor, w: Tensor, splits: int) -> Tensor:
     from the product's float32 accumulator (``out_dtype``); elsewhere the inputs are taken to float32
     first (the tests' path)."""
     rows, n_in = x.shape
-    if n_in % splits:
-        raise ValueError(f"{n_in} input features do not split into {splits} chunks")
-    k = n_in // splits
+    k = split_k_chunk(n_in, splits)
     xs = x.view(rows, splits, k).transpose(0, 1)  # [S, rows, k]
     ws = w.view(w.shape[0], splits, k).transpose(0, 1).transpose(1, 2)  # [S, k, out]
     partials = torch.bmm(xs, ws, out_dtype=torch.float32) if x.is_cuda else torch.bmm(xs.float(), ws.float())
