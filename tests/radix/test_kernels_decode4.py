@@ -523,7 +523,7 @@ def test_int4_turned_tail_threshold():
     assert {k: v for k, v in at.items() if k not in (*attend.INT4_TURNED_TAIL, "maxnreg")} == {
         k: v for k, v in below.items() if k not in (*attend.INT4_TURNED_TAIL, "maxnreg")
     }
-    for name in ("NVIDIA H100 80GB HBM3", ""):
+    for name in (H100, ""):
         other = attend.decode4_launch(entry, int4, int4, 128, 16, attend.INT4_TURNED_MIN_ROWS, name)
         assert other == {**at, "maxnreg": 168}
     wide = attend.decode4_launch(entry, int4, int4, 64, 16, 4 * attend.INT4_TURNED_MIN_ROWS, h200)
